@@ -1,0 +1,75 @@
+"""Autoregressive baseline decoder (DESIGN §4 "AR"): greedy or temperature sampling
+with a KV cache, batch >= 1 with left padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .common import (
+    Meter,
+    check_float,
+    check_int,
+    cut_after_eos,
+    eos_ids,
+    forward,
+    is_eos,
+    make_generator,
+    padding_mask,
+    pick,
+    positions_from_mask,
+)
+
+
+@torch.no_grad()
+def ar(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    gen_length: int = 256,
+    temperature: float = 0.0,
+    seed: int | None = 0,
+    eos_token_id: int | list[int] | None = None,
+    mask_token_id: int | None = None,
+) -> tuple[list[torch.Tensor], dict]:
+    """Decode at most `gen_length` tokens per row, one forward per token.
+
+    input_ids [B, P] left-padded, attention_mask [B, P] (1 = real token). Returns one
+    1-D response per row, cut after its first EOS. `mask_token_id` is accepted and
+    ignored so every decoder takes the same special-id keywords.
+    Phases: prefill (the prompt forward, which also yields the first token) and step.
+    """
+    gen_length = check_int("gen_length", gen_length, 1)
+    temperature = check_float("temperature", temperature, 0.0)
+    eos = eos_ids(model, eos_token_id)
+    device = input_ids.device
+    gen = make_generator(device, seed)
+    meter = Meter(model, ("prefill", "step"))
+
+    mask = padding_mask(input_ids, attention_mask)  # [B, P]
+    batch = input_ids.shape[0]
+    cache = DynamicCache(config=model.config)
+    logits = forward(
+        model, meter, "prefill", input_ids,
+        position_ids=positions_from_mask(mask), attention_mask=mask, cache=cache,
+    )[:, -1]  # [B, V]: left padding puts every row's last real token at the end
+    next_pos = mask.sum(-1, keepdim=True)  # [B, 1] position of the first response token
+
+    out = torch.empty(batch, 0, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    for step in range(gen_length):
+        tok, _ = pick(logits, temperature, gen)  # [B]
+        out = torch.cat([out, tok[:, None]], 1)
+        done |= is_eos(tok, eos)
+        if bool(done.all()) or step == gen_length - 1:
+            break
+        # Finished rows keep decoding junk that is cut afterwards; one batched call.
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits = forward(
+            model, meter, "step", tok[:, None],
+            position_ids=next_pos + step, attention_mask=mask, cache=cache,
+        )[:, -1]
+    responses = [cut_after_eos(row, eos) for row in out]
+    return responses, meter.finish(responses)

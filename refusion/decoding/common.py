@@ -1,0 +1,271 @@
+"""Step helpers shared by every decoder: knob checks, special ids, counted forwards,
+KV-cache surgery, token picking, EOS handling and the stats dict.
+
+Counting follows DESIGN §6: NFE = model forward calls (one batched call is one NFE),
+generated tokens = response tokens up to and including the first EOS, TPF =
+generated tokens / NFE, kv_peak_bytes = the largest number of bytes held by KV-cache
+tensors at any point (measured right after each cached forward, when the cache also
+holds the KV of the tokens just forwarded).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+# ---------------------------------------------------------------- knob validation
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """Return `value` as int or raise ValueError naming the knob and its range."""
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if ok and value >= low and (high is None or value <= high):
+        return int(value)
+    rng = f"[{low}, {high}]" if high is not None else f">= {low}"
+    raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
+
+
+def check_float(name: str, value: object, low: float, high: float | None = None) -> float:
+    """Return `value` as float or raise ValueError naming the knob and its range."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and value == value and value >= low and (high is None or value <= high):
+        return float(value)
+    rng = f"[{low}, {high}]" if high is not None else f">= {low}"
+    raise ValueError(f"{name} must be a number in {rng}, got {value!r}")
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return str(value)
+
+
+# ---------------------------------------------------------------- special ids
+
+
+def eos_ids(model, eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """EOS ids from the keyword, else model.generation_config / model.config (int or list)."""
+    value = eos_token_id
+    if value is None:
+        gen_cfg = getattr(model, "generation_config", None)
+        value = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+    if value is None:
+        value = getattr(model.config, "eos_token_id", None)
+    if value is None:
+        raise ValueError("eos_token_id: not set in model.config; pass eos_token_id=")
+    ids = (value,) if isinstance(value, int) else tuple(int(v) for v in value)
+    if not ids:
+        raise ValueError("eos_token_id must name at least one id")
+    return ids
+
+
+def mask_id(model, mask_token_id: int | None) -> int:
+    """Mask id from the keyword, else model.config.mask_token_id."""
+    value = mask_token_id if mask_token_id is not None else getattr(model.config, "mask_token_id", None)
+    if value is None:
+        raise ValueError("mask_token_id: not set in model.config; pass mask_token_id=")
+    return int(value)
+
+
+def is_eos(tokens: torch.Tensor, eos: tuple[int, ...]) -> torch.Tensor:
+    """Bool tensor, same shape as `tokens`, True where the token is any EOS id."""
+    return torch.isin(tokens, torch.tensor(eos, device=tokens.device))
+
+
+def cut_after_eos(tokens: torch.Tensor, eos: tuple[int, ...]) -> torch.Tensor:
+    """1-D response -> prefix up to and including the first EOS (all of it if none)."""
+    hits = is_eos(tokens, eos).nonzero()
+    return tokens if hits.numel() == 0 else tokens[: int(hits[0, 0]) + 1]
+
+
+# ---------------------------------------------------------------- counting
+
+
+class Meter:
+    """Counts forward calls per phase, KV-cache peak bytes and decode time.
+
+    The same object is threaded through one decoder call; `finish` turns it into the
+    stats dict of the interface (nfe, nfe_<phase>, generated_tokens, tpf, ...).
+    """
+
+    def __init__(self, model, phases: Sequence[str]):
+        self.counts = {p: 0 for p in phases}
+        self.kv_peak_bytes = 0
+        self.cuda = next(model.parameters()).device.type == "cuda"
+        self._sync()
+        self.t0 = time.perf_counter()
+
+    def _sync(self) -> None:
+        if self.cuda:  # timing brackets real work only on GPU; CPU needs no sync
+            torch.cuda.synchronize()
+
+    def kv(self, *caches: DynamicCache | None) -> None:
+        """Record the bytes held now by the given caches (keys + values, all layers)."""
+        total = sum(cache_bytes(c) for c in caches if c is not None)
+        self.kv_peak_bytes = max(self.kv_peak_bytes, total)
+
+    def finish(self, responses: list[torch.Tensor], **extra) -> dict:
+        self._sync()
+        seconds = time.perf_counter() - self.t0
+        nfe = sum(self.counts.values())
+        generated = sum(int(r.numel()) for r in responses)
+        stats = {"nfe": nfe, "generated_tokens": generated, "tpf": generated / nfe if nfe else 0.0}
+        stats.update({f"nfe_{p}": n for p, n in self.counts.items()})
+        stats["kv_peak_bytes"] = self.kv_peak_bytes
+        stats["seconds"] = seconds
+        stats["timings"] = {"decode_s": seconds}
+        stats.update(extra)
+        return stats
+
+
+def cache_bytes(cache: DynamicCache | None) -> int:
+    if cache is None:
+        return 0
+    total = 0
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False) and layer.keys is not None:
+            total += layer.keys.numel() * layer.keys.element_size()
+            total += layer.values.numel() * layer.values.element_size()
+    return total
+
+
+def cache_len(cache: DynamicCache | None) -> int:
+    return 0 if cache is None else cache.get_seq_length()
+
+
+def cache_keep(cache: DynamicCache, start: int, keep: torch.Tensor | None = None) -> None:
+    """Keep cache[:start] plus, of the tail cache[start:], the rows `keep` (in that order).
+
+    keys/values are (B, kv_heads, T, head_dim); `keep` indexes the tail (None = drop
+    the tail). Used to drop mask-token KV after a plan and to keep accepted tokens only.
+    """
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False) or layer.keys is None:
+            continue
+        head_k, head_v = layer.keys[:, :, :start], layer.values[:, :, :start]
+        if keep is not None and keep.numel():
+            tail_k = layer.keys[:, :, start:].index_select(2, keep)
+            tail_v = layer.values[:, :, start:].index_select(2, keep)
+            head_k, head_v = torch.cat([head_k, tail_k], 2), torch.cat([head_v, tail_v], 2)
+        layer.keys, layer.values = head_k, head_v
+
+
+def cache_tail(cache: DynamicCache, start: int, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copy of the tail rows `rows` (indices into cache[start:]) of every layer."""
+    out = []
+    for layer in cache.layers:
+        k = layer.keys[:, :, start:].index_select(2, rows)
+        v = layer.values[:, :, start:].index_select(2, rows)
+        out.append((k, v))
+    return out
+
+
+def cache_append(cache: DynamicCache, parts: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """Append several per-layer (keys, values) chunks to the cache, in list order."""
+    if not parts:
+        return
+    for i, layer in enumerate(cache.layers):
+        ks = [layer.keys] + [p[i][0] for p in parts]
+        vs = [layer.values] + [p[i][1] for p in parts]
+        layer.keys, layer.values = torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+# ---------------------------------------------------------------- forwards
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool visibility [B, q, kv] (or [q, kv]) -> additive float mask [B, 1, q, kv].
+
+    Float, not bool: the eager attention path *adds* the mask (DESIGN §8).
+    """
+    if allowed.dim() == 2:
+        allowed = allowed.unsqueeze(0)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.unsqueeze(1)
+
+
+def forward(
+    model,
+    meter: Meter,
+    phase: str,
+    input_ids: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
+    cache: DynamicCache | None = None,
+) -> torch.Tensor:
+    """One counted model call; returns float logits [B, q, V].
+
+    Give either `attention_mask`, a 2-D padding mask [B, kv] (the model applies its
+    own causal or bidirectional pattern), or `visible`, a bool [B, q, kv] / [q, kv]
+    (kv = cached + q) passed as an explicit 4-D float mask -- needed whenever position
+    ids jump (DESIGN §8).
+    """
+    if visible is not None:
+        attention_mask = additive_mask(visible, model.dtype)
+    meter.counts[phase] += 1
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        cache=cache,
+        use_cache=cache is not None,
+    )
+    if cache is not None:
+        meter.kv(cache)
+    return out.logits.float()
+
+
+def pick(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> (token [...], its probability [...]).
+
+    Greedy (temperature 0): argmax and its softmax probability. Otherwise a sample
+    from softmax(logits / temperature) and the sampled token's tempered probability.
+    """
+    if temperature <= 0:
+        probs = torch.softmax(logits, dim=-1)
+        conf, tok = probs.max(dim=-1)
+        return tok, conf
+    probs = torch.softmax(logits / temperature, dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    tok = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    conf = probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    return tok, conf
+
+
+def token_prob(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Probability of `tokens` [...] under logits [..., V] (tempered when sampling)."""
+    scale = temperature if temperature > 0 else 1.0
+    probs = torch.softmax(logits / scale, dim=-1)
+    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def make_generator(device: torch.device, seed: int | None) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return gen
+
+
+def padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, P] long mask (1 = real token); all ones when none is given."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+        )
+    return attention_mask.to(device=input_ids.device, dtype=torch.long)
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Left-padded [B, T] mask -> position ids [B, T] counting real tokens from 0 (pads get 0)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
