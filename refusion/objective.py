@@ -1,0 +1,192 @@
+"""Training objectives: ReFusion (DESIGN §2), plain AR, and LLaDA-style masked diffusion.
+
+Each objective is two plain functions: a *collate* from examples (prompt ids,
+response ids ending with EOS) to a batch of tensors, and a *loss* from
+``(model, batch)`` to a scalar. They work on any Qwen3-family causal LM from
+``transformers`` — the tiny models here or a real checkpoint.
+
+All three build an explicit 4-D additive float mask and explicit position ids:
+with jumping position ids and no mask, transformers reads the sequence as packed
+documents (DESIGN §8), and the eager path adds the mask, so bool would be wrong.
+Logits are scored at the position they sit on (labels are already aligned), so no
+objective relies on the model's internal label shift.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+EPS = 1e-3  # p = (1 - eps) t + eps, DESIGN §2 step 2
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: list[int]
+    response: list[int]  # ends with EOS
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Random choices of one ReFusion example (DESIGN §2 steps 1-3)."""
+    slot_size: int
+    p: float                  # per-slot mask probability
+    masked: tuple[bool, ...]  # one flag per slot, in position order
+    clean_order: tuple[int, ...]  # indices of unmasked slots in their shuffled sequence order
+
+
+def draw_slot_plan(n_response: int, rng: random.Random, slot_sizes=(4, 8, 16, 32), eps: float = EPS) -> SlotPlan:
+    """Slot size from ``slot_sizes``; t ~ U(0,1), p = (1-eps)t + eps; each slot masked w.p. p; shuffle clean slots."""
+    size = rng.choice(list(slot_sizes))
+    n_slots = -(-n_response // size)
+    p = (1 - eps) * rng.random() + eps
+    masked = tuple(rng.random() < p for _ in range(n_slots))
+    clean = [i for i, m in enumerate(masked) if not m]
+    rng.shuffle(clean)
+    return SlotPlan(size, p, masked, tuple(clean))
+
+
+def build_refusion_sequence(ex: Example, plan: SlotPlan, mask_token_id: int) -> dict[str, list]:
+    """One ReFusion training sequence (DESIGN §2 steps 3-4), as plain lists of length L.
+
+    Order: prompt; clean slots in ``plan.clean_order``; masked slots in position
+    order with every token replaced by the mask id. Every token keeps its true
+    position id. ``labels[i]`` is what the logit at sequence index i must predict:
+    the next token of the same clean slot (none for a slot's last token), or the
+    original token at a masked position. ``is_mdm[i]`` flags masked positions.
+    """
+    P, R, S = len(ex.prompt), len(ex.response), plan.slot_size
+    slots = [list(range(s, min(s + S, R))) for s in range(0, R, S)]  # response offsets per slot
+    if len(slots) != len(plan.masked):
+        raise ValueError(f"plan has {len(plan.masked)} slots, response needs {len(slots)}")
+    ids, pos, labels, is_mdm = list(ex.prompt), list(range(P)), [IGNORE] * P, [False] * P
+    for k in plan.clean_order:
+        for j, off in enumerate(slots[k]):
+            ids.append(ex.response[off])
+            pos.append(P + off)
+            nxt = slots[k][j + 1] if j + 1 < len(slots[k]) else None
+            labels.append(ex.response[nxt] if nxt is not None else IGNORE)
+            is_mdm.append(False)
+    for k, m in enumerate(plan.masked):
+        if m:
+            for off in slots[k]:
+                ids.append(mask_token_id)
+                pos.append(P + off)
+                labels.append(ex.response[off])
+                is_mdm.append(True)
+    return {"input_ids": ids, "position_ids": pos, "labels": labels, "is_mdm": is_mdm}
+
+
+def additive_mask(valid: torch.Tensor, causal: bool, dtype=torch.float32) -> torch.Tensor:
+    """[B, L] bool of real (non-pad) tokens -> [B, 1, L, L] additive mask (0 visible, min-float hidden).
+
+    Causal over the *sequence* order when ``causal``; bidirectional otherwise.
+    Pad queries see themselves only, so no row is fully masked (no NaN).
+    """
+    B, L = valid.shape
+    see = valid[:, None, None, :].expand(B, 1, L, L).clone()
+    if causal:
+        see &= torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()
+    see |= torch.eye(L, dtype=torch.bool, device=valid.device)
+    return torch.zeros(B, 1, L, L, dtype=dtype, device=valid.device).masked_fill(~see, torch.finfo(dtype).min)
+
+
+def _pad(rows: list[list], value) -> torch.Tensor:
+    L = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (L - len(r)) for r in rows])
+
+
+def collate_refusion(examples: list[Example], rng: random.Random, mask_token_id: int, pad_token_id: int,
+                     slot_sizes=(4, 8, 16, 32)) -> dict[str, torch.Tensor]:
+    seqs, weights, resp_len = [], [], []
+    for ex in examples:
+        plan = draw_slot_plan(len(ex.response), rng, slot_sizes)
+        seq = build_refusion_sequence(ex, plan, mask_token_id)
+        seqs.append(seq)
+        weights.append([1.0 / plan.p if m else 0.0 for m in seq["is_mdm"]])
+        resp_len.append(len(ex.response))
+    ids = _pad([s["input_ids"] for s in seqs], pad_token_id)
+    valid = _pad([[True] * len(s["input_ids"]) for s in seqs], False)
+    return {
+        "input_ids": ids,
+        "position_ids": _pad([s["position_ids"] for s in seqs], 0),
+        "attention_mask": additive_mask(valid, causal=True),
+        "labels": _pad([s["labels"] for s in seqs], IGNORE),
+        "is_mdm": _pad([s["is_mdm"] for s in seqs], False),
+        "mdm_weight": _pad(weights, 0.0).float(),
+        "response_len": torch.tensor(resp_len, dtype=torch.float32),
+    }
+
+
+def _token_ce(model, batch) -> torch.Tensor:
+    """[B, L] cross-entropy of the logit at each index against ``labels`` at that index (0 where ignored)."""
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                attention_mask=batch["attention_mask"], use_cache=False)
+    logits = out.logits.float()
+    labels = batch["labels"]
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp_min(0).flatten(), reduction="none")
+    return ce.view_as(labels) * (labels != IGNORE)
+
+
+def refusion_loss(model, batch) -> torch.Tensor:
+    """AR part: mean CE over clean-slot labels. MDM part: sum over masked tokens of CE / p,
+    divided by response length and batch size (DESIGN §2 step 5)."""
+    ce = _token_ce(model, batch)
+    ar_sel = (batch["labels"] != IGNORE) & ~batch["is_mdm"]
+    ar = ce[ar_sel].sum() / ar_sel.sum().clamp_min(1)
+    mdm = ((ce * batch["mdm_weight"]).sum(1) / batch["response_len"]).mean()
+    return ar + mdm
+
+
+def collate_ar(examples: list[Example], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Prompt + response; labels[i] = token i+1 on response targets only (next-token loss)."""
+    ids, labels = [], []
+    for ex in examples:
+        seq = ex.prompt + ex.response
+        lab = [IGNORE] * (len(ex.prompt) - 1) + ex.response + [IGNORE]
+        ids.append(seq)
+        labels.append(lab)
+    input_ids = _pad(ids, pad_token_id)
+    valid = _pad([[True] * len(s) for s in ids], False)
+    return {"input_ids": input_ids, "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids),
+            "attention_mask": additive_mask(valid, causal=True), "labels": _pad(labels, IGNORE)}
+
+
+def ar_loss(model, batch) -> torch.Tensor:
+    ce = _token_ce(model, batch)
+    sel = batch["labels"] != IGNORE
+    return ce.sum() / sel.sum().clamp_min(1)
+
+
+def collate_mdm(examples: list[Example], rng: random.Random, mask_token_id: int, pad_token_id: int,
+                eps: float = EPS) -> dict[str, torch.Tensor]:
+    """LLaDA SFT: each response token masked w.p. t ~ U(0,1) (floored at eps); bidirectional attention;
+    the logit at a masked position predicts the token at that same position."""
+    ids, labels, weights, resp_len = [], [], [], []
+    for ex in examples:
+        t = (1 - eps) * rng.random() + eps
+        m = [rng.random() < t for _ in ex.response]
+        if not any(m):  # at least one target per example
+            m[rng.randrange(len(m))] = True
+        ids.append(ex.prompt + [mask_token_id if mi else tok for tok, mi in zip(ex.response, m)])
+        labels.append([IGNORE] * len(ex.prompt) + [tok if mi else IGNORE for tok, mi in zip(ex.response, m)])
+        weights.append([0.0] * len(ex.prompt) + [1.0 / t if mi else 0.0 for mi in m])
+        resp_len.append(len(ex.response))
+    input_ids = _pad(ids, pad_token_id)
+    valid = _pad([[True] * len(s) for s in ids], False)
+    return {"input_ids": input_ids, "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids),
+            "attention_mask": additive_mask(valid, causal=False), "labels": _pad(labels, IGNORE),
+            "mdm_weight": _pad(weights, 0.0).float(), "response_len": torch.tensor(resp_len, dtype=torch.float32)}
+
+
+def mdm_loss(model, batch) -> torch.Tensor:
+    """Sum over masked tokens of CE / t, divided by response length, averaged over the batch."""
+    ce = _token_ce(model, batch)
+    return ((ce * batch["mdm_weight"]).sum(1) / batch["response_len"]).mean()
+
+
+OBJECTIVES = {"refusion": refusion_loss, "ar": ar_loss, "mdm": mdm_loss}

@@ -1,0 +1,251 @@
+"""Train the tiny ``refusion``, ``ar`` and ``mdm`` models from scratch on the embedded suite.
+
+    python -m harness train-tiny [--models refusion,ar,mdm] [--steps N] [--out checkpoints/tiny]
+
+All three share one Qwen3 configuration, the same data, steps, optimizer and
+seed; only the objective differs (refusion/objective.py). The byte-level BPE
+tokenizer is trained first on the training corpus and saved into every model
+folder. Each model folder is a Hugging Face checkpoint (config, safetensors,
+tokenizer with chat template) plus ``train_log.csv``, ``loss.png`` and
+``train_config.json``. A run that is interrupted resumes from its last state
+file (written atomically every ``--save-every`` steps); the finished folder
+replaces the old one atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_NAMES = ("refusion", "ar", "mdm")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One Qwen3 configuration shared by the three tiny models (~1.3M parameters)."""
+    hidden_size: int = 160
+    intermediate_size: int = 480
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 40
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 100
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+    threads: int = 2
+    slot_sizes: tuple[int, ...] = (4, 8, 16)  # responses here are 16-80 tokens; 32 would be one slot
+    vocab_size: int = 1024
+    save_every: int = 200
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def build_corpus():
+    """Tokenizer-training texts and per-kind training rows, from the embedded suite's train splits."""
+    from tasks.embedded import KINDS, load_split
+
+    rows = [r for kind in KINDS for r in load_split(kind, "train")]
+    texts = [t for r in rows for t in (r["query"], r["response"])]
+    return texts, rows
+
+
+def make_config(tokenizer, shape: ModelShape, name: str):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=len(tokenizer), tie_word_embeddings=True, attention_dropout=0.0,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **dataclasses.asdict(shape))
+    cfg.mask_token_id = tokenizer.mask_token_id
+    if name == "mdm":
+        cfg.is_causal = False  # LLaDA-style bidirectional attention (DESIGN §4, §8)
+    return cfg
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up then cosine decay to ``min_lr_ratio``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def make_batch(name: str, examples, step: int, cfg: TrainConfig, tokenizer):
+    """Batch for ``step``: a pure function of (seed, step), so a resumed run sees the same data."""
+    from refusion import objective as obj
+
+    rng = random.Random(f"{cfg.seed}/{step}")
+    batch = [examples[i] for i in rng.sample(range(len(examples)), cfg.batch_size)]
+    if name == "refusion":
+        return obj.collate_refusion(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id, cfg.slot_sizes)
+    if name == "mdm":
+        return obj.collate_mdm(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id)
+    return obj.collate_ar(batch, tokenizer.pad_token_id)
+
+
+def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShape, out_dir: Path,
+              progress: bool = True) -> Path:
+    import torch
+    from tqdm import tqdm
+    from transformers import Qwen3ForCausalLM
+
+    from refusion.objective import OBJECTIVES
+
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    model_cfg = make_config(tokenizer, shape, name)
+    model = Qwen3ForCausalLM._from_config(copy.deepcopy(model_cfg), attn_implementation="sdpa")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    loss_fn = OBJECTIVES[name]
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state_path = out_dir / f".{name}.state.pt"
+    log: list[dict] = []
+    start = 0
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        if state["config"] == dataclasses.asdict(cfg) and state["shape"] == dataclasses.asdict(shape):
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"])
+            start, log = state["step"], state["log"]
+            print(f"[{name}] resuming at step {start}", file=sys.stderr)
+
+    model.train()
+    t0 = time.time()
+    bar = tqdm(range(start, cfg.steps), desc=f"train {name}", disable=not progress, initial=start,
+               total=cfg.steps)
+    for step in bar:
+        batch = make_batch(name, examples, step, cfg, tokenizer)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss = loss_fn(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        log.append({"step": step + 1, "loss": float(loss), "lr": opt.param_groups[0]["lr"],
+                    "elapsed_s": round(time.time() - t0, 2)})
+        bar.set_postfix(loss=f"{float(loss):.3f}")
+        if (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            tmp = state_path.with_name(state_path.name + ".tmp")
+            torch.save({"config": dataclasses.asdict(cfg), "shape": dataclasses.asdict(shape), "step": step + 1,
+                        "model": model.state_dict(), "optim": opt.state_dict(), "log": log}, tmp)
+            os.replace(tmp, state_path)
+
+    # Write the finished checkpoint next to its final place, then swap it in.
+    final = out_dir / name
+    staging = out_dir / f".{name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.eval()
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    _write_log(staging, log, name)
+    _atomic_write_text(staging / "train_config.json", json.dumps(
+        {"model": name, "train": dataclasses.asdict(cfg), "shape": dataclasses.asdict(shape),
+         "parameters": sum(p.numel() for p in model.parameters()),
+         "train_seconds": log[-1]["elapsed_s"] if log else 0.0, "final_loss": log[-1]["loss"] if log else None},
+        indent=2))
+    old = out_dir / f".{name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+    state_path.unlink(missing_ok=True)
+    return final
+
+
+def _write_log(folder: Path, log: list[dict], name: str) -> None:
+    with open(folder / "train_log.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["step", "loss", "lr", "elapsed_s"])
+        w.writeheader()
+        w.writerows(log)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [r["step"] for r in log]
+    losses = [r["loss"] for r in log]
+    k = 25  # running mean for readability; the raw curve is in the CSV
+    smooth = [sum(losses[max(0, i - k + 1): i + 1]) / len(losses[max(0, i - k + 1): i + 1]) for i in range(len(losses))]
+    ax.plot(steps, losses, alpha=0.3, label="loss")
+    ax.plot(steps, smooth, label=f"running mean ({k})")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{name} loss")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "loss.png", dpi=100)
+    plt.close(fig)
+
+
+def prepare(cfg: TrainConfig):
+    """Train the tokenizer and tokenize the training rows (shared by the three models)."""
+    from refusion.objective import Example
+    from refusion.tokenizer import TokenizerConfig, encode_chat, encode_response, train_tokenizer
+
+    texts, rows = build_corpus()
+    tokenizer = train_tokenizer(texts, TokenizerConfig(vocab_size=cfg.vocab_size))
+    examples = [Example(encode_chat(tokenizer, r["query"]), encode_response(tokenizer, r["response"])) for r in rows]
+    return tokenizer, examples
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness train-tiny", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated subset of refusion,ar,mdm")
+    p.add_argument("--out", default="checkpoints/tiny", help="output folder (one sub-folder per model)")
+    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--seed", type=int, default=TrainConfig.seed)
+    p.add_argument("--threads", type=int, default=TrainConfig.threads)
+    a = p.parse_args(argv)
+    names = [n.strip() for n in a.models.split(",") if n.strip()]
+    bad = [n for n in names if n not in MODEL_NAMES]
+    if bad or not names:
+        print(f"error: unknown model(s) {', '.join(bad) or '(none)'}; valid: {', '.join(MODEL_NAMES)}", file=sys.stderr)
+        return 2
+    if a.steps < 1 or a.batch_size < 1:
+        print("error: --steps and --batch-size must be >= 1", file=sys.stderr)
+        return 2
+    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, threads=a.threads)
+    tokenizer, examples = prepare(cfg)
+    for name in names:
+        t0 = time.time()
+        path = train_one(name, tokenizer, examples, cfg, ModelShape(), Path(a.out))
+        print(f"{name}: {path} in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
