@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .ar import ar
+from .refusion import refusion
 
 DECODERS: dict[str, Callable] = {
     "ar": ar,
+    "refusion": refusion,
 }
 
 

@@ -102,9 +102,9 @@ class Meter:
         if self.cuda:  # timing brackets real work only on GPU; CPU needs no sync
             torch.cuda.synchronize()
 
-    def kv(self, *caches: DynamicCache | None) -> None:
-        """Record the bytes held now by the given caches (keys + values, all layers)."""
-        total = sum(cache_bytes(c) for c in caches if c is not None)
+    def kv(self, *caches: DynamicCache | None, extra: int = 0) -> None:
+        """Record the bytes held now by the given caches (keys + values, all layers) plus `extra`."""
+        total = extra + sum(cache_bytes(c) for c in caches if c is not None)
         self.kv_peak_bytes = max(self.kv_peak_bytes, total)
 
     def finish(self, responses: list[torch.Tensor], **extra) -> dict:
@@ -130,6 +130,11 @@ def cache_bytes(cache: DynamicCache | None) -> int:
             total += layer.keys.numel() * layer.keys.element_size()
             total += layer.values.numel() * layer.values.element_size()
     return total
+
+
+def kv_parts_bytes(parts) -> int:
+    """Bytes of per-layer (keys, values) chunks as returned by `cache_tail`."""
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for p in parts for k, v in p)
 
 
 def cache_len(cache: DynamicCache | None) -> int:
