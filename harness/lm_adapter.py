@@ -1,0 +1,567 @@
+"""The lm-eval model ``refusion_bench``: a Hugging Face checkpoint folder driven by a decoder from
+``refusion.decoding``.
+
+Thin by design: text goes in, the chat template and tokenizer turn it into ids,
+the decoder registry turns ids into ids, and the tokenizer turns them back into
+text cut at the task's stop strings. No decoding logic lives here.
+
+    lm = RefusionBenchLM(pretrained="checkpoints/tiny/refusion", decoder="refusion", slot_size=8)
+    lm_eval.simple_evaluate(model=lm, tasks=[...], apply_chat_template=True)
+
+``model_args`` that are not adapter options below are decoder knobs
+(``pretrained=DIR,decoder=refusion,slot_size=8``); an unknown knob is an error
+that lists the decoder's knobs.
+
+Requests
+- ``generate_until``: greedy unless a ``temperature`` knob says otherwise (task
+  sampling settings are ignored: the decoders define decoding); ``gen_length``
+  is the knob when given, else the request's ``max_gen_toks``; the text is cut
+  at the first stop string. Rows are batched (left padding) only for decoders
+  that take batches (``ar``, ``llada``, ``fast_dllm``), and only when
+  ``batch_size`` > 1; the default is 1, as in the paper.
+- ``loglikelihood``: exact for causal checkpoints (one forward, sum of token
+  log-probs). For bidirectional (``config.is_causal = False``) checkpoints it is
+  the Monte-Carlo estimate LLaDA uses: mask a random subset of the continuation
+  (the mask count is stratified over [1, L] across the ``mc_num`` draws), score
+  the masked tokens with the logits at their own positions, weight by L / count,
+  average; ``is_greedy`` comes from filling the masked continuation one most
+  confident position at a time and comparing with the target.
+- ``loglikelihood_rolling``: causal checkpoints only.
+
+Speed counting follows DESIGN §6: the decoder call is timed alone, after a
+warm-up call, with device synchronisation; generated tokens, NFE and KV bytes come
+from the decoder's stats. With ``journal_dir`` every finished request is appended
+to a fsynced journal, and a request already there is answered from it instead of
+being recomputed (resume after ``kill -9``).
+
+Data parallel: under ``accelerate launch`` with several processes each rank gets
+its share of the documents from lm-eval; ``all_gather``/``gather_object``/
+``barrier`` below are what lm-eval's evaluator calls to merge them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from harness.store import Journal, request_key
+
+MODEL_NAME = "refusion_bench"
+BATCH_DECODERS = frozenset({"ar", "llada", "fast_dllm"})  # refusion decodes one sequence at a time
+# Keywords every decoder takes that are not decoding knobs a user sets per run.
+SPECIAL_KEYWORDS = frozenset({"eos_token_id", "mask_token_id"})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that does not exist or cannot be loaded."""
+
+
+# ---------------------------------------------------------------- checkpoint + knobs
+
+
+def check_checkpoint(path: str | os.PathLike) -> Path:
+    """The folder, or CheckpointError saying what is missing (no model is loaded)."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(p)!r} does not exist")
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"checkpoint directory {str(p)!r} has no config.json")
+    if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise CheckpointError(f"checkpoint directory {str(p)!r} has no tokenizer files")
+    return p
+
+
+def decoder_knob_names(decoder: str) -> list[str]:
+    """Keyword knobs of a decoder, read from its signature (model/input_ids/attention_mask excluded)."""
+    from refusion.decoding import get_decoder
+
+    fn = get_decoder(decoder)
+    names = []
+    for i, (name, prm) in enumerate(inspect.signature(fn).parameters.items()):
+        if i < 2 or name == "attention_mask" or name in SPECIAL_KEYWORDS:
+            continue
+        if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
+            continue
+        names.append(name)
+    return names
+
+
+class _Untouchable:
+    """Stands in for the model while a decoder checks its knobs: any use of it means the checks passed."""
+
+    class Reached(Exception):
+        pass
+
+    def __getattr__(self, name):
+        raise _Untouchable.Reached(name)
+
+    def __call__(self, *a, **k):
+        raise _Untouchable.Reached("__call__")
+
+
+def validate_knobs(decoder: str, knobs: dict[str, Any]) -> None:
+    """Raise ValueError naming a bad knob, without loading a model.
+
+    Names are checked against the decoder's signature; values by calling the decoder
+    with a stand-in model, which stops at the first touch of the model. Decoders check
+    their knobs before they touch the model, so every value check they make runs.
+    """
+    from refusion.decoding import get_decoder
+
+    valid = decoder_knob_names(decoder)
+    bad = sorted(set(knobs) - set(valid))
+    if bad:
+        raise ValueError(f"unknown knob(s) {', '.join(bad)} for decoder {decoder!r}; valid knobs: {', '.join(valid)}")
+    ids = torch.ones(1, 2, dtype=torch.long)
+    try:
+        get_decoder(decoder)(_Untouchable(), ids, None, **knobs)
+    except _Untouchable.Reached:
+        return
+    except ValueError as e:
+        raise ValueError(f"decoder {decoder!r}: {e}") from None
+    except (TypeError, AttributeError, RuntimeError):
+        return  # the decoder touched the stand-in in a way we cannot intercept: values were checked up to there
+
+
+def load_checkpoint(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
+                    trust_remote_code: bool = False):
+    """(model in eval mode, tokenizer) from a Hugging Face folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    p = check_checkpoint(path)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype!r}")
+    try:
+        config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(str(p), config=config, dtype=torch_dtype,
+                                                     trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot load checkpoint {str(p)!r}: {e}") from e
+    return model.to(device).eval(), tokenizer
+
+
+def is_causal_model(model) -> bool:
+    return bool(getattr(model.config, "is_causal", True))
+
+
+# ---------------------------------------------------------------- the lm-eval model
+
+
+@register_model(MODEL_NAME)
+class RefusionBenchLM(LM):
+    def __init__(
+        self,
+        pretrained: str,
+        decoder: str = "ar",
+        batch_size: int | str | None = 1,
+        device: str | None = None,
+        dtype: str = "float32",
+        seed: int = 1234,
+        threads: int | None = None,
+        journal_dir: str | None = None,
+        task_knobs: dict[str, dict[str, Any]] | None = None,
+        mc_num: int = 64,
+        mc_batch: int = 16,
+        warmup: bool = True,
+        trust_remote_code: bool = False,
+        max_batch_size: int | None = None,  # lm-eval passes it; batches are fixed-size here
+        **knobs: Any,
+    ) -> None:
+        super().__init__()
+        from refusion.decoding import DECODERS
+
+        if decoder not in DECODERS:
+            raise ValueError(f"unknown decoder {decoder!r}; valid decoders: {', '.join(sorted(DECODERS))}")
+        for k in list(knobs):
+            # lm-eval's own CLI may add these; they are not knobs
+            if k in ("parallelize", "trust_remote_code", "max_length"):
+                knobs.pop(k)
+        validate_knobs(decoder, knobs)
+        for task, tk in (task_knobs or {}).items():
+            validate_knobs(decoder, {**tk, **knobs})
+        self.decoder_name = decoder
+        self.decode_fn = DECODERS[decoder]
+        self.knobs = dict(knobs)
+        self.task_knobs = {t: dict(v) for t, v in (task_knobs or {}).items()}
+        self.knob_names = set(decoder_knob_names(decoder))
+        self.seed = int(seed)
+        self.mc_num, self.mc_batch = int(mc_num), int(mc_batch)
+        self.batch_size = 1 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        if threads:
+            torch.set_num_threads(int(threads))
+
+        self.accelerator = None
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from accelerate import Accelerator
+
+            want_cpu = device in (None, "cpu") and not torch.cuda.is_available()
+            acc = Accelerator(cpu=want_cpu)
+            if acc.num_processes > 1:
+                self.accelerator = acc
+                self._rank, self._world_size = acc.process_index, acc.num_processes
+                device = str(acc.device)
+        if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            # lm-eval's CLI defaults to "cuda"; on a machine without one the CPU is the only choice.
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._device = torch.device(device)
+        self.pretrained = str(pretrained)
+        self.model, self.tokenizer = load_checkpoint(pretrained, str(self._device), dtype, bool(trust_remote_code))
+        self.causal = is_causal_model(self.model)
+        self.dtype = dtype
+
+        self.journal = Journal(journal_dir, self.rank) if journal_dir else None
+        self._done: dict[str, dict] = self.journal.load() if self.journal else {}
+        self.keys_by_task: dict[str, list[str]] = {}
+        self.computed = 0  # requests actually run in this process (not served from the journal)
+        self.served = 0  # requests answered from the journal
+        self._warm = not warmup
+        self.warmup_s: float | None = None
+
+    # ------------------------------------------------ lm-eval plumbing
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def all_gather(self, tensor):
+        return tensor if self.accelerator is None else self.accelerator.gather(tensor)
+
+    def gather_object(self, obj, dst=0):
+        if self.accelerator is None:
+            return [obj]
+        out = [None] * self.world_size if self.rank == dst else None
+        torch.distributed.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tokenizer.name_or_path).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if isinstance(chat_template, str):
+            return chat_template
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"checkpoint {self.pretrained!r} has no chat template; run without one")
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def get_model_info(self) -> dict:
+        return {"pretrained": self.pretrained, "decoder": self.decoder_name, "knobs": self.knobs,
+                "task_knobs": self.task_knobs, "causal": self.causal, "dtype": self.dtype}
+
+    # ------------------------------------------------ helpers
+
+    def _encode(self, text: str) -> list[int]:
+        # Special tokens are already in the (chat-templated) text; never add a second BOS.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config):
+            v = getattr(src, "eos_token_id", None) if src is not None else None
+            if v is not None:
+                ids.update([v] if isinstance(v, int) else v)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def knobs_for(self, task: str | None, gen_kwargs: dict) -> dict[str, Any]:
+        """Effective knobs of one request: task defaults < model_args; gen_length falls back to max_gen_toks."""
+        k = {**self.task_knobs.get(task or "", {}), **self.knobs}
+        if "gen_length" in self.knob_names and "gen_length" not in k:
+            k["gen_length"] = int(gen_kwargs.get("max_gen_toks", 256))
+        if "seed" in self.knob_names and "seed" not in k:
+            k["seed"] = self.seed
+        return k
+
+    def _record(self, rec: dict) -> None:
+        self._done[rec["key"]] = rec
+        if self.journal is not None:
+            self.journal.append(rec)
+
+    def _track(self, task: str | None, key: str) -> None:
+        self.keys_by_task.setdefault(task or "", []).append(key)
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    # ------------------------------------------------ generate_until
+
+    def _prepare(self, req) -> dict:
+        context, gen_kwargs = req.args
+        gen_kwargs = dict(gen_kwargs or {})
+        until = gen_kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        knobs = self.knobs_for(req.task_name, gen_kwargs)
+        key = request_key("generate_until", req.task_name, req.doc_id, context,
+                          {k: v for k, v in gen_kwargs.items()}, self.decoder_name, knobs)
+        return {"key": key, "context": context, "until": until, "knobs": knobs, "task": req.task_name,
+                "doc_id": req.doc_id, "idx": req.idx}
+
+    def _cut(self, tokens: list[int], until: list[str]) -> str:
+        eos = self._eos_ids()
+        body = []
+        for t in tokens:
+            if t in eos:
+                break
+            body.append(t)
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        for s in until:
+            if s and s in text:
+                text = text[: text.index(s)]
+        return text
+
+    def _run_batch(self, items: list[dict]) -> list[dict]:
+        prompts = [self._encode(it["context"]) for it in items]
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self._device), mask.to(self._device)
+        attn = None if len(prompts) == 1 else mask
+        knobs = items[0]["knobs"]
+        if not self._warm:
+            # Warm-up: the first real call pays for allocator growth and lazy init; excluded from timing.
+            t0 = time.perf_counter()
+            self.decode_fn(self.model, ids[:1, -min(width, 16):], None, **{**knobs, **(
+                {"gen_length": min(int(knobs.get("gen_length", 8)), 16)} if "gen_length" in knobs else {})})
+            self._sync()
+            self.warmup_s = time.perf_counter() - t0
+            self._warm = True
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+        self._sync()
+        t0 = time.perf_counter()
+        tokens, stats = self.decode_fn(self.model, ids, attn, **knobs)
+        self._sync()
+        wall = time.perf_counter() - t0
+        gpu_peak = torch.cuda.max_memory_allocated(self._device) if self._device.type == "cuda" else None
+        eos = self._eos_ids()
+        out = []
+        for it, p, toks in zip(items, prompts, tokens):
+            toks = [int(t) for t in toks.tolist()]
+            gen = len(toks)
+            for j, t in enumerate(toks):  # DESIGN §6: up to and including the first EOS
+                if t in eos:
+                    gen = j + 1
+                    break
+            rec = {
+                "key": it["key"], "kind": "generate", "task": it["task"], "doc_id": it["doc_id"],
+                "idx": it["idx"], "rank": self.rank, "prompt_tokens": len(p), "tokens": toks,
+                "generated_tokens": gen if len(items) > 1 else int(stats["generated_tokens"]),
+                "nfe": int(stats["nfe"]),
+                # In a batch every row shares the batch's forwards and wall time; split time evenly
+                # so that sums over samples stay equal to the real decode time.
+                "decode_s": wall / len(items), "batch_wall_s": wall, "batch_size": len(items),
+                "kv_peak_bytes": stats.get("kv_peak_bytes"), "gpu_peak_bytes": gpu_peak,
+                "knobs": it["knobs"], "response": self._cut(toks, it["until"]),
+            }
+            rec["tpf"] = rec["generated_tokens"] / rec["nfe"] if rec["nfe"] else 0.0
+            rec.update({k: int(v) for k, v in stats.items() if k.startswith("nfe_")})
+            out.append(rec)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        results: list[str | None] = [None] * len(requests)
+        todo: list[tuple[int, dict]] = []
+        for i, req in enumerate(requests):
+            it = self._prepare(req)
+            self._track(it["task"], it["key"])
+            if it["key"] in self._done:
+                results[i] = self._done[it["key"]]["response"]
+                self.served += 1
+            else:
+                todo.append((i, it))
+        bs = self.batch_size if self.decoder_name in BATCH_DECODERS else 1
+        batches: list[list[tuple[int, dict]]] = []
+        for i, it in todo:
+            last = batches[-1] if batches else None
+            if last and len(last) < bs and last[0][1]["knobs"] == it["knobs"]:
+                last.append((i, it))
+            else:
+                batches.append([(i, it)])
+        bar = tqdm(total=len(requests), initial=len(requests) - len(todo), disable=disable_tqdm or self.rank != 0,
+                   desc=f"{self.decoder_name} generate", dynamic_ncols=True)
+        toks_sum, secs_sum = 0, 0.0
+        for batch in batches:
+            fresh = [it for _, it in batch if it["key"] not in self._done]  # DP padding repeats a request
+            recs = {r["key"]: r for r in self._run_batch(fresh)} if fresh else {}
+            for i, it in batch:
+                rec = recs.get(it["key"]) or self._done[it["key"]]
+                if it["key"] in recs:
+                    self._record(rec)
+                    self.computed += 1
+                    toks_sum += rec["generated_tokens"]
+                    secs_sum += rec["decode_s"]
+                results[i] = rec["response"]
+            bar.update(len(batch))
+            if secs_sum > 0:
+                bar.set_postfix(tok_s=f"{toks_sum / secs_sum:.1f}")
+        bar.close()
+        return [r if r is not None else "" for r in results]
+
+    # ------------------------------------------------ loglikelihood
+
+    def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        # Tokenise the pair jointly so merges across the boundary match what the model saw in training.
+        n_space = len(context) - len(context.rstrip())
+        if n_space:
+            context, continuation = context[:-n_space], context[-n_space:] + continuation
+        whole = self._encode(context + continuation)
+        ctx = self._encode(context)
+        if whole[: len(ctx)] == ctx:
+            cont = whole[len(ctx):]
+        else:
+            cont = self._encode(continuation)
+        if not ctx:
+            prefix = self.tokenizer.bos_token_id
+            prefix = prefix if prefix is not None else self.tokenizer.eos_token_id
+            ctx = [prefix]
+        return ctx, cont
+
+    @torch.no_grad()
+    def _ll_causal(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
+        ids = torch.tensor([ctx + cont], dtype=torch.long, device=self._device)
+        logits = self.model(input_ids=ids[:, :-1]).logits.float()[0, len(ctx) - 1:]
+        logp = torch.log_softmax(logits, -1)
+        target = torch.tensor(cont, device=self._device)
+        ll = float(logp.gather(-1, target[:, None]).sum())
+        greedy = bool((logp.argmax(-1) == target).all())
+        return ll, greedy
+
+    def _mask_id(self) -> int:
+        v = getattr(self.model.config, "mask_token_id", None)
+        if v is None:
+            v = getattr(self.tokenizer, "mask_token_id", None)
+        if v is None:
+            raise ValueError(f"checkpoint {self.pretrained!r} is bidirectional but names no mask_token_id")
+        return int(v)
+
+    @torch.no_grad()
+    def _ll_mdm(self, ctx: list[int], cont: list[int], key: str) -> tuple[float, bool]:
+        mask_id, n_ctx, L = self._mask_id(), len(ctx), len(cont)
+        seq = torch.tensor(ctx + cont, dtype=torch.long, device=self._device)
+        gen = torch.Generator().manual_seed(int(key[:8], 16) ^ self.seed)
+        draws = max(self.mc_num, 1)
+        total, done = 0.0, 0
+        while done < draws:
+            b = min(self.mc_batch, draws - done)
+            # Stratified mask counts: evenly spaced over [1, L] from a random start, so a
+            # small batch still covers light and heavy masking (lower variance than iid counts).
+            start = int(torch.randint(1, L + 1, (1,), generator=gen))
+            counts = [((start - 1 + round(j * L / b)) % L) + 1 for j in range(b)]
+            batch = seq.repeat(b, 1)
+            masked = torch.zeros(b, n_ctx + L, dtype=torch.bool)
+            for r, c in enumerate(counts):
+                pos = torch.randperm(L, generator=gen)[:c] + n_ctx
+                masked[r, pos] = True
+            masked = masked.to(self._device)
+            batch[masked] = mask_id
+            logp = torch.log_softmax(self.model(input_ids=batch).logits.float(), -1)
+            tok_ll = logp.gather(-1, seq.repeat(b, 1)[..., None])[..., 0]
+            w = torch.tensor([L / c for c in counts], device=self._device)
+            total += float(((tok_ll * masked).sum(-1) * w).sum())
+            done += b
+        ll = total / draws
+        # Greedy check: unmask the most confident position one at a time.
+        x = seq.clone()
+        x[n_ctx:] = mask_id
+        target = seq[n_ctx:]
+        for _ in range(L):
+            probs = torch.softmax(self.model(input_ids=x[None]).logits.float()[0, n_ctx:], -1)
+            conf, pred = probs.max(-1)
+            still = x[n_ctx:] == mask_id
+            conf = torch.where(still, conf, torch.full_like(conf, -1.0))
+            j = int(conf.argmax())
+            x[n_ctx + j] = pred[j]
+        return ll, bool((x[n_ctx:] == target).all())
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="loglikelihood", dynamic_ncols=True):
+            context, continuation = req.args
+            key = request_key("loglikelihood", req.task_name, req.doc_id, context, continuation,
+                              self.causal, self.mc_num, self.seed)
+            self._track(req.task_name, key)
+            if key in self._done:
+                rec = self._done[key]
+                self.served += 1
+            else:
+                ctx, cont = self._split(context, continuation)
+                if not cont:
+                    ll, greedy = 0.0, True
+                elif self.causal:
+                    ll, greedy = self._ll_causal(ctx, cont)
+                else:
+                    ll, greedy = self._ll_mdm(ctx, cont, key)
+                rec = {"key": key, "kind": "loglikelihood", "task": req.task_name, "doc_id": req.doc_id,
+                       "idx": req.idx, "rank": self.rank, "loglikelihood": ll, "is_greedy": greedy}
+                self._record(rec)
+                self.computed += 1
+            out.append((rec["loglikelihood"], rec["is_greedy"]))
+        return out
+
+    @torch.no_grad()
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        if not self.causal:
+            raise NotImplementedError("loglikelihood_rolling needs a causal checkpoint; "
+                                      f"{self.pretrained!r} is bidirectional (config.is_causal=False)")
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        max_len = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        prefix = self.tokenizer.bos_token_id
+        prefix = prefix if prefix is not None else self.tokenizer.eos_token_id
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="loglikelihood_rolling"):
+            (text,) = req.args
+            total = 0.0
+            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    self._encode(text), prefix, max_len, 1)):
+                total += self._ll_causal(list(ctx), list(cont))[0]
+            out.append(total)
+        return out
+
+
+def set_seed(seed: int) -> None:
+    """Seed every RNG a decode might touch (decoders also take their own seed knob)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def describe(lm: RefusionBenchLM) -> str:
+    return json.dumps(lm.get_model_info(), sort_keys=True)

@@ -1,0 +1,79 @@
+"""Aggregate per-sample decode records into the figures DESIGN §6 defines.
+
+A sample record (one journal line) carries at least ``generated_tokens``,
+``nfe``, ``decode_s`` (the decoder call only, after warm-up, device
+synchronised) and optionally per-phase ``nfe_*`` counts, ``kv_peak_bytes`` and
+``gpu_peak_bytes``. Everything here is a pure function of those records, so a
+resumed run that reads the same records back produces the same figures.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolation percentile (same rule as numpy's default), ``q`` in [0, 100]."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def aggregate(records: Iterable[dict]) -> dict:
+    """Speed / work / memory figures over the generation samples of one (model, task)."""
+    recs = [r for r in records if r.get("kind", "generate") == "generate"]
+    gen = [int(r["generated_tokens"]) for r in recs]
+    nfe = [int(r["nfe"]) for r in recs]
+    lat = [float(r["decode_s"]) for r in recs]
+    out: dict = {
+        "samples": len(recs),
+        "generated_tokens": {"total": sum(gen), "mean": _mean(gen)},
+        "latency_s": {"mean": _mean(lat), "p50": percentile(lat, 50), "p90": percentile(lat, 90),
+                      "total": sum(lat)},
+        "tokens_per_s": {
+            # The authors' TPS: total tokens over total decode time.
+            "ratio_of_sums": (sum(gen) / sum(lat)) if sum(lat) > 0 else None,
+            "mean_of_ratios": _mean([g / t for g, t in zip(gen, lat) if t > 0]),
+        },
+        "nfe": {"total": sum(nfe), "mean": _mean(nfe)},
+        "tpf": {
+            "ratio_of_sums": (sum(gen) / sum(nfe)) if sum(nfe) > 0 else None,
+            "mean_of_ratios": _mean([g / n for g, n in zip(gen, nfe) if n > 0]),
+        },
+    }
+    phases = sorted({k for r in recs for k in r if k.startswith("nfe_")})
+    out["nfe_by_phase"] = {k: sum(int(r.get(k, 0)) for r in recs) for k in phases}
+    kv = [int(r["kv_peak_bytes"]) for r in recs if r.get("kv_peak_bytes") is not None]
+    gpu = [int(r["gpu_peak_bytes"]) for r in recs if r.get("gpu_peak_bytes") is not None]
+    out["memory"] = {
+        "kv_peak_bytes": max(kv) if kv else None,
+        "gpu_peak_bytes": max(gpu) if gpu else None,
+    }
+    return out
+
+
+def speedup(tps: float | None, baseline_tps: float | None) -> float | None:
+    """TPS(model) / TPS(baseline), same task, same run (DESIGN §6)."""
+    if not tps or not baseline_tps:
+        return None
+    return tps / baseline_tps
+
+
+def quality_metrics(task_results: dict) -> dict[str, float]:
+    """Numeric metrics of one task from lm-eval's ``results[task]`` (stderr and aliases dropped)."""
+    out: dict[str, float] = {}
+    for k, v in task_results.items():
+        if k in ("alias", "samples", "name", "sample_len") or "stderr" in k:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        out[k] = float(v)
+    return out

@@ -1,0 +1,407 @@
+"""`python -m harness eval` / `make eval`: run decoders on a task or suite through lm-eval and
+record quality, latency, tokens/s, NFE/TPF, memory and speedup (DESIGN §6).
+
+    python -m harness eval                          # embedded suite, tiny checkpoints, 4 decoders
+    python -m harness eval --task gsm8k_cot --limit 20 \\
+        --models 'ar=checkpoints/tiny/ar:ar,rf=checkpoints/tiny/refusion:refusion:slot_size=8,token_threshold=0.3'
+
+MODELS is a comma-separated list of ``name=checkpoint:decoder[:knob=value,...]``
+(knobs continue after commas until the next ``name=...:``) or preset names
+(``ar``, ``refusion``, ``llada``, ``fast_dllm``, optionally ``preset:knob=value``).
+
+Everything is validated before anything is written (exit 2 with one line naming
+the problem and the valid choices). Each model then runs in its own process
+(``harness.worker``; under ``accelerate launch`` with ``--num-processes`` > 1), so
+its peak RSS is that model's. Output, all written atomically, in ``OUT/<run_id>/``:
+
+    run.json                         settings + environment (written first)
+    models/<model>/journal/          per-sample append-only journal (resume)
+    models/<model>/lm_eval_results.json, samples/<task>.jsonl
+    metrics/<model>__<task>.json     one per (model, task), speedup included
+    summary.json, summary.md         the table
+
+Re-running with the same ``--run-id`` resumes: finished models are skipped and
+finished samples are read back from the journal, not recomputed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from harness import report
+from harness.metrics import speedup
+from harness.presets import DEFAULT_MODELS, PRESETS, ModelSpec, paper_knobs
+from harness.store import atomic_write_json, read_json
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TASK = "embedded"
+# The default run (embedded suite x 4 decoders on tiny checkpoints) must finish in < 15 min on 2 cores.
+DEFAULT_LIMIT = 20
+# Settings that must match for a run id to be resumed.
+RESUME_KEYS = ("task", "units", "models", "limit", "seed", "chat_template", "device", "batch_size",
+               "bootstrap_iters", "task_defaults", "baseline")
+
+
+class InputError(Exception):
+    """Bad user input: reported as one line, exit code 2, nothing written."""
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _value(text: str) -> Any:
+    from lm_eval.utils import handle_arg_string
+
+    return handle_arg_string(text)
+
+
+_NEW_MODEL = re.compile(r"^[A-Za-z0-9_.\-]+=[^=]*:")
+
+
+def parse_models(spec: str) -> list[ModelSpec]:
+    """``name=ckpt:decoder[:k=v,...],...`` and preset names -> ModelSpecs (no I/O)."""
+    groups: list[list[str]] = []
+    for piece in [p.strip() for p in spec.split(",") if p.strip()]:
+        starts_model = bool(_NEW_MODEL.match(piece)) or "=" not in piece.split(":")[0]
+        if starts_model or not groups:
+            groups.append([piece])
+        else:
+            groups[-1].append(piece)
+    models: list[ModelSpec] = []
+    for head, *more in groups:
+        knob_text = list(more)
+        if "=" in head.split(":")[0]:
+            name, _, rest = head.partition("=")
+            parts = rest.split(":")
+            if len(parts) < 2 or not parts[0] or not parts[1]:
+                raise InputError(f"bad model spec {head!r}: expected name=checkpoint:decoder[:knob=value,...]")
+            checkpoint, decoder = parts[0], parts[1]
+            if len(parts) > 2:
+                knob_text.insert(0, ":".join(parts[2:]))
+            base = ModelSpec(name, checkpoint, decoder)
+        else:
+            name, *rest = head.split(":")
+            if name not in PRESETS:
+                raise InputError(f"unknown model name {name!r}; valid names: {', '.join(PRESETS)} "
+                                 "(or give name=checkpoint:decoder[:knob=value,...])")
+            base = PRESETS[name]
+            if rest:
+                knob_text.insert(0, ":".join(rest))
+        knobs = dict(base.knobs)
+        for kv in knob_text:
+            k, eq, v = kv.partition("=")
+            if not eq or not k:
+                raise InputError(f"bad knob {kv!r} for model {name!r}: expected knob=value")
+            knobs[k.strip()] = _value(v.strip())
+        models.append(replace(base, name=name, knobs=knobs))
+    if not models:
+        raise InputError("no models given")
+    names = [m.name for m in models]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise InputError(f"model name(s) used twice: {', '.join(dup)}")
+    for n in names:
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", n):
+            raise InputError(f"model name {n!r} may only use letters, digits, '_', '.', '-'")
+    return models
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _root_message(exc: BaseException) -> str:
+    seen = exc
+    while seen.__cause__ is not None or seen.__context__ is not None:
+        nxt = seen.__cause__ or seen.__context__
+        if nxt is None or nxt is seen:
+            break
+        seen = nxt
+    return f"{type(seen).__name__}: {seen}".replace("\n", " ")
+
+
+def resolve_units(task_arg: str, tasks_dir: Path) -> list[dict]:
+    """Task names -> units ({name, leaves, primary}); raises InputError for unknown names or missing data.
+
+    A unit is what one metrics file covers: a benchmark (mmlu_pro with its 14 subjects
+    is one unit) or a leaf task. A suite group without an aggregate (``embedded``)
+    expands to its members.
+    """
+    import logging
+
+    from lm_eval.tasks import TaskManager
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    try:
+        from tasks.scoring import TASKS as KNOWN
+    except ImportError:
+        KNOWN = {}
+    tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    valid = sorted(set(tm.all_tasks) | set(tm.all_groups))
+    names = [t.strip() for t in task_arg.split(",") if t.strip()]
+    if not names:
+        raise InputError(f"no task given; valid tasks: {', '.join(valid)}")
+    units: list[dict] = []
+    for name in names:
+        if name not in valid:
+            raise InputError(f"unknown task {name!r}; valid tasks: {', '.join(valid)}")
+        try:
+            loaded = tm.load([name])
+        except Exception as e:  # noqa: BLE001 - lm-eval wraps dataset errors in many types
+            raise InputError(f"task {name!r}: cannot load its data: {_root_message(e)}") from e
+        gmap = loaded.get("group_map", {})
+
+        def expand(n: str) -> list[str]:
+            if n in KNOWN or n not in gmap:
+                return [n]
+            return [u for child in gmap[n] for u in expand(child)]
+
+        for u in expand(name):
+            leaves = sorted(KNOWN[u].leaves) if u in KNOWN else ([u] if u in loaded["tasks"] else
+                                                                  sorted(_leaves(u, gmap)))
+            primary = KNOWN[u].primary if u in KNOWN else None
+            if not any(x["name"] == u for x in units):
+                units.append({"name": u, "leaves": leaves, "primary": primary})
+    return units
+
+
+def _leaves(name: str, gmap: dict) -> list[str]:
+    if name not in gmap:
+        return [name]
+    return [leaf for c in gmap[name] for leaf in _leaves(c, gmap)]
+
+
+def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: bool) -> list[dict]:
+    """Check decoders, checkpoints and knobs; return each model with its per-leaf knobs."""
+    from harness.lm_adapter import CheckpointError, check_checkpoint, decoder_knob_names, validate_knobs
+    from refusion.decoding import DECODERS
+
+    out = []
+    for m in models:
+        if m.decoder not in DECODERS:
+            raise InputError(f"model {m.name!r}: unknown decoder {m.decoder!r}; valid decoders: "
+                             f"{', '.join(sorted(DECODERS))}")
+        ckpt = Path(m.checkpoint)
+        if not ckpt.is_absolute():
+            ckpt = (Path.cwd() / ckpt) if (Path.cwd() / ckpt).exists() else (REPO / ckpt)
+        try:
+            check_checkpoint(ckpt)
+        except CheckpointError as e:
+            raise InputError(f"model {m.name!r}: {e}") from None
+        accepted = set(decoder_knob_names(m.decoder))
+        task_knobs: dict[str, dict] = {}
+        try:
+            validate_knobs(m.decoder, m.knobs)
+            for u in units:
+                tk = paper_knobs(u["name"], m.decoder, accepted) if task_defaults else {}
+                validate_knobs(m.decoder, {**tk, **m.knobs})
+                if tk:
+                    for leaf in u["leaves"]:
+                        task_knobs[leaf] = tk
+        except ValueError as e:
+            raise InputError(f"model {m.name!r}: {e}") from None
+        out.append({**m.to_dict(), "checkpoint": str(ckpt.resolve()), "task_knobs": task_knobs})
+    return out
+
+
+# ---------------------------------------------------------------- environment
+
+
+def environment(device: str, threads: int, num_processes: int, seed: int) -> dict:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    pkgs = {}
+    for p in ("torch", "transformers", "lm-eval", "accelerate", "datasets", "tokenizers", "numpy", "psutil"):
+        try:
+            pkgs[p] = version(p)
+        except PackageNotFoundError:
+            pkgs[p] = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = None
+    if device.startswith("cuda"):
+        import torch
+
+        gpu = torch.cuda.get_device_name(0)
+    status = git("status", "--porcelain")
+    return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
+            "packages": pkgs, "python": platform.python_version(), "platform": platform.platform(),
+            "device": device, "cpu": cpu, "gpu": gpu, "cpu_count": os.cpu_count(), "threads_per_process": threads,
+            "num_processes": num_processes, "seed": seed}
+
+
+# ---------------------------------------------------------------- running
+
+
+def worker_command(run_dir: Path, model: str, num_processes: int, port: int) -> list[str]:
+    base = ["-m", "harness.worker", "--run-dir", str(run_dir), "--model", model]
+    if num_processes <= 1:
+        return [sys.executable, *base]
+    # --multi_gpu picks accelerate's multi-process (torchrun) launcher; on CPU the adapter joins gloo.
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+            str(num_processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(port), *base]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m harness eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default=DEFAULT_TASK, help="task, group or comma list (default: %(default)s)")
+    p.add_argument("--models", default=None, help="name=checkpoint:decoder[:knob=v,...],... or preset names "
+                   f"(default: {','.join(DEFAULT_MODELS)} on the tiny checkpoints)")
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"documents per leaf task (default: {DEFAULT_LIMIT} for the default suite, else all)")
+    p.add_argument("--out", default="results/runs", help="output folder (default: %(default)s)")
+    p.add_argument("--run-id", default=None, help="run folder name; an existing one is resumed (default: a timestamp)")
+    p.add_argument("--seed", type=int, default=1234, help="seed for lm-eval and the decoders (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores / processes)")
+    p.add_argument("--num-processes", type=int, default=1,
+                   help="data-parallel processes per model via accelerate launch (default: 1)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="rows per decoder call for decoders that batch (default: 1, as in the paper)")
+    p.add_argument("--baseline", default=None, help="model the speedup is measured against "
+                   "(default: the first model whose decoder is ar)")
+    p.add_argument("--no-chat-template", action="store_true", help="send prompts without the chat template")
+    p.add_argument("--no-task-defaults", action="store_true",
+                   help="do not apply the paper's per-benchmark decoding settings (DESIGN §5)")
+    p.add_argument("--bootstrap-iters", type=int, default=0, help="lm-eval stderr bootstrap (default: 0 = off)")
+    p.add_argument("--tasks-dir", default=str(REPO / "tasks"), help="folder of task YAMLs (default: repo tasks/)")
+    return p
+
+
+def build_config(ns: argparse.Namespace) -> dict:
+    """Everything a run needs, validated; raises InputError. Writes nothing."""
+    if ns.limit is not None and ns.limit < 1:
+        raise InputError(f"--limit must be >= 1, got {ns.limit}")
+    if ns.num_processes < 1:
+        raise InputError(f"--num-processes must be >= 1, got {ns.num_processes}")
+    if ns.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {ns.batch_size}")
+    if ns.run_id is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", ns.run_id):
+        raise InputError(f"--run-id {ns.run_id!r} may only use letters, digits, '_', '.', '-'")
+    import torch
+
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise InputError(f"--device must be cpu or cuda, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device cuda given but no CUDA device is available; valid: cpu")
+    models = parse_models(ns.models or ",".join(DEFAULT_MODELS))
+    tasks_dir = Path(ns.tasks_dir)
+    if not tasks_dir.is_dir():
+        raise InputError(f"--tasks-dir {str(tasks_dir)!r} does not exist")
+    units = resolve_units(ns.task, tasks_dir)
+    task_defaults = not ns.no_task_defaults
+    model_cfgs = validate_models(models, units, task_defaults)
+    baseline = ns.baseline
+    if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
+        raise InputError(f"--baseline {baseline!r} is not a model of this run; valid: "
+                         f"{', '.join(m['name'] for m in model_cfgs)}")
+    if baseline is None:
+        baseline = next((m["name"] for m in model_cfgs if m["decoder"] == "ar"), None)
+    limit = ns.limit
+    if limit is None and ns.task == DEFAULT_TASK and ns.models is None:
+        limit = DEFAULT_LIMIT
+    threads = ns.threads or max(1, (os.cpu_count() or 1) // ns.num_processes)
+    return {
+        "task": ns.task, "units": units, "models": model_cfgs, "limit": limit, "seed": ns.seed,
+        "chat_template": not ns.no_chat_template, "device": device, "threads": threads,
+        "num_processes": ns.num_processes, "batch_size": ns.batch_size, "bootstrap_iters": ns.bootstrap_iters,
+        "task_defaults": task_defaults, "baseline": baseline, "tasks_dir": str(tasks_dir.resolve()),
+    }
+
+
+def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
+    if run_id is None:
+        run_id = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = out / run_id
+    if (run_dir / "run.json").exists():
+        old = read_json(run_dir / "run.json")
+        diff = [k for k in RESUME_KEYS if old.get(k) != cfg.get(k)]
+        if diff:
+            raise InputError(f"run {run_id!r} exists with different settings ({', '.join(diff)}); "
+                             "use a new --run-id or the same settings to resume")
+        print(f"resuming run {run_id} in {run_dir}", file=sys.stderr)
+        return run_dir
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise InputError(f"{run_dir} exists and is not a run folder (no run.json); choose another --run-id")
+    env = environment(cfg["device"], cfg["threads"], cfg["num_processes"], cfg["seed"])
+    atomic_write_json(run_dir / "run.json", {**cfg, "run_id": run_id, "environment": env,
+                                             "created": _dt.datetime.now().isoformat(timespec="seconds")})
+    return run_dir
+
+
+def finalize(run_dir: Path) -> dict:
+    """Add speedups to every metrics file and write the run summary (JSON + Markdown)."""
+    cfg = read_json(run_dir / "run.json")
+    rows = []
+    for m in cfg["models"]:
+        for u in cfg["units"]:
+            p = run_dir / "metrics" / f"{m['name']}__{u['name']}.json"
+            if p.exists():
+                rows.append(read_json(p))
+    base = cfg.get("baseline")
+    base_tps = {r["task"]: r["speed"]["tokens_per_s"]["ratio_of_sums"] for r in rows if r["model"] == base}
+    for r in rows:
+        b = base_tps.get(r["task"])
+        r["speedup"] = {"baseline": base, "tokens_per_s": speedup(r["speed"]["tokens_per_s"]["ratio_of_sums"], b)}
+        atomic_write_json(run_dir / "metrics" / f"{r['model']}__{r['task']}.json", r)
+    summary = report.summary(cfg, rows)
+    atomic_write_json(run_dir / "summary.json", summary)
+    (run_dir / "summary.md").parent.mkdir(parents=True, exist_ok=True)
+    from harness.store import atomic_write_text
+
+    atomic_write_text(run_dir / "summary.md", report.markdown(summary))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        cfg = build_config(ns)
+        run_dir = _prepare_run_dir(Path(ns.out), ns.run_id, cfg)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n = len(cfg["models"])
+    for i, m in enumerate(cfg["models"], 1):
+        if (run_dir / "models" / m["name"] / "done.json").exists():
+            print(f"[{i}/{n}] {m['name']}: already finished, skipped", file=sys.stderr)
+            continue
+        print(f"[{i}/{n}] {m['name']}: {m['decoder']} on {m['checkpoint']}", file=sys.stderr)
+        cmd = worker_command(run_dir, m["name"], cfg["num_processes"], 29500 + (os.getpid() % 1000))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        if rc != 0:
+            print(f"error: model {m['name']!r} failed (exit {rc}); rerun with --run-id {run_dir.name} to resume",
+                  file=sys.stderr)
+            return 1
+    summary = finalize(run_dir)
+    print(report.table(summary))
+    print(report.one_line(summary, run_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

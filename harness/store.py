@@ -1,0 +1,132 @@
+"""Results on disk: atomic whole-file writes and an append-only per-sample journal.
+
+Two rules keep an interrupted run (even ``kill -9``) recoverable:
+
+- every whole file (metrics, summaries, lm-eval results) is written to a temp
+  file in the same folder, fsynced, then ``os.replace``d over the target, so a
+  reader sees either the old file or the complete new one, never half of one;
+- every finished sample is appended to a JSONL journal as one line and fsynced
+  before the next sample starts. A crash can leave at most a torn last line,
+  which ``Journal.load`` drops (that sample is simply computed again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _default(obj: Any) -> Any:
+    # numpy scalars / tensors / paths that lm-eval results can carry
+    if hasattr(obj, "item") and callable(obj.item):
+        try:
+            return obj.item()
+        except (ValueError, RuntimeError):
+            pass
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    return str(obj)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, default=_default, ensure_ascii=False) + "\n"
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, dumps(obj))
+
+
+def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, sort_keys=True, default=_default, ensure_ascii=False) + "\n"
+                                    for r in rows))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def request_key(*parts: Any) -> str:
+    """Stable id of one request: same task, document, prompt, generation settings and knobs -> same key."""
+    blob = json.dumps(parts, sort_keys=True, default=_default, ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:32]
+
+
+class Journal:
+    """Append-only JSONL of finished samples, one fsynced line each, keyed by ``record["key"]``.
+
+    Several processes (data-parallel ranks) each append to their own file in one
+    folder; ``load`` reads all of them, so a resumed run may use a different
+    number of processes than the interrupted one.
+    """
+
+    def __init__(self, folder: str | os.PathLike, rank: int = 0):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = self.folder / f"journal.rank{rank}.jsonl"
+        self._fh = None
+
+    def load(self) -> dict[str, dict]:
+        done: dict[str, dict] = {}
+        for p in sorted(self.folder.glob("journal.rank*.jsonl")):
+            with open(p, encoding="utf-8") as f:
+                for line in f:
+                    if not line.endswith("\n"):
+                        break  # torn last line from a crash: recompute that sample
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    done[rec["key"]] = rec
+        return done
+
+    def append(self, record: dict) -> None:
+        if "key" not in record:
+            raise ValueError("journal records need a 'key'")
+        if self._fh is None:
+            self._repair_tail()
+            self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh.write(json.dumps(record, sort_keys=True, default=_default, ensure_ascii=False) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def _repair_tail(self) -> None:
+        # A torn last line would glue itself to the next record: cut it off first.
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            keep = data[: data.rfind(b"\n") + 1]
+            with open(self.path, "wb") as f:
+                f.write(keep)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None

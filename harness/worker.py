@@ -1,0 +1,141 @@
+"""One model of a run, in its own process: `python -m harness.worker --run-dir D --model NAME`.
+
+Started by the runner (directly, or under ``accelerate launch`` for data
+parallelism). It evaluates every task of the run with lm-eval and the
+``refusion_bench`` adapter, then (rank 0) joins lm-eval's per-sample logs with the
+decode journal and writes lm-eval's results, per-sample logs and one metrics JSON
+per (model, task). A separate process per model makes its peak RSS that model's
+alone. ``done.json`` is written last: its presence means the model is finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+
+from harness.metrics import aggregate, quality_metrics
+from harness.store import atomic_write_json, atomic_write_jsonl, read_json
+
+
+def _peak_rss_bytes() -> int:
+    # Linux reports ru_maxrss in KiB (macOS in bytes).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss) if sys.platform == "darwin" else int(rss) * 1024
+
+
+def _unit_quality(results: dict, unit: dict) -> dict:
+    if unit["name"] in results and quality_metrics(results[unit["name"]]):
+        return quality_metrics(results[unit["name"]])
+    if len(unit["leaves"]) == 1 and unit["leaves"][0] in results:
+        return quality_metrics(results[unit["leaves"][0]])
+    return {}
+
+
+def _sample_rows(samples: dict, records: dict[tuple, dict], unit: dict) -> list[dict]:
+    rows = []
+    for leaf in unit["leaves"]:
+        for s in samples.get(leaf, []):
+            rec = records.get((leaf, s["doc_id"]), {})
+            row = {"task": leaf, "doc_id": s["doc_id"], "target": s.get("target"),
+                   "prompt": s["arguments"][0][0] if s.get("arguments") else None,
+                   "response": rec.get("response"), "filtered_resps": s.get("filtered_resps"),
+                   "filter": s.get("filter"), "metrics": {k: s[k] for k in s.get("metrics", []) if k in s}}
+            for k in ("generated_tokens", "nfe", "tpf", "decode_s", "batch_size", "kv_peak_bytes", "gpu_peak_bytes",
+                      "prompt_tokens", "tokens", "knobs", "rank"):
+                if k in rec:
+                    row[k] = rec[k]
+            row.update({k: v for k, v in rec.items() if k.startswith("nfe_")})
+            rows.append(row)
+    rows.sort(key=lambda r: (r["task"], r["doc_id"], r.get("filter") or ""))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.worker", description=__doc__)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--model", required=True)
+    ns = p.parse_args(argv)
+    run_dir = Path(ns.run_dir)
+    cfg = read_json(run_dir / "run.json")
+    spec = next((m for m in cfg["models"] if m["name"] == ns.model), None)
+    if spec is None:
+        print(f"error: model {ns.model!r} not in {run_dir}/run.json; valid: "
+              f"{', '.join(m['name'] for m in cfg['models'])}", file=sys.stderr)
+        return 2
+    for name in ("lm_eval", "datasets", "transformers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from harness.lm_adapter import RefusionBenchLM, set_seed
+
+    set_seed(cfg["seed"])
+    mdir = run_dir / "models" / spec["name"]
+    lm = RefusionBenchLM(
+        pretrained=spec["checkpoint"], decoder=spec["decoder"], batch_size=cfg["batch_size"],
+        device=cfg["device"], seed=cfg["seed"], threads=cfg["threads"], journal_dir=str(mdir / "journal"),
+        task_knobs=spec["task_knobs"], **spec["knobs"])
+    tm = TaskManager(include_path=cfg["tasks_dir"], include_defaults=False)
+    res = lm_eval.simple_evaluate(
+        model=lm, tasks=[u["name"] for u in cfg["units"]], task_manager=tm, limit=cfg["limit"],
+        apply_chat_template=cfg["chat_template"], log_samples=True, bootstrap_iters=cfg["bootstrap_iters"],
+        random_seed=cfg["seed"], numpy_random_seed=cfg["seed"], torch_random_seed=cfg["seed"],
+        fewshot_random_seed=cfg["seed"], confirm_run_unsafe_code=True)
+    lm.barrier()
+    # Every rank's keys, RSS and counts go to rank 0, which alone writes files.
+    mine = {"keys": lm.keys_by_task, "peak_rss_bytes": _peak_rss_bytes(), "computed": lm.computed,
+            "served": lm.served, "warmup_s": lm.warmup_s, "rank": lm.rank}
+    ranks = lm.gather_object(mine, dst=0)
+    if lm.journal is not None:
+        lm.journal.close()
+    if lm.rank != 0:
+        return 0
+
+    journal = lm.journal.load()
+    keys: dict[str, set[str]] = {}
+    for r in ranks:
+        for task, ks in r["keys"].items():
+            keys.setdefault(task, set()).update(ks)
+    samples = res.get("samples", {})
+    results = res.get("results", {})
+    atomic_write_json(mdir / "lm_eval_results.json", {k: v for k, v in res.items() if k != "samples"})
+    peak_rss = max(r["peak_rss_bytes"] for r in ranks)
+    for unit in cfg["units"]:
+        recs = [journal[k] for leaf in unit["leaves"] for k in sorted(keys.get(leaf, ())) if k in journal]
+        gen_recs = [r for r in recs if r.get("kind") == "generate"]
+        by_doc = {(r["task"], r["doc_id"]): r for r in gen_recs}
+        rows = _sample_rows(samples, by_doc, unit)
+        atomic_write_jsonl(mdir / "samples" / f"{unit['name']}.jsonl", rows)
+        speed = aggregate(gen_recs)
+        quality = _unit_quality(results, unit)
+        knob_sets = sorted({tuple(sorted(r["knobs"].items())) for r in gen_recs}, key=str)
+        metrics = {
+            "model": spec["name"], "task": unit["name"], "leaves": unit["leaves"], "decoder": spec["decoder"],
+            "checkpoint": spec["checkpoint"], "knobs": [dict(k) for k in knob_sets], "model_knobs": spec["knobs"],
+            "quality": quality, "quality_primary": unit.get("primary") if unit.get("primary") in quality
+            else next(iter(quality), None),
+            "speed": {k: speed[k] for k in ("samples", "generated_tokens", "latency_s", "tokens_per_s", "nfe", "tpf",
+                                            "nfe_by_phase")},
+            "memory": {**speed["memory"], "peak_rss_bytes": peak_rss,
+                       "peak_rss_by_rank": [r["peak_rss_bytes"] for r in ranks],
+                       "rss_scope": "whole worker process of this model (all tasks of the run)"},
+            "requests": {"total": len(recs), "generate": len(gen_recs)},
+            "run": {"run_id": cfg.get("run_id"), "seed": cfg["seed"], "limit": cfg["limit"],
+                    "chat_template": cfg["chat_template"], "num_processes": cfg["num_processes"],
+                    "threads": cfg["threads"], "device": cfg["device"], "batch_size": cfg["batch_size"],
+                    "environment": cfg.get("environment")},
+        }
+        atomic_write_json(run_dir / "metrics" / f"{spec['name']}__{unit['name']}.json", metrics)
+    atomic_write_json(mdir / "done.json", {
+        "computed": sum(r["computed"] for r in ranks), "served_from_journal": sum(r["served"] for r in ranks),
+        "warmup_s": [r["warmup_s"] for r in ranks], "peak_rss_bytes": peak_rss, "pid": os.getpid()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
