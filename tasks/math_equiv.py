@@ -149,7 +149,12 @@ def latex_to_sympy_text(s: str) -> str:
 
 
 def is_equiv(a: str, b: str) -> bool:
-    """Two normalised answers are equal as strings or as sympy expressions."""
+    """Two normalised answers are equal as strings or as sympy expressions.
+
+    Deviation from lm-eval: a trailing period is ignored on both sides (one MATH
+    gold answer, "\\frac{7}{5}+\\frac{1}{5}i.", has it inside its box).
+    """
+    a, b = a.rstrip("."), b.rstrip(".")
     if a == b:
         return a != INVALID
     if INVALID in (a, b) or len(a) > 80 or len(b) > 80:
