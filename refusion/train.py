@@ -33,20 +33,20 @@ MODEL_NAMES = ("refusion", "ar", "mdm")
 
 @dataclass(frozen=True)
 class ModelShape:
-    """One Qwen3 configuration shared by the three tiny models (~1.3M parameters)."""
-    hidden_size: int = 160
-    intermediate_size: int = 480
+    """One Qwen3 configuration shared by the three tiny models (~0.9M parameters)."""
+    hidden_size: int = 128
+    intermediate_size: int = 384
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int = 40
+    head_dim: int = 32
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 2000
+    steps: int = 1500
     batch_size: int = 32
     lr: float = 3e-3
     warmup: int = 100
