@@ -9,11 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .ar import ar
+from .mdm import fast_dllm, llada
 from .refusion import refusion
 
 DECODERS: dict[str, Callable] = {
     "ar": ar,
     "refusion": refusion,
+    "llada": llada,
+    "fast_dllm": fast_dllm,
 }
 
 
