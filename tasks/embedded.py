@@ -50,17 +50,17 @@ def _math_item(rng: random.Random) -> dict:
     name, other = rng.sample(NAMES, 2)
     obj = rng.choice(OBJECTS)
     value = rng.randint(10, 99)
-    n_steps = rng.choice([2, 2, 3])
+    n_steps = rng.choice([2, 2, 2, 3])
     story = [f"{name} has {value} {obj}."]
     lines = [f"{name} starts with {value} {obj}."]
     for i in range(n_steps):
         # Keep every intermediate result in [0, 199] so the arithmetic stays 2-3 digits.
         if value > 20 and (value > 150 or rng.random() < 0.5):
             verb, short, sign = rng.choice(LOSSES)
-            d = rng.randint(2, min(value - 1, 60))
+            d = rng.randint(2, min(value - 1, 50))
         else:
             verb, short, sign = rng.choice(GAINS)
-            d = rng.randint(2, 60)
+            d = rng.randint(2, 50)
         new = value + sign * d
         phrase = verb.format(d=d, obj=obj, other=other)
         story.append(f"{'Then ' if i else ''}{name} {phrase}.")
@@ -144,34 +144,41 @@ def _code_item(rng: random.Random) -> dict:
 LETTERS = "ABCDEFGHIJ"
 
 
+CATEGORIES = {
+    "an animal": ["cat", "dog", "horse", "tiger", "rabbit", "eagle", "shark", "frog"],
+    "a fruit": ["apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum"],
+    "a color": ["red", "blue", "green", "yellow", "purple", "orange", "brown", "pink"],
+    "a tool": ["hammer", "saw", "wrench", "drill", "shovel", "ladder", "needle", "axe"],
+    "a country": ["France", "Japan", "Brazil", "Kenya", "Canada", "India", "Peru", "Egypt"],
+}
+
+
 def _choice_item(rng: random.Random) -> dict:
-    n_opt = rng.choice([4, 4, 5, 6])
-    qtype = rng.choice(["largest", "smallest", "sum", "longest"])
+    qtype = rng.choice(["largest", "smallest", "longest", "category", "category"])
     if qtype in ("largest", "smallest"):
-        opts = rng.sample(range(10, 100), n_opt)
+        opts = rng.sample(range(10, 100), rng.choice([3, 4]))
         best = max(opts) if qtype == "largest" else min(opts)
         question = f"Which number is the {qtype}?"
         reason = f"The {qtype} number is {best}."
         correct = opts.index(best)
-    elif qtype == "sum":
-        a, b = rng.randint(10, 60), rng.randint(10, 39)
-        total = a + b
-        wrong = [total + d for d in (-10, -1, 1, 10, -2, 2, 11, -11)]
-        opts = [total] + rng.sample(wrong, n_opt - 1)
-        rng.shuffle(opts)
-        question = f"What is {a} + {b}?"
-        reason = f"{a} + {b} = {total}."
-        correct = opts.index(total)
-    else:
+    elif qtype == "longest":
         # All option words have distinct lengths so the answer is unique.
         by_len: dict[int, list[str]] = {}
         for w in WORDS:
             by_len.setdefault(len(w), []).append(w)
-        lengths = rng.sample(sorted(by_len), min(n_opt, len(by_len)))
+        lengths = rng.sample(sorted(by_len), rng.choice([3, 4, 5]))
         opts = [rng.choice(by_len[n]) for n in lengths]
         best = max(opts, key=len)
         question = "Which word has the most letters?"
         reason = f"The longest word is {best}."
+        correct = opts.index(best)
+    else:
+        cat, *others = rng.sample(sorted(CATEGORIES), rng.choice([4, 5]))
+        best = rng.choice(CATEGORIES[cat])
+        opts = [best] + [rng.choice(CATEGORIES[o]) for o in others]
+        rng.shuffle(opts)
+        question = f"Which of these is {cat}?"
+        reason = f"{best} is {cat}."
         correct = opts.index(best)
     letters = LETTERS[: len(opts)]
     listing = "\n".join(f"({letters[i]}) {o}" for i, o in enumerate(opts))
