@@ -72,7 +72,7 @@ def llada(
     attention_mask: torch.Tensor | None = None,
     *,
     gen_length: int = 128,
-    steps: int = 128,
+    steps: int | None = None,
     block_length: int = 32,
     remasking: str = "low_confidence",
     temperature: float = 0.0,
@@ -85,13 +85,14 @@ def llada(
     forwards per block, each unmasking a fixed number of the block's masked tokens -- the
     most confident (low_confidence) or random ones (random); no KV cache.
 
-    steps must be a multiple of the block count and at most gen_length. stop_at_eos ends
+    steps (default gen_length: one token per step) must be a multiple of the block
+    count and at most gen_length. stop_at_eos ends
     after the first block at which every row holds an EOS (later blocks cannot change
     earlier ones, so the response is the same; only the cost drops).
     """
     gen_length, block_length = _check_blocks(gen_length, block_length)
     n_blocks = gen_length // block_length
-    steps = check_int("steps", steps, n_blocks, gen_length)
+    steps = check_int("steps", gen_length if steps is None else steps, n_blocks, gen_length)
     if steps % n_blocks:
         raise ValueError(f"steps must be a multiple of the block count {n_blocks}, got {steps}")
     remasking = check_choice("remasking", remasking, ("low_confidence", "random"))
