@@ -139,6 +139,12 @@ def resolve_units(task_arg: str, tasks_dir: Path) -> list[dict]:
     from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    try:  # validation output is one line at most: no dataset-building progress bars
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass
     try:
         from tasks.scoring import TASKS as KNOWN
     except ImportError:
@@ -310,8 +316,9 @@ def build_config(ns: argparse.Namespace) -> dict:
     tasks_dir = Path(ns.tasks_dir)
     if not tasks_dir.is_dir():
         raise InputError(f"--tasks-dir {str(tasks_dir)!r} does not exist")
-    units = resolve_units(ns.task, tasks_dir)
     task_defaults = not ns.no_task_defaults
+    validate_models(models, [], task_defaults)  # cheap checks first: decoders, checkpoints, model knobs
+    units = resolve_units(ns.task, tasks_dir)
     model_cfgs = validate_models(models, units, task_defaults)
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:

@@ -1,0 +1,183 @@
+"""`python -m harness eval`: bad input, kill -9 + resume, and a two-process accelerate run.
+
+One uninterrupted single-process run is the reference; the resumed run and the
+data-parallel run must reproduce its tokens, quality, NFE and TPF exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_adapter import make_checkpoint, write_task
+
+REPO = Path(__file__).resolve().parents[1]
+N_DOCS = 6
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runner")
+    ckpt = make_checkpoint(root / "ckpt")
+    tasks = write_task(root / "tasks", "tiny_gen", n=N_DOCS)
+    return {"root": root, "ckpt": ckpt, "tasks": tasks,
+            "models": f"a={ckpt}:ar:gen_length=24", "out": root / "out"}
+
+
+def _cmd(s: dict, run_id: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "harness", "eval", "--task", "tiny_gen", "--models", s["models"],
+            "--tasks-dir", str(s["tasks"]), "--out", str(s["out"]), "--run-id", run_id, "--threads", "1",
+            "--no-chat-template", *extra]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _run(s: dict, run_id: str, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    p = subprocess.run(_cmd(s, run_id, *extra), cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def _deterministic(run_dir: Path) -> dict:
+    """Everything that must not depend on timing, resumption or process count."""
+    m = json.loads((run_dir / "metrics" / "a__tiny_gen.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "models" / "a" / "samples" / "tiny_gen.jsonl").open()]
+    return {
+        "quality": m["quality"], "nfe": m["speed"]["nfe"], "tpf": m["speed"]["tpf"],
+        "generated": m["speed"]["generated_tokens"], "samples": m["speed"]["samples"],
+        "rows": [(r["doc_id"], r["tokens"], r["response"], r["nfe"], r["metrics"]) for r in rows],
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    p = _run(setup, "ref")
+    run_dir = setup["out"] / "ref"
+    assert "done:" in p.stdout and "tiny_gen" in p.stdout
+    return run_dir
+
+
+def test_reference_run_records_everything(reference):
+    m = json.loads((reference / "metrics" / "a__tiny_gen.json").read_text())
+    assert m["speed"]["samples"] == N_DOCS and m["requests"]["generate"] == N_DOCS
+    assert "exact_match,none" in m["quality"]
+    lat = m["speed"]["latency_s"]
+    assert 0 < lat["p50"] <= lat["p90"] and lat["mean"] > 0
+    assert m["speed"]["tokens_per_s"]["ratio_of_sums"] > 0 and m["speed"]["tokens_per_s"]["mean_of_ratios"] > 0
+    assert m["speed"]["nfe"]["total"] == m["speed"]["generated_tokens"]["total"]  # ar: one forward per token
+    assert m["memory"]["peak_rss_bytes"] > 10 * 2**20 and m["memory"]["kv_peak_bytes"] > 0
+    assert m["speedup"] == {"baseline": "a", "tokens_per_s": 1.0}
+    env = m["run"]["environment"]
+    assert env["packages"]["lm-eval"] == "0.4.13" and env["seed"] == 1234 and env["threads_per_process"] == 1
+    assert m["knobs"] == [{"gen_length": 24, "seed": 1234}]
+    summary = json.loads((reference / "summary.json").read_text())
+    assert [r["model"] for r in summary["rows"]] == ["a"]
+    assert "| a | tiny_gen | 6 |" in (reference / "summary.md").read_text()
+    assert (reference / "models" / "a" / "lm_eval_results.json").exists()
+
+
+def test_resume_after_kill_9(setup, reference):
+    run_dir = setup["out"] / "killed"
+    proc = subprocess.Popen(_cmd(setup, "killed"), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    journal = run_dir / "models" / "a" / "journal" / "journal.rank0.jsonl"
+    deadline = time.time() + 900
+    try:
+        while time.time() < deadline:
+            if journal.exists() and journal.read_text().count("\n") >= 2:
+                break
+            assert proc.poll() is None, "run ended before it could be interrupted"
+            time.sleep(0.05)
+        else:
+            pytest.fail("journal never reached 2 samples")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the runner and its worker, mid-run
+        proc.wait()
+    done_before = journal.read_text().count("\n")
+    assert 2 <= done_before < N_DOCS and not (run_dir / "summary.json").exists()
+
+    _run(setup, "killed")
+    finished = json.loads((run_dir / "models" / "a" / "done.json").read_text())
+    assert finished["served_from_journal"] == done_before
+    assert finished["computed"] == N_DOCS - done_before
+    assert _deterministic(run_dir) == _deterministic(reference)
+
+
+
+def test_two_processes_match_one(setup, reference):
+    _run(setup, "dp2", "--num-processes", "2")
+    run_dir = setup["out"] / "dp2"
+    m = json.loads((run_dir / "metrics" / "a__tiny_gen.json").read_text())
+    assert len(m["memory"]["peak_rss_by_rank"]) == 2
+    ranks = {json.loads(line)["rank"] for line in (run_dir / "models" / "a" / "samples" / "tiny_gen.jsonl").open()}
+    assert ranks == {0, 1}
+    assert _deterministic(run_dir) == _deterministic(reference)
+
+
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, tmp_path, capsys, monkeypatch):
+    import re
+
+    from harness import runner
+
+    ck, tasks = setup["ckpt"], str(setup["tasks"])
+    no_config = tmp_path / "noconfig"
+    no_config.mkdir()
+    out = tmp_path / "out"
+    cases = [
+        (["--task", "nope"], "unknown task 'nope'; valid tasks: .*tiny_gen"),
+        (["--models", f"a={ck}:nope"], "unknown decoder 'nope'; valid decoders: .*ar"),
+        (["--models", "nope"], "unknown model name 'nope'; valid names: ar, refusion"),
+        (["--models", f"a={tmp_path}/missing:ar"], "checkpoint directory .*missing' does not exist"),
+        (["--models", f"a={no_config}:ar"], "has no config.json"),
+        (["--models", f"a={ck}:ar:slot_sise=3"], "unknown knob\\(s\\) slot_sise for decoder 'ar'; valid knobs: "),
+        (["--models", f"a={ck}:ar:gen_length=-1"], "gen_length must be an integer"),
+    ]
+    for extra, pattern in cases:
+        argv = ["--task", "tiny_gen", "--tasks-dir", tasks, "--models", f"a={ck}:ar", "--out", str(out),
+                "--run-id", "x"] + extra
+        assert runner.main(argv) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and re.search(pattern, err), err
+        assert not out.exists(), extra
+
+    # Missing benchmark data: the real gsm8k_cot task with an empty data folder.
+    empty = tmp_path / "nodata"
+    empty.mkdir()
+    monkeypatch.setenv("REFUSION_DATA_DIR", str(empty))
+    assert runner.main(["--task", "gsm8k_cot", "--models", f"a={ck}:ar", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "gsm8k_cot" in err and "no file at" in err, err
+    assert not out.exists()
+
+    # Through the real command line: exit status 2 and the same one line.
+    p = subprocess.run([sys.executable, "-m", "harness", "eval", "--task", "nope", "--tasks-dir", tasks,
+                        "--models", f"a={ck}:ar", "--out", str(out)], cwd=REPO, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().startswith("error: unknown task 'nope'"), p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_models_spec_parsing():
+    from harness.runner import InputError, parse_models
+
+    ms = parse_models("a=ck/x:ar:gen_length=8,temperature=0.5,b=ck/y:refusion:slot_size=4,llada,refusion:slot_size=8")
+    assert [(m.name, m.checkpoint, m.decoder, m.knobs) for m in ms] == [
+        ("a", "ck/x", "ar", {"gen_length": 8, "temperature": 0.5}),
+        ("b", "ck/y", "refusion", {"slot_size": 4}),
+        ("llada", "checkpoints/tiny/mdm", "llada", {}),
+        ("refusion", "checkpoints/tiny/refusion", "refusion", {"slot_size": 8}),
+    ]
+    with pytest.raises(InputError, match="used twice"):
+        parse_models("ar,ar")
+    with pytest.raises(InputError, match="expected name=checkpoint:decoder"):
+        parse_models("a=onlypath")
