@@ -129,6 +129,11 @@ def test_random_remasking_is_seeded(model):
     b, _ = DECODERS["llada"](model, ids, seed=1, **knobs)
     c, _ = DECODERS["llada"](model, ids, seed=2, **knobs)
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+    knobs = dict(gen_length=16, block_length=8, threshold=0.05, cache="dual", temperature=1.0)
+    a, _ = DECODERS["fast_dllm"](model, ids, seed=1, **knobs)
+    b, _ = DECODERS["fast_dllm"](model, ids, seed=1, **knobs)
+    c, _ = DECODERS["fast_dllm"](model, ids, seed=2, **knobs)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
 
 
 def test_stop_at_eos_only_saves_work(model):

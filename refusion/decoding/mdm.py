@@ -28,6 +28,7 @@ from .common import (
     padding_mask,
     pick,
     positions_from_mask,
+    token_prob,
 )
 
 
@@ -58,6 +59,15 @@ def _commit_topk(x, x0, conf, k) -> None:
     rank.scatter_(1, order, torch.arange(conf.shape[1], device=conf.device).expand_as(order))
     chosen = (rank < k[:, None]) & torch.isfinite(conf)
     x[chosen] = x0[chosen]
+
+
+def _propose(logits, temperature, gen):
+    """Proposed token per position and its confidence, the *untempered* softmax probability
+    (as in LLaDA: sampling noise picks the token, the model's own probability ranks it)."""
+    x0, prob = pick(logits, temperature, gen)
+    if temperature > 0:
+        prob = token_prob(logits, x0, 0.0)
+    return x0, prob
 
 
 def _finished(x, prompt_len, end, eos) -> bool:
@@ -108,7 +118,7 @@ def llada(
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
         for k in schedule:
             logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, lo:hi]
-            x0, prob = pick(logits, temperature, gen)  # [B, block]
+            x0, prob = _propose(logits, temperature, gen)  # [B, block]
             if remasking == "random":
                 prob = torch.rand(prob.shape, generator=gen, device=prob.device)
             block = x[:, lo:hi]
@@ -175,7 +185,7 @@ def fast_dllm(
                 logits = forward(model, meter, "cached", x[:, lo:hi], position_ids=pos[:, lo:hi], attention_mask=order,
                                  cache=kv)
                 cache_keep(kv, lo + total - hi)
-            x0, prob = pick(logits, temperature, gen)  # [B, block]
+            x0, prob = _propose(logits, temperature, gen)  # [B, block]
             block = x[:, lo:hi]
             masked = block == mask
             conf = torch.where(masked, prob, torch.full_like(prob, -torch.inf))
