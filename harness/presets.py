@@ -24,14 +24,22 @@ class ModelSpec:
         return {"name": self.name, "checkpoint": self.checkpoint, "decoder": self.decoder, "knobs": dict(self.knobs)}
 
 
-# The default run: every decoder on the committed tiny checkpoints. The causal ReFusion
-# checkpoint serves `refusion`; the bidirectional MDM checkpoint serves the MDM baselines.
+# The default run: every decoder on the committed tiny checkpoints, with the knobs of the
+# decoder benchmark (harness/bench.py), so `make eval` reproduces its figures through lm-eval.
+# The causal ReFusion checkpoint serves `refusion`; the bidirectional MDM one the MDM baselines.
+TINY_REFUSION_KNOBS = {"slot_size": 4, "serial_num_blocks": 1, "slot_threshold": 0.6, "token_threshold": 0.3}
 PRESETS: dict[str, ModelSpec] = {
     "ar": ModelSpec("ar", f"{TINY}/ar", "ar"),
-    "refusion": ModelSpec("refusion", f"{TINY}/refusion", "refusion"),
-    "llada": ModelSpec("llada", f"{TINY}/mdm", "llada"),
-    "fast_dllm": ModelSpec("fast_dllm", f"{TINY}/mdm", "fast_dllm"),
+    "refusion": ModelSpec("refusion", f"{TINY}/refusion", "refusion", dict(TINY_REFUSION_KNOBS)),
+    "refusion_left_to_right": ModelSpec("refusion_left_to_right", f"{TINY}/refusion", "refusion",
+                                        {**TINY_REFUSION_KNOBS, "left_to_right": True}),
+    "llada": ModelSpec("llada", f"{TINY}/mdm", "llada", {"block_length": 32, "remasking": "low_confidence"}),
+    "fast_dllm": ModelSpec("fast_dllm", f"{TINY}/mdm", "fast_dllm",
+                           {"block_length": 32, "threshold": 0.9, "cache": "dual"}),
 }
+# Response budget of the embedded tasks (their longest gold responses: math 80, code 27, choice
+# 19 tokens), as harness/bench.py uses; the YAMLs' max_gen_toks (512) would only add padding work.
+EMBEDDED_GEN_LENGTH = {"embedded_math": 96, "embedded_code": 32, "embedded_choice": 32}
 DEFAULT_MODELS = ("ar", "refusion", "llada", "fast_dllm")
 
 # DESIGN §5: zero-shot, chat template, gen_length 512, batch 1, greedy; ReFusion's slot settings
@@ -51,7 +59,10 @@ PAPER_REFUSION: dict[str, dict[str, Any]] = {
 
 
 def paper_knobs(unit: str, decoder: str, accepted: set[str]) -> dict[str, Any]:
-    """DESIGN §5 settings for one benchmark, limited to the knobs ``decoder`` accepts."""
+    """Per-task decoding defaults (DESIGN §5 for the benchmarks, response budgets for the
+    embedded suite), limited to the knobs ``decoder`` accepts."""
+    if unit in EMBEDDED_GEN_LENGTH:
+        return {"gen_length": EMBEDDED_GEN_LENGTH[unit]} if "gen_length" in accepted else {}
     if unit not in PAPER_REFUSION:
         return {}
     knobs: dict[str, Any] = {"gen_length": PAPER_GEN_LENGTH}

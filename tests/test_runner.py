@@ -174,8 +174,9 @@ def test_models_spec_parsing():
     assert [(m.name, m.checkpoint, m.decoder, m.knobs) for m in ms] == [
         ("a", "ck/x", "ar", {"gen_length": 8, "temperature": 0.5}),
         ("b", "ck/y", "refusion", {"slot_size": 4}),
-        ("llada", "checkpoints/tiny/mdm", "llada", {}),
-        ("refusion", "checkpoints/tiny/refusion", "refusion", {"slot_size": 8}),
+        ("llada", "checkpoints/tiny/mdm", "llada", {"block_length": 32, "remasking": "low_confidence"}),
+        ("refusion", "checkpoints/tiny/refusion", "refusion",
+         {"slot_size": 8, "serial_num_blocks": 1, "slot_threshold": 0.6, "token_threshold": 0.3}),
     ]
     with pytest.raises(InputError, match="used twice"):
         parse_models("ar,ar")
