@@ -24,9 +24,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.presets import EMBEDDED_GEN_LENGTH, PRESETS, TINY_REFUSION_KNOBS
+
 REPO = Path(__file__).resolve().parents[1]
-# Per-kind response budget (the longest embedded responses: math 80, code 27, choice 19 tokens).
-GEN_LENGTH = {"math": 96, "code": 32, "choice": 32}
+# Knobs and per-kind response budgets are shared with the runner's default run (one source).
+GEN_LENGTH = {name.removeprefix("embedded_"): n for name, n in EMBEDDED_GEN_LENGTH.items()}
 
 
 @dataclass(frozen=True)
@@ -37,16 +39,19 @@ class BenchConfig:
     knobs: dict = field(default_factory=dict)
 
 
-REFUSION_KNOBS = {"slot_size": 4, "serial_num_blocks": 1, "slot_threshold": 0.6, "token_threshold": 0.3}
+def _preset(name: str) -> BenchConfig:
+    spec = PRESETS[name]
+    return BenchConfig(name, Path(spec.checkpoint).name, spec.decoder, dict(spec.knobs))
+
 
 CONFIGS = [
-    BenchConfig("ar", "ar", "ar"),
-    BenchConfig("refusion", "refusion", "refusion", dict(REFUSION_KNOBS)),
-    BenchConfig("refusion_left_to_right", "refusion", "refusion", {**REFUSION_KNOBS, "left_to_right": True}),
-    BenchConfig("refusion_recompute_kv", "refusion", "refusion", {**REFUSION_KNOBS, "recompute_kv": True}),
-    BenchConfig("refusion_no_cache", "refusion", "refusion", {**REFUSION_KNOBS, "no_cache": True}),
-    BenchConfig("llada", "mdm", "llada", {"block_length": 32, "remasking": "low_confidence"}),  # steps = gen_length
-    BenchConfig("fast_dllm", "mdm", "fast_dllm", {"block_length": 32, "threshold": 0.9, "cache": "dual"}),
+    _preset("ar"),
+    _preset("refusion"),
+    _preset("refusion_left_to_right"),
+    BenchConfig("refusion_recompute_kv", "refusion", "refusion", {**TINY_REFUSION_KNOBS, "recompute_kv": True}),
+    BenchConfig("refusion_no_cache", "refusion", "refusion", {**TINY_REFUSION_KNOBS, "no_cache": True}),
+    _preset("llada"),  # steps defaults to gen_length: one token per step
+    _preset("fast_dllm"),
 ]
 CONFIG_NAMES = [c.label for c in CONFIGS]
 

@@ -3,7 +3,12 @@
     python -m harness train-tiny [--models refusion,ar,mdm] [--steps N] [--out checkpoints/tiny]
 
 All three share one Qwen3 configuration, the same data, steps, optimizer and
-seed; only the objective differs (refusion/objective.py). The byte-level BPE
+seed; only the objective differs (refusion/objective.py). As the released
+ReFusion is Qwen3-8B fine-tuned with the ReFusion objective (DESIGN §2), the tiny
+``refusion`` model starts from the trained tiny ``ar`` weights (``--refusion-init``;
+``scratch`` trains it from random weights instead). From scratch, the objective
+never trains the AR prediction of a slot's first token (DESIGN §2 step 4), which
+the real model inherits from its AR backbone. The byte-level BPE
 tokenizer is trained first on the training corpus and saved into every model
 folder. Each model folder is a Hugging Face checkpoint (config, safetensors,
 tokenizer with chat template) plus ``train_log.csv``, ``loss.png`` and
@@ -28,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-MODEL_NAMES = ("refusion", "ar", "mdm")
+MODEL_NAMES = ("ar", "refusion", "mdm")  # training order: refusion starts from the trained ar weights
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class TrainConfig:
     slot_sizes: tuple[int, ...] = (4, 8, 16)  # responses here are 16-80 tokens; 32 would be one slot
     vocab_size: int = 1024
     save_every: int = 200
+    refusion_init: str = "ar"  # "ar": start from the trained ar checkpoint in the same folder; "scratch"
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -123,6 +129,8 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
     torch.manual_seed(cfg.seed)
     model_cfg = make_config(tokenizer, shape, name)
     model = Qwen3ForCausalLM._from_config(copy.deepcopy(model_cfg), attn_implementation="sdpa")
+    if name == "refusion" and cfg.refusion_init == "ar":
+        _load_init(model, tokenizer, out_dir / "ar")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     loss_fn = OBJECTIVES[name]
 
@@ -183,6 +191,22 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
     return final
 
 
+def _load_init(model, tokenizer, init_dir: Path) -> None:
+    """Copy weights from a trained checkpoint of the same shape and tokenizer."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    if not (init_dir / "config.json").is_file():
+        raise FileNotFoundError(f"refusion starts from the ar checkpoint, but {init_dir} has none: "
+                                "train ar first (--models ar,refusion) or pass --refusion-init scratch")
+    if AutoTokenizer.from_pretrained(str(init_dir)).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"{init_dir} was trained with a different tokenizer; retrain ar first")
+    src = Qwen3ForCausalLM.from_pretrained(str(init_dir))
+    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise ValueError(f"{init_dir} does not match the model shape: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+
+
 def _write_log(folder: Path, log: list[dict], name: str) -> None:
     with open(folder / "train_log.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["step", "loss", "lr", "elapsed_s"])
@@ -229,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--threads", type=int, default=TrainConfig.threads)
+    p.add_argument("--refusion-init", choices=["ar", "scratch"], default=TrainConfig.refusion_init,
+                   help="start refusion from the trained ar checkpoint (as ReFusion fine-tunes Qwen3) or from scratch")
     a = p.parse_args(argv)
     names = [n.strip() for n in a.models.split(",") if n.strip()]
     bad = [n for n in names if n not in MODEL_NAMES]
@@ -238,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps < 1 or a.batch_size < 1:
         print("error: --steps and --batch-size must be >= 1", file=sys.stderr)
         return 2
-    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, threads=a.threads)
+    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, threads=a.threads,
+                      refusion_init=a.refusion_init)
     tokenizer, examples = prepare(cfg)
-    for name in names:
+    for name in sorted(names, key=MODEL_NAMES.index):
         t0 = time.time()
         path = train_one(name, tokenizer, examples, cfg, ModelShape(), Path(a.out))
         print(f"{name}: {path} in {time.time() - t0:.0f}s")
