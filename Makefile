@@ -13,6 +13,7 @@ TASK ?= embedded
 MODELS ?=
 LIMIT ?=
 OUT ?= results/runs
+EVAL_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: help setup test eval validate-tasks train-tiny bench-decoders clean
@@ -33,7 +34,7 @@ test: setup ## run the test suite (CPU, tiny models)
 
 eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... OUT=...
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness eval --task '$(TASK)' \
-		$(if $(MODELS),--models '$(MODELS)') $(if $(LIMIT),--limit $(LIMIT)) --out '$(OUT)'
+		$(if $(MODELS),--models '$(MODELS)') $(if $(LIMIT),--limit $(LIMIT)) --out '$(OUT)' $(EVAL_ARGS)
 
 validate-tasks: setup ## score every task's gold answers, one line per task
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness validate-tasks

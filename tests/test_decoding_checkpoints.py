@@ -1,5 +1,4 @@
-"""The decoders on the trained tiny checkpoints (checkpoints/tiny/{ar,refusion,mdm}); each
-test is skipped only while its checkpoint has not been trained yet."""
+"""The decoders on the committed trained tiny checkpoints (checkpoints/tiny/{ar,refusion,mdm})."""
 
 import sys
 from pathlib import Path
@@ -24,8 +23,7 @@ QUERY = "Ana has 85 apples. Ana uses 22 apples. Then Ana gives 45 apples to Lily
 
 def load(name):
     path = ROOT / name
-    if not (path / "model.safetensors").is_file():
-        pytest.skip(f"checkpoint {path} not trained yet")
+    assert (path / "model.safetensors").is_file(), f"checkpoint {path} is missing (run `make train-tiny`)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from refusion.tokenizer import encode_chat
