@@ -163,11 +163,19 @@ def ar_loss(model, batch) -> torch.Tensor:
 
 
 def collate_mdm(examples: list[Example], rng: random.Random, mask_token_id: int, pad_token_id: int,
-                eps: float = EPS) -> dict[str, torch.Tensor]:
+                eps: float = EPS, eos_token_id: int | None = None, pad_multiple: int = 32) -> dict[str, torch.Tensor]:
     """LLaDA SFT: each response token masked w.p. t ~ U(0,1) (floored at eps); bidirectional attention;
-    the logit at a masked position predicts the token at that same position."""
+    the logit at a masked position predicts the token at that same position.
+
+    As in LLaDA's SFT, the response is padded with EOS tokens (here up to the next
+    multiple of ``pad_multiple``) that are trained like response tokens, so the model
+    learns to fill the unused tail of a fixed-length generation window with EOS.
+    """
     ids, labels, weights, resp_len = [], [], [], []
     for ex in examples:
+        if eos_token_id is not None:
+            target = -(-len(ex.response) // pad_multiple) * pad_multiple
+            ex = Example(ex.prompt, ex.response + [eos_token_id] * (target - len(ex.response)))
         t = (1 - eps) * rng.random() + eps
         m = [rng.random() < t for _ in ex.response]
         if not any(m):  # at least one target per example

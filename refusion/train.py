@@ -111,7 +111,8 @@ def make_batch(name: str, examples, step: int, cfg: TrainConfig, tokenizer):
     if name == "refusion":
         return obj.collate_refusion(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id, cfg.slot_sizes)
     if name == "mdm":
-        return obj.collate_mdm(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id)
+        return obj.collate_mdm(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id)
     return obj.collate_ar(batch, tokenizer.pad_token_id)
 
 
