@@ -352,8 +352,8 @@ class RefusionBenchLM(LM):
         if not self._warm:
             # Warm-up: the first real call pays for allocator growth and lazy init; excluded from timing.
             t0 = time.perf_counter()
-            self.decode_fn(self.model, ids[:1, -min(width, 16):], None, **{**knobs, **(
-                {"gen_length": min(int(knobs.get("gen_length", 8)), 16)} if "gen_length" in knobs else {})})
+            # Same knobs as the real call: a shortened gen_length can violate block/slot constraints.
+            self.decode_fn(self.model, ids[:1, -len(prompts[0]):], None, **knobs)
             self._sync()
             self.warmup_s = time.perf_counter() - t0
             self._warm = True
