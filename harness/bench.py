@@ -14,8 +14,6 @@ every configuration and the figures of issue 4 checked against their targets.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import statistics
 import subprocess
@@ -25,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.presets import EMBEDDED_GEN_LENGTH, PRESETS, TINY_REFUSION_KNOBS
+from harness.store import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
 # Knobs and per-kind response budgets are shared with the runner's default run (one source).
@@ -170,12 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if all({"ar", "refusion", "llada", "fast_dllm"} <= set(r) for r in results.values()):
         report["targets"] = check_targets(results)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    atomic_write_json(a.out, report)
+    print(f"wrote {a.out}")
     return 0
 
 

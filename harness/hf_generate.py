@@ -12,12 +12,12 @@ go to ``results/generate_eval.json`` (atomic write) and a table on stdout.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import sys
 import time
 from pathlib import Path
+
+from harness.store import atomic_write_json
 
 
 def generate_responses(model, tokenizer, queries: list[str], *, max_new_tokens: int = 96,
@@ -93,12 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         report["models"][m] = evaluate_checkpoint(m, limit=a.limit, threads=a.threads)
         cells = "  ".join(f"{k}={v['accuracy']:.1f}% ({v['items']})" for k, v in report["models"][m].items())
         print(f"{m}: {cells}")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}")
+    atomic_write_json(a.out, report)
+    print(f"wrote {a.out}")
     return 0
 
 
