@@ -7,13 +7,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from refusion.decoding import DECODERS, get_decoder
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; on a loaded 2-core box two threads spin. Restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_causal(seed: int = 0) -> Qwen3ForCausalLM:

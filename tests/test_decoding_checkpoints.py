@@ -9,13 +9,7 @@ import torch
 from refusion.decoding import DECODERS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; on a loaded 2-core box two threads spin. Restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny"
 QUERY = "Ana has 85 apples. Ana uses 22 apples. Then Ana gives 45 apples to Lily. How many apples does Ana have now?"

@@ -10,13 +10,7 @@ from refusion.decoding.common import additive_mask
 from refusion.slot_attention import replicated_slot_attention, slot_attention, slot_visibility
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; on a loaded 2-core box two threads spin. Restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_visibility_pattern_by_hand():
