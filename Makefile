@@ -15,8 +15,10 @@ LIMIT ?=
 OUT ?= results/runs
 EVAL_ARGS ?=
 PYTEST_ARGS ?=
+REASON ?=
+export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test eval validate-tasks train-tiny bench-decoders clean
+.PHONY: help setup test eval validate-tasks train-tiny bench-decoders regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -44,6 +46,12 @@ train-tiny: setup ## train the three tiny models (refusion, ar, mdm) from scratc
 
 bench-decoders: setup ## benchmark every decoder on the embedded suite, JSON to results/
 	HF_HUB_OFFLINE=1 $(PY) -m harness bench-decoders
+
+regress: setup ## CI regression check: default run at a fixed LIMIT vs results/baseline/embedded.json
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness regress
+
+regress-update: setup ## rewrite the regression baseline on purpose: make regress-update REASON="..."
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness regress-update --reason "$$REASON"
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache

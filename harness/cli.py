@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import sys
 
-# command -> (module with main(argv), one-line help)
+# command -> ("module" with main(argv) or "module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("harness.runner", "run decoders on a task or suite and record quality and speed"),
     "validate-tasks": ("tasks.validate", "score every task's gold answers (one line per task)"),
@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-decoders": ("harness.bench", "benchmark every decoder on the embedded suite (JSON to results/)"),
     "generate-eval": ("harness.hf_generate", "accuracy of causal checkpoints with plain model.generate (left to right)"),
     "data": ("harness.data", "show where each benchmark's data is read from"),
+    "regress": ("harness.regress", "compare the default run with the committed baseline (CI regression check)"),
+    "regress-update": ("harness.regress:main_update", "rewrite the regression baseline on purpose (--reason)"),
 }
 
 
@@ -46,12 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {argv[0]!r}; valid commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     ns = _parser().parse_args(argv)
-    module_name, _ = COMMANDS[ns.command]
+    module_name, _, func = COMMANDS[ns.command][0].partition(":")
     if importlib.util.find_spec(module_name) is None:
         print(f"error: `{ns.command}` is not available yet: module {module_name} is not built", file=sys.stderr)
         return 2
     module = importlib.import_module(module_name)
-    return int(module.main(ns.args) or 0)
+    return int(getattr(module, func or "main")(ns.args) or 0)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ import inspect
 import json
 import os
 import random
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,7 @@ from tqdm import tqdm
 from harness.store import Journal, request_key
 
 MODEL_NAME = "refusion_bench"
+PAUSE_ENV = "REFUSION_BENCH_PAUSE_AFTER"  # test hook: see RefusionBenchLM._maybe_pause
 BATCH_DECODERS = frozenset({"ar", "llada", "fast_dllm"})  # refusion decodes one sequence at a time
 # Keywords every decoder takes that are not decoding knobs a user sets per run.
 SPECIAL_KEYWORDS = frozenset({"eos_token_id", "mask_token_id"})
@@ -303,6 +306,17 @@ class RefusionBenchLM(LM):
         self._done[rec["key"]] = rec
         if self.journal is not None:
             self.journal.append(rec)
+            self._maybe_pause()
+
+    def _maybe_pause(self) -> None:
+        # Test hook (environment only, never a knob): freeze after N journaled samples so a
+        # kill-and-resume test interrupts the run at a chosen point instead of racing a timer.
+        stop_after = os.environ.get(PAUSE_ENV)
+        if stop_after and sum(1 for _ in open(self.journal.path, encoding="utf-8")) >= int(stop_after):
+            print(f"{PAUSE_ENV}={stop_after}: paused after {stop_after} journaled samples", file=sys.stderr,
+                  flush=True)
+            while True:
+                signal.pause()
 
     def _track(self, task: str | None, key: str) -> None:
         self.keys_by_task.setdefault(task or "", []).append(key)

@@ -33,17 +33,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-MODEL_NAMES = ("ar", "refusion", "mdm")  # training order: refusion starts from the trained ar weights
+MODEL_NAMES = ("ar", "refusion", "mdm")  # training order: refusion and mdm start from the trained ar weights
+
+# Per-model recipe (steps, peak lr): ar learns the tasks from scratch; refusion and mdm adapt the
+# trained ar weights to their objective, as ReFusion fine-tunes Qwen3-8B and Dream starts from an AR
+# model. Each fits in well under 60 minutes on 2 CPU cores (README: measured times).
+RECIPES: dict[str, tuple[int, float]] = {"ar": (3000, 2e-3), "refusion": (1500, 1e-3), "mdm": (2000, 1e-3)}
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """One Qwen3 configuration shared by the three tiny models (~0.9M parameters)."""
-    hidden_size: int = 128
-    intermediate_size: int = 384
+    """One Qwen3 configuration shared by the three tiny models (~3.4M parameters)."""
+    hidden_size: int = 256
+    intermediate_size: int = 768
     num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
     head_dim: int = 32
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
@@ -53,7 +58,7 @@ class ModelShape:
 class TrainConfig:
     steps: int = 1500
     batch_size: int = 32
-    lr: float = 3e-3
+    lr: float = 2e-3
     warmup: int = 100
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.01
@@ -64,6 +69,15 @@ class TrainConfig:
     vocab_size: int = 1024
     save_every: int = 200
     refusion_init: str = "ar"  # "ar": start from the trained ar checkpoint in the same folder; "scratch"
+    mdm_init: str = "ar"       # likewise for mdm
+    # Share of each kind in a batch: arithmetic is the hardest thing the suite asks of a tiny model.
+    kind_weights: tuple[tuple[str, float], ...] = (("math", 0.45), ("code", 0.2), ("choice", 0.35))
+
+
+def recipe(name: str, **overrides) -> TrainConfig:
+    """The committed training configuration of one tiny model; ``overrides`` replace fields."""
+    steps, lr = RECIPES[name]
+    return dataclasses.replace(TrainConfig(steps=steps, lr=lr), **overrides)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -73,11 +87,11 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def build_corpus():
-    """Tokenizer-training texts and per-kind training rows, from the embedded suite's train splits."""
+    """Tokenizer-training texts and the training rows per kind, from the embedded suite's train splits."""
     from tasks.embedded import KINDS, load_split
 
-    rows = [r for kind in KINDS for r in load_split(kind, "train")]
-    texts = [t for r in rows for t in (r["query"], r["response"])]
+    rows = {kind: load_split(kind, "train") for kind in KINDS}
+    texts = [t for kind in KINDS for r in rows[kind] for t in (r["query"], r["response"])]
     return texts, rows
 
 
@@ -107,7 +121,12 @@ def make_batch(name: str, examples, step: int, cfg: TrainConfig, tokenizer):
     from refusion import objective as obj
 
     rng = random.Random(f"{cfg.seed}/{step}")
-    batch = [examples[i] for i in rng.sample(range(len(examples)), cfg.batch_size)]
+    weights = dict(cfg.kind_weights)
+    kinds = [k for k in examples if weights.get(k, 0) > 0]
+    if not kinds:
+        raise ValueError(f"no training kind has a positive weight: {sorted(examples)} vs {weights}")
+    drawn = rng.choices(kinds, [weights[k] for k in kinds], k=cfg.batch_size)
+    batch = [rng.choice(examples[k]) for k in drawn]
     if name == "refusion":
         return obj.collate_refusion(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id, cfg.slot_sizes)
     if name == "mdm":
@@ -130,7 +149,7 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
     torch.manual_seed(cfg.seed)
     model_cfg = make_config(tokenizer, shape, name)
     model = Qwen3ForCausalLM._from_config(copy.deepcopy(model_cfg), attn_implementation="sdpa")
-    if name == "refusion" and cfg.refusion_init == "ar":
+    if (name == "refusion" and cfg.refusion_init == "ar") or (name == "mdm" and cfg.mdm_init == "ar"):
         _load_init(model, tokenizer, out_dir / "ar")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     loss_fn = OBJECTIVES[name]
@@ -197,8 +216,8 @@ def _load_init(model, tokenizer, init_dir: Path) -> None:
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     if not (init_dir / "config.json").is_file():
-        raise FileNotFoundError(f"refusion starts from the ar checkpoint, but {init_dir} has none: "
-                                "train ar first (--models ar,refusion) or pass --refusion-init scratch")
+        raise FileNotFoundError(f"refusion and mdm start from the ar checkpoint, but {init_dir} has none: "
+                                "train ar first (--models ar,...) or pass --refusion-init / --mdm-init scratch")
     if AutoTokenizer.from_pretrained(str(init_dir)).get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"{init_dir} was trained with a different tokenizer; retrain ar first")
     src = Qwen3ForCausalLM.from_pretrained(str(init_dir))
@@ -241,7 +260,8 @@ def prepare(cfg: TrainConfig):
 
     texts, rows = build_corpus()
     tokenizer = train_tokenizer(texts, TokenizerConfig(vocab_size=cfg.vocab_size))
-    examples = [Example(encode_chat(tokenizer, r["query"]), encode_response(tokenizer, r["response"])) for r in rows]
+    examples = {kind: [Example(encode_chat(tokenizer, r["query"]), encode_response(tokenizer, r["response"]))
+                       for r in kind_rows] for kind, kind_rows in rows.items()}
     return tokenizer, examples
 
 
@@ -249,28 +269,33 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness train-tiny", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated subset of refusion,ar,mdm")
     p.add_argument("--out", default="checkpoints/tiny", help="output folder (one sub-folder per model)")
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps for every model (default: each model's recipe: "
+                   + ", ".join(f"{k} {v[0]}" for k, v in RECIPES.items()) + ")")
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate for every model (default: the recipe's)")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--threads", type=int, default=TrainConfig.threads)
     p.add_argument("--refusion-init", choices=["ar", "scratch"], default=TrainConfig.refusion_init,
                    help="start refusion from the trained ar checkpoint (as ReFusion fine-tunes Qwen3) or from scratch")
+    p.add_argument("--mdm-init", choices=["ar", "scratch"], default=TrainConfig.mdm_init,
+                   help="start mdm from the trained ar checkpoint (as Dream starts from an AR model) or from scratch")
     a = p.parse_args(argv)
     names = [n.strip() for n in a.models.split(",") if n.strip()]
     bad = [n for n in names if n not in MODEL_NAMES]
     if bad or not names:
         print(f"error: unknown model(s) {', '.join(bad) or '(none)'}; valid: {', '.join(MODEL_NAMES)}", file=sys.stderr)
         return 2
-    if a.steps < 1 or a.batch_size < 1:
-        print("error: --steps and --batch-size must be >= 1", file=sys.stderr)
+    if (a.steps is not None and a.steps < 1) or a.batch_size < 1 or (a.lr is not None and a.lr <= 0):
+        print("error: --steps and --batch-size must be >= 1, --lr > 0", file=sys.stderr)
         return 2
-    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, threads=a.threads,
-                      refusion_init=a.refusion_init)
-    tokenizer, examples = prepare(cfg)
+    overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads, refusion_init=a.refusion_init,
+                     mdm_init=a.mdm_init)
+    overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr)) if v is not None})
+    tokenizer, examples = prepare(TrainConfig(**overrides))
     for name in sorted(names, key=MODEL_NAMES.index):
         t0 = time.time()
-        path = train_one(name, tokenizer, examples, cfg, ModelShape(), Path(a.out))
+        path = train_one(name, tokenizer, examples, recipe(name, **overrides), ModelShape(), Path(a.out))
         print(f"{name}: {path} in {time.time() - t0:.0f}s")
     return 0
 

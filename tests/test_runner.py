@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -41,9 +40,10 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _run(s: dict, run_id: str, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    p = subprocess.run(_cmd(s, run_id, *extra), cwd=REPO, env=_env(), capture_output=True, text=True,
-                       timeout=timeout)
+def _run(s: dict, run_id: str, *extra: str, timeout: int = 900, env: dict | None = None
+         ) -> subprocess.CompletedProcess:
+    p = subprocess.run(_cmd(s, run_id, *extra), cwd=REPO, env={**_env(), **(env or {})}, capture_output=True,
+                       text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-4000:]
     return p
 
@@ -87,24 +87,28 @@ def test_reference_run_records_everything(reference):
 
 
 def test_resume_after_kill_9(setup, reference):
+    """The worker freezes itself after PAUSE_AT journaled samples (a test hook), so the kill lands
+    at a chosen point by construction, however fast or slow the machine is."""
+    from harness.lm_adapter import PAUSE_ENV
+
+    pause_at = 2
     run_dir = setup["out"] / "killed"
-    proc = subprocess.Popen(_cmd(setup, "killed"), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    journal = run_dir / "models" / "a" / "journal" / "journal.rank0.jsonl"
-    deadline = time.time() + 900
+    proc = subprocess.Popen(_cmd(setup, "killed"), cwd=REPO, env={**_env(), PAUSE_ENV: str(pause_at)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        while time.time() < deadline:
-            if journal.exists() and journal.read_text().count("\n") >= 2:
+        # The pause notice is printed after the journal line is fsynced; stderr carries it.
+        for line in proc.stderr:
+            if f"paused after {pause_at}" in line:
                 break
-            assert proc.poll() is None, "run ended before it could be interrupted"
-            time.sleep(0.05)
         else:
-            pytest.fail("journal never reached 2 samples")
+            pytest.fail(f"run ended (exit {proc.wait()}) without reaching the pause point")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the runner and its worker, mid-run
         proc.wait()
+        proc.stderr.close()
+    journal = run_dir / "models" / "a" / "journal" / "journal.rank0.jsonl"
     done_before = journal.read_text().count("\n")
-    assert 2 <= done_before < N_DOCS and not (run_dir / "summary.json").exists()
+    assert done_before == pause_at and not (run_dir / "summary.json").exists()
 
     _run(setup, "killed")
     finished = json.loads((run_dir / "models" / "a" / "done.json").read_text())
@@ -113,9 +117,9 @@ def test_resume_after_kill_9(setup, reference):
     assert _deterministic(run_dir) == _deterministic(reference)
 
 
-
-def test_two_processes_match_one(setup, reference):
-    _run(setup, "dp2", "--num-processes", "2")
+def test_two_processes_match_one(setup, reference, tmp_path):
+    # accelerate/torchrun leave a torchelastic_* folder in TMPDIR: keep it inside pytest's tmp_path.
+    _run(setup, "dp2", "--num-processes", "2", env={"TMPDIR": str(tmp_path)})
     run_dir = setup["out"] / "dp2"
     m = json.loads((run_dir / "metrics" / "a__tiny_gen.json").read_text())
     assert len(m["memory"]["peak_rss_by_rank"]) == 2
