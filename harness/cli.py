@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-decoders": ("harness.bench", "benchmark every decoder on the embedded suite (JSON to results/)"),
     "generate-eval": ("harness.hf_generate", "accuracy of causal checkpoints with plain model.generate (left to right)"),
     "data": ("harness.data", "show where each benchmark's data is read from"),
+    "report": ("harness.paper_report", "the paper's Table 1, speedups and figures from one or more runs"),
+    "sweep": ("harness.sweep", "ReFusion accuracy vs tokens/s as its knobs vary (ablation view)"),
 }
 
 
