@@ -120,15 +120,20 @@ def figure(points: list[dict], grid: dict[str, list], title: str):
         xs, ys = [p["tokens_per_s"] for p in curve], [p["quality"] for p in curve]
         ax.plot(xs, ys, marker="o", color=f"C{i}", label=f"refusion, {knob} varies")
         for p in curve:
-            ax.annotate(f"{p['knobs'][knob]}", (p["tokens_per_s"], p["quality"]), fontsize=7,
-                        textcoords="offset points", xytext=(4, 4), color=f"C{i}")
+            if p is not base:  # the shared base point is labelled once, below
+                ax.annotate(f"{p['knobs'][knob]}", (p["tokens_per_s"], p["quality"]), fontsize=6,
+                            textcoords="offset points", xytext=(4, 4 + 6 * i), color=f"C{i}")
+    if base["quality"] is not None:
+        ax.annotate("base", (base["tokens_per_s"], base["quality"]), fontsize=7, textcoords="offset points",
+                    xytext=(4, -10))
     for j, ref in enumerate(REFERENCES):
         p = next((x for x in points if x["name"] == ref and x["quality"] is not None), None)
         if p is not None:
             ax.scatter([p["tokens_per_s"]], [p["quality"]], marker="*^"[j], s=120, color="black" if j == 0 else "0.5",
                        zorder=3, label=ref)
+    ax.margins(0.12)  # room for the value labels
     ax.set_xlabel("throughput (generated tokens / s, mean over tasks)")
-    ax.set_ylabel("quality (accuracy or pass@1, %, mean over tasks)")
+    ax.set_ylabel("quality (%, mean over tasks)")
     knobs = ", ".join(f"{k}={v}" for k, v in base["knobs"].items())
     ax.set_title(f"{title}\nbase: {knobs}", fontsize=9)
     ax.grid(True, alpha=0.3)
@@ -138,7 +143,10 @@ def figure(points: list[dict], grid: dict[str, list], title: str):
 
 def main(argv: list[str] | None = None) -> int:
     ns, passthrough = _parser().parse_known_args(argv)
+    import matplotlib.pyplot as plt
+
     from harness import runner
+    from harness.figures import save_png
     from harness.paper_report import load_runs
     from harness.store import atomic_dir, atomic_write_json
 
@@ -181,10 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             "convention": "quality = mean over tasks of the primary metric (%); tokens_per_s = mean over tasks "
                           "of each task's ratio-of-sums tokens/s (the Avg rule of Table 1)",
             "environment": rs.runs[0].get("environment"), "points": summary})
-        fig = figure(summary, grid, f"ReFusion knob sweep: {ns.task}, limit {ns.limit}, run {run_id}")
-        fig.savefig(tmp / "sweep.png")
-        import matplotlib.pyplot as plt
-
+        fig = figure(summary, grid, f"ReFusion knob sweep ({ns.task}, limit {ns.limit})")
+        save_png(fig, tmp / "sweep.png")
         plt.close(fig)
     print(f"wrote {target}/sweep.json and sweep.png ({len(summary)} points from run {run_dir})")
     return 0
