@@ -241,10 +241,23 @@ def references(rs: RunSet) -> list[tuple[str, str]]:
     return out
 
 
+def report_suites(rs: RunSet) -> list[paper.Suite]:
+    """The paper's benchmarks, the embedded suite, and any other task the run(s) measured."""
+    known = paper.suites()
+    covered = {t for s in known for c in s.columns for t in c.tasks}
+    units = []
+    for r in rs.runs:
+        units += [u["name"] for u in r["units"] if u["name"] not in covered and u["name"] not in units]
+    if not units:
+        return list(known)
+    return [*known, paper.Suite("other", "Other tasks (no published numbers)",
+                                tuple(paper.Column(u, u, (u,)) for u in units), False)]
+
+
 def build(rs: RunSet) -> dict:
     """Every number of the report, per suite: our rows, published rows, speedups."""
     suites = []
-    for s in paper.suites():
+    for s in report_suites(rs):
         ours = our_rows(rs, s)
         keys = [c.key for c in s.columns]
         by_name = {r["model"]: r for r in ours}

@@ -147,12 +147,8 @@ def _mixed_run(root: Path, name: str = "mixed", seed: int = 0, **kw) -> Path:
     return fake_run(root, name, models, cells, units, **kw)
 
 
-def test_every_number_in_table1_comes_from_the_metrics(tmp_path):
-    run = _mixed_run(tmp_path / "runs")
-    out = tmp_path / "reports"
-    assert main(["--run", str(run), "--out", str(out), "--name", "m"]) == 0
-    md = (out / "m" / "table1.md").read_text()
-    suites = {"## " + paper.paper_suite().title: paper.paper_suite(), "## " + paper.EMBEDDED.title: paper.EMBEDDED}
+def check_table_against_metrics(md: str, run: Path, suites: dict[str, paper.Suite]) -> int:
+    """Every ours-cell and average of table1.md equals the run's metrics JSON (2 decimals); returns cells seen."""
     checked = 0
     for heading, suite in suites.items():
         part = md.split(heading)[1]
@@ -165,15 +161,27 @@ def test_every_number_in_table1_comes_from_the_metrics(tmp_path):
                     assert cell == NOT_MEASURED
                     continue
                 met = json.loads((run / "metrics" / f"{model}__{unit}.json").read_text())
-                q, t = 100 * met["quality"]["exact_match,none"], met["speed"]["tokens_per_s"]["ratio_of_sums"]
+                q, t = 100 * met["quality"][met["quality_primary"]], met["speed"]["tokens_per_s"]["ratio_of_sums"]
                 assert cell == f"{q:.2f} / {t:.2f}", (model, unit)
                 qs.append(q)
                 ts.append(t)
                 checked += 1
+            if not qs:
+                assert row[-1] == NOT_MEASURED
+                continue
             avg = f"{sum(qs) / len(qs):.2f} / {sum(ts) / len(ts):.2f}"
             n = len(suite.columns)
             assert row[-1] == (avg if len(qs) == n else f"{avg} ({len(qs)}/{n})")
-    assert checked == 4 * 5
+    return checked
+
+
+def test_every_number_in_table1_comes_from_the_metrics(tmp_path):
+    run = _mixed_run(tmp_path / "runs")
+    out = tmp_path / "reports"
+    assert main(["--run", str(run), "--out", str(out), "--name", "m"]) == 0
+    md = (out / "m" / "table1.md").read_text()
+    suites = {"## " + paper.paper_suite().title: paper.paper_suite(), "## " + paper.EMBEDDED.title: paper.EMBEDDED}
+    assert check_table_against_metrics(md, run, suites) == 4 * 5
     # The CSV holds the same numbers unrounded (to 6 places).
     rows = list(csv.DictReader(open(out / "m" / "table1.csv")))
     r = next(x for x in rows if x["model"] == "refusion" and x["suite"] == "embedded")
@@ -324,6 +332,16 @@ def test_sweep_end_to_end_on_a_tiny_model(tmp_path):
     assert names == ["ar", "refusion", "refusion_left_to_right", "rf_slot_size_2"]
     assert all(x["tokens_per_s"] > 0 and x["quality"] is not None for x in res["points"])
     assert (tmp_path / "reports" / "sweep" / "sweep.png").stat().st_size > 1000
+    # The report of that real run: every number from its metrics files, every figure written.
+    run = next((tmp_path / "runs").iterdir())
+    assert main(["--run", str(run), "--out", str(tmp_path / "reports"), "--name", "real"]) == 0
+    rep = tmp_path / "reports" / "real"
+    other = paper.Suite("other", "", (paper.Column("tiny_gen", "tiny_gen", ("tiny_gen",)),), False)
+    assert check_table_against_metrics((rep / "table1.md").read_text(), run,
+                                       {"## Other tasks (no published numbers)": other}) == 4
+    pngs = sorted(p.name for p in rep.glob("*.png"))
+    assert pngs == ["latency.png", "memory.png", "pareto_avg_other.png", "pareto_tiny_gen.png",
+                    "speedup_other.png", "tpf_other.png"]
     # Same settings again: the run is resumed, nothing recomputed.
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0 and p.stderr.count("already finished, skipped") == 4, p.stderr[-3000:]
