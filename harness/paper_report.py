@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -436,7 +435,15 @@ def speedup_md(rs: RunSet, data: dict) -> str:
     return "\n".join(lines)
 
 
-def index_md(rs: RunSet, data: dict, figures: dict[str, str], out_dir: Path) -> str:
+def _show_path(path: str) -> str:
+    """Paths inside the repository relative to it, so a committed report names no machine's folders."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
     lines = [f"# Report: run {_run_names(rs)}", "",
              "- [table1.md](table1.md) (also [table1.csv](table1.csv), [table1.tex](table1.tex)): the paper's "
              f"Table 1 layout, this run beside the published numbers ({paper.source()})",
@@ -454,9 +461,8 @@ def index_md(rs: RunSet, data: dict, figures: dict[str, str], out_dir: Path) -> 
     for r in rs.runs:
         env = r.get("environment") or {}
         pk = env.get("packages") or {}
-        rel = os.path.relpath(r["dir"], out_dir)
         lines += [f"### {r.get('run_id') or Path(r['dir']).name}", "",
-                  f"- folder: [{r['dir']}]({rel}), created {r.get('created')}",
+                  f"- folder `{_show_path(r['dir'])}`, created {r.get('created')}",
                   f"- task `{r.get('task')}` ({', '.join(u['name'] for u in r['units'])}), limit {r.get('limit')}, "
                   f"seed {r.get('seed')}, batch size {r.get('batch_size')}, chat template {r.get('chat_template')}, "
                   f"paper task defaults {r.get('task_defaults')}, speedup baseline {r.get('baseline')}",
@@ -468,7 +474,7 @@ def index_md(rs: RunSet, data: dict, figures: dict[str, str], out_dir: Path) -> 
                   "|---|---|---|---|"]
         for m in r["models"]:
             knobs = ", ".join(f"{k}={v}" for k, v in sorted((m.get("knobs") or {}).items())) or "-"
-            lines.append(f"| {m['name']} | {m['decoder']} | {m['checkpoint']} | {knobs} |")
+            lines.append(f"| {m['name']} | {m['decoder']} | `{_show_path(m['checkpoint'])}` | {knobs} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -495,10 +501,11 @@ def write_report(rs: RunSet, target: Path) -> Path:
         atomic_write_text(tmp / "table1.csv", table1_csv(data))
         atomic_write_text(tmp / "table1.tex", table1_tex(rs, data))
         atomic_write_text(tmp / "speedup.md", speedup_md(rs, data))
-        atomic_write_json(tmp / "report.json", {"runs": [r["dir"] for r in rs.runs], "missing": rs.missing,
+        atomic_write_json(tmp / "report.json", {"runs": [_show_path(r["dir"]) for r in rs.runs],
+                                                "missing": [(m, u, _show_path(d)) for m, u, d in rs.missing],
                                                 "notes": rs.notes, **_json_ready(data)})
         made = figures.save_all(figures.build_all(rs, data), tmp)
-        atomic_write_text(tmp / "index.md", index_md(rs, data, made, target))
+        atomic_write_text(tmp / "index.md", index_md(rs, data, made))
     return target
 
 
