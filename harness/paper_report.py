@@ -470,11 +470,13 @@ def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
                   f"- environment: commit {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}, "
                   f"python {env.get('python')}, torch {pk.get('torch')}, transformers {pk.get('transformers')}, "
                   f"lm-eval {pk.get('lm-eval')}, CPU {env.get('cpu')} ({env.get('cpu_count')} cores), "
-                  f"GPU {env.get('gpu')}, {env.get('platform')}", "", "| model | decoder | checkpoint | knobs |",
-                  "|---|---|---|---|"]
+                  f"GPU {env.get('gpu')}, {env.get('platform')}", "",
+                  "| model | decoder | checkpoint | knobs | per-task defaults |", "|---|---|---|---|---|"]
         for m in r["models"]:
             knobs = ", ".join(f"{k}={v}" for k, v in sorted((m.get("knobs") or {}).items())) or "-"
-            lines.append(f"| {m['name']} | {m['decoder']} | `{_show_path(m['checkpoint'])}` | {knobs} |")
+            per_task = "; ".join(f"{t}: " + ", ".join(f"{k}={v}" for k, v in sorted(tk.items()))
+                                 for t, tk in sorted((m.get("task_knobs") or {}).items())) or "-"
+            lines.append(f"| {m['name']} | {m['decoder']} | `{_show_path(m['checkpoint'])}` | {knobs} | {per_task} |")
         lines.append("")
     return "\n".join(lines)
 
