@@ -17,8 +17,13 @@ EVAL_ARGS ?=
 PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
+RUN ?=
+NAME ?=
+REPORT_ARGS ?=
+GRID ?=
+SWEEP_ARGS ?=
 
-.PHONY: help setup test eval validate-tasks train-tiny bench-decoders regress regress-update clean
+.PHONY: help setup test eval report sweep validate-tasks train-tiny bench-decoders regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -37,6 +42,14 @@ test: setup ## run the test suite (CPU, tiny models)
 eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... OUT=...
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness eval --task '$(TASK)' \
 		$(if $(MODELS),--models '$(MODELS)') $(if $(LIMIT),--limit $(LIMIT)) --out '$(OUT)' $(EVAL_ARGS)
+
+report: setup ## Table 1, speedups and figures of a run: make report RUN=<run dir or id>[,<run>...] NAME=...
+	$(PY) -m harness report $(if $(RUN),--run '$(RUN)') $(if $(NAME),--name '$(NAME)') --runs-root '$(OUT)' \
+		$(REPORT_ARGS)
+
+sweep: setup ## ReFusion quality vs tokens/s as its knobs vary: make sweep LIMIT=... GRID='slot_size=2,4,8;...'
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness sweep --task '$(TASK)' \
+		$(if $(LIMIT),--limit $(LIMIT)) $(if $(GRID),--grid '$(GRID)') --out '$(OUT)' $(SWEEP_ARGS)
 
 validate-tasks: setup ## score every task's gold answers, one line per task
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness validate-tasks

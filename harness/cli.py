@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("harness.data", "show where each benchmark's data is read from"),
     "regress": ("harness.regress", "compare the default run with the committed baseline (CI regression check)"),
     "regress-update": ("harness.regress:main_update", "rewrite the regression baseline on purpose (--reason)"),
+    "report": ("harness.paper_report", "the paper's Table 1, speedups and figures from one or more runs"),
+    "sweep": ("harness.sweep", "ReFusion accuracy vs tokens/s as its knobs vary (ablation view)"),
 }
 
 

@@ -12,12 +12,14 @@ Two rules keep an interrupted run (even ``kill -9``) recoverable:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -130,3 +132,35 @@ class Journal:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """Build a whole folder in a temp sibling and swap it in at the end.
+
+    Yields the temp folder to write into. On success it replaces ``target`` (the old
+    copy is moved aside first and removed after), so a reader sees the old folder or
+    the complete new one; on any error the temp folder is removed and ``target`` is
+    left as it was.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield tmp
+        old = None
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+            os.replace(target, old / target.name)
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            if old is not None:  # put the previous copy back
+                os.replace(old / target.name, target)
+                shutil.rmtree(old, ignore_errors=True)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

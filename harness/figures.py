@@ -1,0 +1,231 @@
+"""Report figures (matplotlib, Agg): each builder returns a Figure, so tests can count its series.
+
+Every figure has a title, axis labels with units and a legend, and is saved small
+(``FIGSIZE`` at ``DPI``) so the committed example stays light.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a window
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+FIGSIZE = (7.0, 4.2)
+DPI = 100
+# This run: filled markers in colour; published points: hollow grey markers, so the two never mix up.
+OURS_MARKERS = "osD^vP*Xh<>p"
+PAPER_MARKERS = "osD^vP*Xh"
+
+
+def _fig() -> tuple[Figure, plt.Axes]:
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    return fig, ax
+
+
+def _legend(ax: plt.Axes) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+
+
+def pareto(title: str, ours: list[tuple[str, float, float]], published: list[tuple[str, float, float]],
+           ours_label: str = "this run", published_label: str = "published") -> Figure:
+    """Quality (%) vs tokens/s: one marker per model/decoder; ours filled, published hollow grey."""
+    fig, ax = _fig()
+    for i, (name, x, y) in enumerate(ours):
+        ax.scatter([x], [y], marker=OURS_MARKERS[i % len(OURS_MARKERS)], s=60, color=f"C{i % 10}",
+                   edgecolors="black", linewidths=0.5, zorder=3, label=f"{name} ({ours_label})")
+    for i, (name, x, y) in enumerate(published):
+        ax.scatter([x], [y], marker=PAPER_MARKERS[i % len(PAPER_MARKERS)], s=50, facecolors="none",
+                   edgecolors="0.45", linewidths=1.0, zorder=2, label=f"{name} ({published_label})")
+    xs = [p[1] for p in ours + published if p[1] and p[1] > 0]
+    if xs and max(xs) / min(xs) > 20:
+        ax.set_xscale("log")  # ours (tiny models, CPU) and published (8B, GPU) differ by orders of magnitude
+    ax.set_xlabel("throughput (generated tokens / s)")
+    ax.set_ylabel("quality (accuracy or pass@1, %)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    _legend(ax)
+    return fig
+
+
+def grouped_bars(title: str, groups: list[str], series: dict[str, list[float | None]], ylabel: str,
+                 hline: float | None = None, xlabel: str = "task") -> Figure:
+    """One bar series per key of ``series``, one group per entry of ``groups`` (None = no bar)."""
+    fig, ax = _fig()
+    n = max(len(series), 1)
+    width = 0.8 / n
+    for i, (name, vals) in enumerate(series.items()):
+        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width=width, label=name, color=f"C{i % 10}")
+    ax.set_xticks(range(len(groups)), groups, rotation=20 if len(groups) > 5 else 0, fontsize=8)
+    if hline is not None:
+        ax.axhline(hline, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    _legend(ax)
+    return fig
+
+
+def latency_cdf(title: str, latencies: dict[str, list[float]]) -> Figure:
+    """Empirical CDF of per-sample decode seconds, one line per model/decoder."""
+    fig, ax = _fig()
+    for i, (name, xs) in enumerate(latencies.items()):
+        xs = sorted(xs)
+        ys = [(k + 1) / len(xs) for k in range(len(xs))]
+        ax.step(xs, ys, where="post", label=f"{name} (n={len(xs)})", color=f"C{i % 10}")
+    all_x = [x for xs in latencies.values() for x in xs if x > 0]
+    if all_x and max(all_x) / min(all_x) > 20:
+        ax.set_xscale("log")
+    ax.set_xlabel("decode latency per sample (s)")
+    ax.set_ylabel("fraction of samples")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    _legend(ax)
+    return fig
+
+
+def _in_unit(values: list[float | None]) -> tuple[list[float], str]:
+    """Bytes -> the largest binary unit that keeps the biggest value >= 1."""
+    top = max((v for v in values if v), default=0)
+    for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if top >= 2 ** (10 * power):
+            return [(v or 0) / 2 ** (10 * power) for v in values], unit
+    return [float(v or 0) for v in values], "bytes"
+
+
+def memory_bars(title: str, models: list[str], peak_bytes: list[float | None], peak_label: str,
+                kv_bytes: list[float | None]) -> Figure:
+    """Two panels: peak process (or GPU) memory and the decoder's peak KV-cache bytes, per model."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI, layout="constrained", sharey=True)
+    peak, pu = _in_unit(peak_bytes)
+    kv, ku = _in_unit(kv_bytes)
+    # Horizontal bars: model names stay readable however many there are.
+    a1.barh(models, peak, color="C0", label=peak_label)
+    a1.set_xlabel(f"{peak_label} ({pu})")
+    a1.set_ylabel("model / decoder")
+    a1.invert_yaxis()  # run order, top to bottom
+    a2.barh(models, kv, color="C1", label="peak KV cache")
+    a2.set_xlabel(f"peak KV cache ({ku})")
+    a2.set_ylabel("model / decoder")
+    for a in (a1, a2):
+        a.tick_params(axis="y", labelsize=8)
+        a.grid(True, axis="x", alpha=0.3)
+        a.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+# ---------------------------------------------------------------- from a report
+
+
+def _latencies(rs) -> dict[str, list[float]]:
+    """Per-sample decode seconds pooled over each model's tasks, from the runs' sample logs."""
+    out: dict[str, list[float]] = {}
+    for (model, unit), met in rs.metrics.items():
+        path = Path(met["_run_dir"]) / "models" / model / "samples" / f"{unit}.jsonl"
+        if not path.is_file():
+            continue
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec.get("decode_s") is not None:
+                    out.setdefault(model, []).append(float(rec["decode_s"]))
+    return {m["name"]: out[m["name"]] for m in rs.models if m["name"] in out}
+
+
+def _memory(rs) -> tuple[list[str], list[float | None], str, list[float | None]]:
+    gpu = any((met.get("memory") or {}).get("gpu_peak_bytes") for met in rs.metrics.values())
+    key, label = ("gpu_peak_bytes", "peak GPU memory") if gpu else ("peak_rss_bytes", "peak RSS")
+    names, peak, kv = [], [], []
+    for m in rs.models:
+        mets = [met for (name, _), met in rs.metrics.items() if name == m["name"]]
+        if not mets:
+            continue
+        p = [met["memory"][key] for met in mets if (met.get("memory") or {}).get(key)]
+        k = [met["memory"]["kv_peak_bytes"] for met in mets if (met.get("memory") or {}).get("kv_peak_bytes")]
+        names.append(m["name"])
+        peak.append(max(p) if p else None)
+        kv.append(max(k) if k else None)
+    return names, peak, label, kv
+
+
+def build_all(rs, data: dict) -> dict[str, tuple[Figure, str]]:
+    """file name -> (figure, caption) for everything the run measured."""
+    figs: dict[str, tuple[Figure, str]] = {}
+    pub_avg = []
+    for s in data["suites"]:
+        if s["suite"].published:
+            pub_avg = [(r["model"], r["average"]["tokens_per_s"], r["average"]["quality"]) for r in s["published"]]
+    for s in data["suites"]:
+        suite = s["suite"]
+        short = "paper benchmarks" if suite.published else f"{suite.name} suite"
+        measured = [c for c in suite.columns if any(r["status"][c.key] == "ok" for r in s["ours"])]
+        for c in measured:
+            ours = [(r["model"], r["cells"][c.key]["tokens_per_s"], r["cells"][c.key]["quality"])
+                    for r in s["ours"] if r["status"][c.key] == "ok"
+                    and r["cells"][c.key]["quality"] is not None and r["cells"][c.key]["tokens_per_s"]]
+            pub = [(r["model"], r["cells"][c.key]["tokens_per_s"], r["cells"][c.key]["quality"])
+                   for r in s["published"] if c.key in r["cells"]]
+            figs[f"pareto_{c.key}.png"] = (pareto(f"{c.label}: quality vs throughput", ours, pub),
+                                           f"{c.label} ({c.key}): quality vs tokens/s")
+        if measured:
+            ours = [(r["model"], r["average"]["tokens_per_s"], r["average"]["quality"]) for r in s["ours"]
+                    if r["average"]["complete"]]
+            note = "" if suite.published else "\n(published: averages over the paper's 7 benchmarks, 7-8B models)"
+            figs[f"pareto_avg_{suite.name}.png"] = (
+                pareto(f"Average over the {suite.name} suite{note}", ours, pub_avg, ours_label="this run",
+                       published_label="published avg"),
+                f"{short}: average quality vs average tokens/s (models that measured every task)")
+            sp = [x for x in s["speedups"] if x["role"] == "AR baseline"]
+            if sp:
+                ref = sp[0]["reference"]
+                series = {x["model"]: [x["per_task"][c.key] for c in measured] + [x["mean_of_ratios"]] for x in sp}
+                figs[f"speedup_{suite.name}.png"] = (
+                    grouped_bars(f"Speedup vs {ref} per task ({suite.name} suite)",
+                                 [c.label for c in measured] + ["mean of ratios"], series,
+                                 f"speedup over {ref} (x, tokens/s ratio)", hline=1.0),
+                    f"{short}: speedup over {ref} per task and mean of per-task ratios")
+            tpf = {r["model"]: [r["cells"][c.key]["tpf"] if r["status"][c.key] == "ok" else None for c in measured]
+                   for r in s["ours"] if any(r["status"][c.key] == "ok" for c in measured)}
+            figs[f"tpf_{suite.name}.png"] = (
+                grouped_bars(f"Tokens per forward per task ({suite.name} suite)", [c.label for c in measured], tpf,
+                             "TPF (generated tokens / forward)", hline=1.0),
+                f"{short}: tokens per forward (TPF) per task")
+    lat = _latencies(rs)
+    if lat:
+        figs["latency.png"] = (latency_cdf("Decode latency per sample (all tasks of the run)", lat),
+                               "Latency distribution per decoder (CDF of per-sample decode seconds)")
+    names, peak, label, kv = _memory(rs)
+    if names:
+        figs["memory.png"] = (memory_bars(f"Peak memory per decoder ({label}, KV cache)", names, peak, label, kv),
+                              f"Peak memory per decoder ({label} and peak KV cache)")
+    return figs
+
+
+def save_all(figs: dict[str, tuple[Figure, str]], folder: Path) -> dict[str, str]:
+    """Write every figure as PNG, close it, and return file name -> caption."""
+    out = {}
+    for name, (fig, caption) in figs.items():
+        save_png(fig, folder / name)
+        plt.close(fig)
+        out[name] = caption
+    return out
+
+
+def save_png(fig: Figure, path: Path) -> None:
+    """PNG with an adaptive 128-colour palette: a third of the bytes, no visible loss on flat plots."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    buf.seek(0)
+    Image.open(buf).convert("RGB").quantize(colors=128).save(path, "PNG", optimize=True)

@@ -1,0 +1,369 @@
+"""`python -m harness report` and `python -m harness sweep`: tables, speedups and figures.
+
+Runs are built as fake run folders (run.json + metrics JSON + sample logs), so these
+tests are fast and deterministic; one end-to-end check runs a real tiny sweep.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import figures, paper, paper_report
+from harness.paper_report import MISSING, NOT_MEASURED, main
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The published Table 1 (ReFusion, arXiv 2512.13586), typed in independently of harness/paper_table1.json.
+PUBLISHED = """\
+| Llama-3-8B-Instruct | 35.23 / 32.07 | 82.76 / 44.12 | 75.13 / 42.81 | 25.48 / 19.73 | 29.46 / 42.00 | 46.34 / 42.26 | 53.00 / 41.68 | 49.63 / 37.81 |
+| Qwen3-8B | 67.25 / 31.42 | 90.36 / 42.78 | 81.96 / 31.20 | 83.28 / 30.11 | 39.06 / 30.43 | 87.80 / 30.95 | 63.80 / 30.07 | 73.36 / 32.42 |
+| LLaDA-8B-Instruct | 35.80 / 18.21 | 85.58 / 0.03 | 76.35 / 27.35 | 38.78 / 23.93 | 32.37 / 1.99 | 45.12 / 12.42 | 25.60 / 2.97 | 48.51 / 12.41 |
+| LLaDA w/ Fast-dLLM | 35.02 / 39.81 | 82.85 / 0.86 | 76.27 / 73.07 | 38.58 / 52.23 | 28.35 / 17.54 | 37.80 / 62.52 | 24.80 / 37.19 | 46.24 / 40.46 |
+| LLaDA w/ D2F | 22.84 / 44.54 | 84.13 / 3.70 | 39.04 / 82.59 | 23.68 / 59.48 | 31.25 / 23.84 | 36.59 / 96.90 | 35.20 / 53.85 | 38.96 / 52.13 |
+| Dream-7B-Instruct | 40.05 / 15.98 | 88.31 / 0.06 | 76.42 / 20.30 | 46.60 / 18.99 | 30.36 / 1.81 | 56.71 / 3.51 | 50.40 / 1.23 | 55.55 / 8.84 |
+| Dream w/ Fast-dLLM | 40.36 / 47.18 | 86.86 / 1.42 | 75.82 / 61.49 | 36.76 / 58.24 | 31.25 / 22.96 | 56.10 / 49.73 | 10.60 / 19.55 | 48.25 / 37.22 |
+| Dream w/ D2F | 23.82 / 56.43 | 85.92 / 59.08 | 41.62 / 79.20 | 29.98 / 84.14 | 30.13 / 49.96 | 50.00 / 69.15 | 51.60 / 65.59 | 44.72 / 66.22 |
+| ReFusion | 45.94 / 52.74 | 89.76 / 32.46 | 84.91 / 81.24 | 54.22 / 81.77 | 35.49 / 64.11 | 78.66 / 103.90 | 68.20 / 92.09 | 65.31 / 72.62 |
+"""
+# The project's unit for the GPQA column is gpqa_main_generative (the paper's lm-eval name is an alias).
+PAPER_UNITS = ["mmlu_pro", "arc_challenge_chat", "gsm8k_cot", "minerva_math", "gpqa_main_generative",
+               "humaneval_instruct", "mbpp"]
+EMBEDDED = ["embedded_math", "embedded_code", "embedded_choice"]
+
+
+def _published() -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in PUBLISHED.splitlines()]
+
+
+def fake_run(root: Path, run_id: str, models: list[tuple[str, str]], cells: dict[tuple[str, str], tuple],
+             units: list[str], limit: int = 5, baseline: str | None = None, samples: bool = True) -> Path:
+    """A run folder as `harness eval` leaves it; ``cells[(model, unit)] = (quality 0..1, tok/s, tpf)``."""
+    d = root / run_id
+    cfg = {"run_id": run_id, "task": ",".join(units), "limit": limit, "seed": 1234, "chat_template": True,
+           "device": "cpu", "threads": 2, "num_processes": 1, "batch_size": 1, "bootstrap_iters": 0,
+           "task_defaults": True, "created": "2026-01-01T00:00:00",
+           "baseline": baseline if baseline is not None else next((m for m, dec in models if dec == "ar"), None),
+           "units": [{"name": u, "leaves": [u], "primary": "exact_match,none"} for u in units],
+           "models": [{"name": m, "checkpoint": f"/ckpt/{m}", "decoder": dec, "knobs": {}, "task_knobs": {}}
+                      for m, dec in models],
+           "environment": {"git_commit": "abc", "git_dirty": False, "device": "cpu", "cpu": "test cpu",
+                           "cpu_count": 2, "packages": {"torch": "x", "lm-eval": "0.4.13"}, "python": "3.11"}}
+    d.mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps(cfg))
+    (d / "metrics").mkdir()
+    for (m, u), (q, tps, tpf) in cells.items():
+        dec = dict(models)[m]
+        met = {"model": m, "task": u, "decoder": dec, "leaves": [u], "quality": {"exact_match,none": q},
+               "quality_primary": "exact_match,none",
+               "speed": {"samples": 3, "tokens_per_s": {"ratio_of_sums": tps, "mean_of_ratios": tps},
+                         "tpf": {"ratio_of_sums": tpf, "mean_of_ratios": tpf}, "nfe": {"mean": 4.0},
+                         "generated_tokens": {"total": 30}, "latency_s": {"mean": 0.1, "p50": 0.1, "p90": 0.2}},
+               "memory": {"peak_rss_bytes": (100 + len(m)) * 2**20, "kv_peak_bytes": 4096 * len(m)}}
+        (d / "metrics" / f"{m}__{u}.json").write_text(json.dumps(met))
+        if samples:
+            sd = d / "models" / m / "samples"
+            sd.mkdir(parents=True, exist_ok=True)
+            with open(sd / f"{u}.jsonl", "w") as f:
+                for i in range(3):
+                    f.write(json.dumps({"task": u, "doc_id": i, "decode_s": 0.01 * (i + 1) * (1 + len(m))}) + "\n")
+    return d
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
+@pytest.fixture()
+def paper_run(tmp_path) -> Path:
+    """The published numbers fed back as one run: one model per published row."""
+    decoders = {r["model"]: r["decoder"] for r in paper.published_rows()}
+    models, cells = [], {}
+    for row in _published():
+        name = _slug(row[0])
+        dec = decoders[row[0]] if decoders[row[0]] in ("ar", "refusion", "llada", "fast_dllm") else "llada"
+        models.append((name, dec))
+        for unit, cell in zip(PAPER_UNITS, row[1:8]):
+            q, t = (float(x) for x in cell.split("/"))
+            cells[(name, unit)] = (q / 100, t, 1.0)
+    return fake_run(tmp_path / "runs", "paper", models, cells, PAPER_UNITS, baseline="Qwen3_8B")
+
+
+def _md_section(text: str, heading: str) -> list[list[str]]:
+    """Rows (cells) of the first Markdown table after ``heading``."""
+    lines = text.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.strip() == heading)
+    rows, started = [], False
+    for line in lines[i + 1:]:
+        if line.startswith("|"):
+            started = True
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif started:
+            break
+    return [r for r in rows[2:]]  # drop header and separator
+
+
+def test_published_numbers_fed_back_reproduce_table1(paper_run, tmp_path):
+    out = tmp_path / "reports"
+    assert main(["--run", str(paper_run), "--out", str(out), "--name", "r"]) == 0
+    md = (out / "r" / "table1.md").read_text()
+    ours = _md_section(md, "### This run")
+    published = _published()
+    assert len(ours) == len(published) == 9
+    for got, want in zip(ours, published):
+        assert got[0] == _slug(want[0])
+        assert got[2:] == want[1:], got[0]  # every benchmark cell and the average, as printed in the paper
+    # The data file's published rows print the same table.
+    pub = _md_section(md, f"### Published ({paper.source()})")
+    assert [[r[0], *r[2:]] for r in pub] == published
+    assert "arXiv 2512.13586" in paper.source()
+    # The headline: ReFusion 2.33x faster than Qwen3-8B (mean of per-task ratios), 2.24x as a ratio of averages.
+    sp = (out / "r" / "speedup.md").read_text()
+    row = next(r for r in _md_section(sp, "### vs Qwen3_8B (AR baseline)") if r[0] == "ReFusion")
+    assert row[-2:] == ["2.33", "2.24"]
+    pub_sp = next(r for r in _md_section(sp, f"### Published speedups of ReFusion, for reference "
+                                             f"({paper.source()})") if r[1] == "Qwen3-8B")
+    assert pub_sp[-2:] == ["2.33", "2.24"]
+    # The embedded suite is there too, every cell marked as not measured.
+    emb_part = md.split("## " + paper.EMBEDDED.title)[1]
+    assert all(c == NOT_MEASURED for r in _md_section(emb_part, "### This run") for c in r[2:])
+    tex = (out / "r" / "table1.tex").read_text()
+    assert "65.31 / 72.62" in tex and "arXiv 2512.13586" in tex
+
+
+def _mixed_run(root: Path, name: str = "mixed", seed: int = 0, **kw) -> Path:
+    rng = random.Random(seed)
+    models = [("ar", "ar"), ("refusion", "refusion"), ("llada", "llada"), ("fast_dllm", "fast_dllm")]
+    units = EMBEDDED + ["gsm8k_cot", "mbpp"]
+    cells = {(m, u): (rng.random(), rng.uniform(5, 900), rng.uniform(1, 6)) for m, _ in models for u in units}
+    return fake_run(root, name, models, cells, units, **kw)
+
+
+def check_table_against_metrics(md: str, run: Path, suites: dict[str, paper.Suite]) -> int:
+    """Every ours-cell and average of table1.md equals the run's metrics JSON (2 decimals); returns cells seen."""
+    checked = 0
+    for heading, suite in suites.items():
+        part = md.split(heading)[1]
+        for row in _md_section(part, "### This run"):
+            model = row[0]
+            qs, ts = [], []
+            for col, cell in zip(suite.columns, row[2:-1]):
+                unit = next((t for t in col.tasks if (run / "metrics" / f"{model}__{t}.json").exists()), None)
+                if unit is None:
+                    assert cell == NOT_MEASURED
+                    continue
+                met = json.loads((run / "metrics" / f"{model}__{unit}.json").read_text())
+                q, t = 100 * met["quality"][met["quality_primary"]], met["speed"]["tokens_per_s"]["ratio_of_sums"]
+                assert cell == f"{q:.2f} / {t:.2f}", (model, unit)
+                qs.append(q)
+                ts.append(t)
+                checked += 1
+            if not qs:
+                assert row[-1] == NOT_MEASURED
+                continue
+            avg = f"{sum(qs) / len(qs):.2f} / {sum(ts) / len(ts):.2f}"
+            n = len(suite.columns)
+            assert row[-1] == (avg if len(qs) == n else f"{avg} ({len(qs)}/{n})")
+    return checked
+
+
+def test_every_number_in_table1_comes_from_the_metrics(tmp_path):
+    run = _mixed_run(tmp_path / "runs")
+    out = tmp_path / "reports"
+    assert main(["--run", str(run), "--out", str(out), "--name", "m"]) == 0
+    md = (out / "m" / "table1.md").read_text()
+    suites = {"## " + paper.paper_suite().title: paper.paper_suite(), "## " + paper.EMBEDDED.title: paper.EMBEDDED}
+    assert check_table_against_metrics(md, run, suites) == 4 * 5
+    # The CSV holds the same numbers unrounded (to 6 places).
+    rows = list(csv.DictReader(open(out / "m" / "table1.csv")))
+    r = next(x for x in rows if x["model"] == "refusion" and x["suite"] == "embedded")
+    met = json.loads((run / "metrics" / "refusion__embedded_code.json").read_text())
+    assert float(r["embedded_code_tokens_per_s"]) == pytest.approx(met["speed"]["tokens_per_s"]["ratio_of_sums"],
+                                                                   abs=1e-6)
+    assert next(x for x in rows if x["model"] == "ar" and x["suite"] == "paper")["mmlu_pro_quality"] == NOT_MEASURED
+    # speedup.md: per-task ratios of the same run's tokens/s.
+    sp = (out / "m" / "speedup.md").read_text()
+    part = sp.split("## " + paper.EMBEDDED.title)[1]
+    row = next(x for x in _md_section(part, "### vs ar (AR baseline)") if x[0] == "refusion")
+    tps = {m: json.loads((run / "metrics" / f"{m}__embedded_math.json").read_text())["speed"]["tokens_per_s"][
+        "ratio_of_sums"] for m in ("ar", "refusion")}
+    assert row[2] == f"{tps['refusion'] / tps['ar']:.2f}"
+    assert "### vs llada (MDM baseline)" in sp and "### vs fast_dllm (MDM baseline)" in sp
+    index = (out / "m" / "index.md").read_text()
+    for link in ("table1.md", "table1.csv", "table1.tex", "speedup.md", "latency.png", "memory.png"):
+        assert f"({link})" in index
+    assert "commit abc" in index and "limit 5" in index
+
+
+def test_figures_have_the_expected_series(tmp_path):
+    run = _mixed_run(tmp_path / "runs")
+    rs = paper_report.load_runs([run])
+    data = paper_report.build(rs)
+    figs = figures.build_all(rs, data)
+    n_pub = len(paper.published_rows())
+    expected = {f"pareto_{u}.png" for u in EMBEDDED + ["gsm8k_cot", "mbpp"]} | {
+        "pareto_avg_paper.png", "pareto_avg_embedded.png", "speedup_paper.png", "speedup_embedded.png",
+        "tpf_paper.png", "tpf_embedded.png", "latency.png", "memory.png"}
+    assert set(figs) == expected
+
+    def ax(name):
+        return figs[name][0].axes[0]
+
+    assert len(ax("pareto_embedded_math.png").collections) == 4  # one marker per model, no published points
+    assert len(ax("pareto_gsm8k_cot.png").collections) == 4 + n_pub  # ours + every published row
+    # Averages: the embedded suite is complete for all 4 models; no model measured all 7 benchmarks.
+    assert len(ax("pareto_avg_embedded.png").collections) == 4 + n_pub
+    assert len(ax("pareto_avg_paper.png").collections) == n_pub
+    assert len(ax("speedup_embedded.png").containers) == 3  # every model but the AR baseline
+    assert len(ax("speedup_embedded.png").containers[0]) == 3 + 1  # 3 tasks + the mean of ratios
+    assert len(ax("tpf_embedded.png").containers) == 4
+    assert len(ax("latency.png").lines) == 4
+    mem = figs["memory.png"][0]
+    assert [len(a.containers) for a in mem.axes] == [1, 1] and len(mem.axes[0].containers[0]) == 4
+    for fig, _ in figs.values():
+        for a in fig.axes:
+            assert a.get_xlabel() and a.get_ylabel()
+        assert any(a.get_title() for a in fig.axes) or fig.get_suptitle()
+    made = figures.save_all(figs, tmp_path)
+    for name in made:
+        assert (tmp_path / name).stat().st_size > 1000
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
+    runs, out = tmp_path / "runs", tmp_path / "reports"
+    assert main(["--run", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert "nope" in _one_error(capsys) and not out.exists()
+    assert main(["--runs-root", str(runs), "--out", str(out)]) == 2  # no run at all
+    assert str(runs) in _one_error(capsys) and not out.exists()
+
+    run = _mixed_run(runs)
+    (run / "metrics" / "llada__mbpp.json").unlink()
+    assert main(["--run", str(run), "--out", str(out)]) == 2
+    err = _one_error(capsys)
+    assert str(run) in err and "llada__mbpp.json" in err and "--allow-partial" in err and not out.exists()
+
+    # A finished run with other settings (limit) for the same model/task cannot be merged.
+    other = _mixed_run(runs, "other", limit=9)
+    assert main(["--run", f"{other},{runs / 'mixed'}", "--out", str(out), "--allow-partial"]) == 2
+    err = _one_error(capsys)
+    assert "other settings (limit)" in err and not out.exists()
+
+    # --allow-partial: the missing cell is marked, everything else reported.
+    assert main(["--run", "mixed", "--runs-root", str(runs), "--out", str(out), "--allow-partial"]) == 0
+    md = (out / "mixed" / "table1.md").read_text()
+    row = next(r for r in _md_section(md, "### This run") if r[0] == "llada")
+    assert row[-2] == MISSING and row[-1].endswith("(1/7)")
+    assert "Partial:" in (out / "mixed" / "index.md").read_text()
+    capsys.readouterr()
+
+
+def test_failure_leaves_the_previous_report_untouched(tmp_path, monkeypatch):
+    run = _mixed_run(tmp_path / "runs")
+    out = tmp_path / "reports"
+    assert main(["--run", str(run), "--out", str(out), "--name", "x"]) == 0
+    before = {p.name: p.read_bytes() for p in (out / "x").iterdir()}
+
+    def boom(*a, **k):
+        raise RuntimeError("figure failed")
+
+    monkeypatch.setattr(figures, "build_all", boom)
+    with pytest.raises(RuntimeError):
+        main(["--run", str(run), "--out", str(out), "--name", "x"])
+    assert {p.name: p.read_bytes() for p in (out / "x").iterdir()} == before
+    assert sorted(p.name for p in out.iterdir()) == ["x"]  # no temp folder left behind
+
+
+def test_merged_runs_and_newest_default(tmp_path):
+    runs = tmp_path / "runs"
+    a = fake_run(runs, "a", [("ar", "ar"), ("refusion", "refusion")],
+                 {("ar", "embedded_math"): (0.5, 100.0, 1.0), ("refusion", "embedded_math"): (0.4, 300.0, 3.0)},
+                 ["embedded_math"])
+    b = fake_run(runs, "b", [("ar", "ar"), ("refusion", "refusion")],
+                 {("ar", "embedded_code"): (0.2, 50.0, 1.0), ("refusion", "embedded_code"): (0.3, 200.0, 4.0)},
+                 ["embedded_code"])
+    cfg = json.loads((b / "run.json").read_text())
+    (b / "run.json").write_text(json.dumps({**cfg, "created": "2026-02-01T00:00:00"}))
+    out = tmp_path / "reports"
+    assert main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
+    md = (out / "a+b" / "table1.md").read_text()
+    row = next(r for r in _md_section(md.split("## " + paper.EMBEDDED.title)[1], "### This run")
+               if r[0] == "refusion")
+    assert row[2:] == ["40.00 / 300.00", "30.00 / 200.00", NOT_MEASURED, "35.00 / 250.00 (2/3)"]
+    sp = (out / "a+b" / "speedup.md").read_text()
+    row = next(r for r in _md_section(sp.split("## " + paper.EMBEDDED.title)[1], "### vs ar (AR baseline)")
+               if r[0] == "refusion")
+    assert row[2:] == ["3.00", "4.00", "3.50", "3.33"]  # per task, mean of ratios, ratio of averages (250/75)
+    # Without --run: the newest run (by its creation time) is reported.
+    assert main(["--runs-root", str(runs), "--out", str(out)]) == 0
+    assert (out / "b" / "table1.md").is_file()
+
+
+@pytest.mark.slow
+def test_sweep_end_to_end_on_a_tiny_model(tmp_path):
+    """A real two-point sweep plus the two references on a random tiny checkpoint (slow-ish: 4 workers)."""
+    from test_adapter import make_checkpoint, write_task
+
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    tasks = write_task(tmp_path / "tasks", "tiny_gen", n=2)
+    cmd = [sys.executable, "-m", "harness", "sweep", "--grid", "slot_size=2,4", "--limit", "2",
+           "--task", "tiny_gen", "--refusion", str(ckpt), "--ar", str(ckpt), "--out", str(tmp_path / "runs"),
+           "--reports", str(tmp_path / "reports"), "--tasks-dir", str(tasks), "--threads", "1",
+           "--no-chat-template"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "reports" / "sweep" / "sweep.json").read_text())
+    names = sorted(x["name"] for x in res["points"])
+    assert names == ["ar", "refusion", "refusion_left_to_right", "rf_slot_size_2"]
+    assert all(x["tokens_per_s"] > 0 and x["quality"] is not None for x in res["points"])
+    assert (tmp_path / "reports" / "sweep" / "sweep.png").stat().st_size > 1000
+    # The report of that real run: every number from its metrics files, every figure written.
+    run = next((tmp_path / "runs").iterdir())
+    assert main(["--run", str(run), "--out", str(tmp_path / "reports"), "--name", "real"]) == 0
+    rep = tmp_path / "reports" / "real"
+    other = paper.Suite("other", "", (paper.Column("tiny_gen", "tiny_gen", ("tiny_gen",)),), False)
+    assert check_table_against_metrics((rep / "table1.md").read_text(), run,
+                                       {"## Other tasks (no published numbers)": other}) == 4
+    pngs = sorted(p.name for p in rep.glob("*.png"))
+    assert pngs == ["latency.png", "memory.png", "pareto_avg_other.png", "pareto_tiny_gen.png",
+                    "speedup_other.png", "tpf_other.png"]
+    # Same settings again: the run is resumed, nothing recomputed.
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0 and p.stderr.count("already finished, skipped") == 4, p.stderr[-3000:]
+
+
+def test_sweep_figure_series_and_grid_errors(capsys):
+    from harness import sweep
+
+    grid = sweep.parse_grid("slot_threshold=0.3,0.6;slot_size=2,4,8")
+    base = {"slot_size": 4, "slot_threshold": 0.6, "token_threshold": 0.3}
+    pts = sweep.variants(grid, base)
+    assert [p["name"] for p in pts] == ["refusion", "rf_slot_threshold_0.3", "rf_slot_size_2", "rf_slot_size_8"]
+    pts += [{"name": "ar", "knob": None, "value": None, "knobs": {}},
+            {"name": "refusion_left_to_right", "knob": None, "value": None, "knobs": {**base, "left_to_right": True}}]
+    for i, p in enumerate(pts):
+        p.update(quality=10.0 + i, tokens_per_s=100.0 + 10 * i)
+    fig = sweep.figure(pts, grid, "t")
+    ax = fig.axes[0]
+    assert len(ax.lines) == 2 and len(ax.collections) == 2  # one curve per knob, two reference points
+    assert [len(line.get_xdata()) for line in ax.lines] == [2, 3]
+    assert ax.get_xlabel() and ax.get_ylabel()
+    assert sweep.main(["--grid", "slot_sise=1"]) == 2
+    assert "unknown refusion knob(s) slot_sise" in _one_error(capsys)
+    assert sweep.main(["--grid", "slot_size"]) == 2
+    assert "expected knob=value" in _one_error(capsys)
