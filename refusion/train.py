@@ -136,7 +136,7 @@ def make_batch(name: str, examples, step: int, cfg: TrainConfig, tokenizer):
 
 
 def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShape, out_dir: Path,
-              progress: bool = True) -> Path:
+              progress: bool = True, bar_position: int = 0) -> Path:
     import torch
     from tqdm import tqdm
     from transformers import Qwen3ForCausalLM
@@ -169,7 +169,7 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
     model.train()
     t0 = time.time()
     bar = tqdm(range(start, cfg.steps), desc=f"train {name}", disable=not progress, initial=start,
-               total=cfg.steps)
+               total=cfg.steps, position=bar_position)
     for step in bar:
         batch = make_batch(name, examples, step, cfg, tokenizer)
         for g in opt.param_groups:
@@ -266,6 +266,7 @@ def prepare(cfg: TrainConfig):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m harness train-tiny", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated subset of refusion,ar,mdm")
     p.add_argument("--out", default="checkpoints/tiny", help="output folder (one sub-folder per model)")
@@ -278,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=TrainConfig.threads)
     p.add_argument("--refusion-init", choices=["ar", "scratch"], default=TrainConfig.refusion_init,
                    help="start refusion from the trained ar checkpoint (as ReFusion fine-tunes Qwen3) or from scratch")
+    p.add_argument("--sequential", action="store_true",
+                   help="train refusion and mdm one after the other with all threads (default: side by side, "
+                   "threads split between them, once ar exists)")
+    p.add_argument("--bar-position", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--mdm-init", choices=["ar", "scratch"], default=TrainConfig.mdm_init,
                    help="start mdm from the trained ar checkpoint (as Dream starts from an AR model) or from scratch")
     a = p.parse_args(argv)
@@ -292,12 +297,50 @@ def main(argv: list[str] | None = None) -> int:
     overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads, refusion_init=a.refusion_init,
                      mdm_init=a.mdm_init)
     overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr)) if v is not None})
+    names = sorted(names, key=MODEL_NAMES.index)
     tokenizer, examples = prepare(TrainConfig(**overrides))
-    for name in sorted(names, key=MODEL_NAMES.index):
-        t0 = time.time()
-        path = train_one(name, tokenizer, examples, recipe(name, **overrides), ModelShape(), Path(a.out))
-        print(f"{name}: {path} in {time.time() - t0:.0f}s")
+    if "ar" in names:
+        _train_timed("ar", tokenizer, examples, recipe("ar", **overrides), Path(a.out), a.bar_position)
+        names.remove("ar")
+    if len(names) > 1 and not a.sequential and a.threads >= len(names):
+        # refusion and mdm depend only on ar: one process each, the threads split between them.
+        return _side_by_side(names, a, argv or [])
+    for name in names:
+        _train_timed(name, tokenizer, examples, recipe(name, **overrides), Path(a.out), a.bar_position)
     return 0
+
+
+def _train_timed(name: str, tokenizer, examples, cfg: TrainConfig, out: Path, bar_position: int) -> None:
+    t0 = time.time()
+    path = train_one(name, tokenizer, examples, cfg, ModelShape(), out, bar_position=bar_position)
+    print(f"{name}: {path} in {time.time() - t0:.0f}s", flush=True)
+
+
+def _side_by_side(names: list[str], a: argparse.Namespace, argv: list[str]) -> int:
+    import subprocess
+
+    keep = []  # the caller's options except those set per child below
+    skip = {"--models", "--threads", "--bar-position"}
+    it = iter(argv)
+    for tok in it:
+        if tok.split("=")[0] in skip:
+            if "=" not in tok:
+                next(it, None)
+            continue
+        keep.append(tok)
+    per = a.threads // len(names)
+    procs = [subprocess.Popen([sys.executable, "-m", "refusion.train", *keep, "--models", n, "--threads", str(per),
+                               "--bar-position", str(i)]) for i, n in enumerate(names)]
+    try:
+        codes = [p.wait() for p in procs]
+    except BaseException:
+        for p in procs:
+            p.terminate()  # state files keep the progress: rerunning resumes
+        raise
+    for n, c in zip(names, codes):
+        if c != 0:
+            print(f"error: training {n} failed (exit {c}); rerun to resume from its last state", file=sys.stderr)
+    return max(codes)
 
 
 if __name__ == "__main__":
