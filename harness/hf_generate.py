@@ -2,7 +2,7 @@
 
     python -m harness generate-eval [--models checkpoints/tiny/ar,checkpoints/tiny/refusion] [--limit N]
 
-This is the left-to-right reference (issue 3's acceptance figures): greedy
+This is the left-to-right reference: greedy
 ``transformers`` generation, no project decoder involved, so it measures what a
 model learned independently of the decoders. For the ReFusion model it is the
 "ReFusion left-to-right" ablation of the paper (its AR ability alone). Results

@@ -34,7 +34,7 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    vocab_size: int = 1024  # at most 4096 (issue 3)
+    vocab_size: int = 1024  # at most 4096: a tiny model spends few parameters on embeddings
     min_frequency: int = 2
 
 

@@ -1,18 +1,23 @@
-"""Train the tiny ``refusion``, ``ar`` and ``mdm`` models from scratch on the embedded suite.
+"""Train the tiny ``ar``, ``refusion`` and ``mdm`` models on the embedded suite.
 
-    python -m harness train-tiny [--models refusion,ar,mdm] [--steps N] [--out checkpoints/tiny]
+    python -m harness train-tiny [--models ar,refusion,mdm] [--steps N] [--out checkpoints/tiny]
 
-All three share one Qwen3 configuration, the same data, steps, optimizer and
-seed; only the objective differs (refusion/objective.py). As the released
-ReFusion is Qwen3-8B fine-tuned with the ReFusion objective (DESIGN §2), the tiny
-``refusion`` model starts from the trained tiny ``ar`` weights (``--refusion-init``;
-``scratch`` trains it from random weights instead). From scratch, the objective
-never trains the AR prediction of a slot's first token (DESIGN §2 step 4), which
-the real model inherits from its AR backbone. The byte-level BPE
-tokenizer is trained first on the training corpus and saved into every model
-folder. Each model folder is a Hugging Face checkpoint (config, safetensors,
-tokenizer with chat template) plus ``train_log.csv``, ``loss.png`` and
-``train_config.json``. A run that is interrupted resumes from its last state
+All three share one Qwen3 configuration (``ModelShape``, ~3.4M parameters), one
+tokenizer, the same training rows and seed; only the objective
+(refusion/objective.py) and the recipe (``RECIPES``: steps, peak lr) differ.
+``ar`` is trained from scratch. As the released ReFusion is Qwen3-8B fine-tuned
+with the ReFusion objective, and Dream-7B starts from an AR model, ``refusion``
+and ``mdm`` both start from the trained ``ar`` weights (``--refusion-init`` /
+``--mdm-init scratch`` trains them from random weights instead; from scratch the
+ReFusion objective never trains the AR prediction of a slot's first token, see
+docs/design.md). Once ``ar`` exists, ``refusion`` and ``mdm`` train side by
+side, one process and one thread each (``--sequential`` runs them one after the
+other). Batches draw each example's kind by ``TrainConfig.kind_weights``.
+
+The byte-level BPE tokenizer is trained first on the training corpus and saved
+into every model folder. Each model folder is a Hugging Face checkpoint (config,
+safetensors, tokenizer with chat template) plus ``train_log.csv``, ``loss.png``
+and ``train_config.json``. A run that is interrupted resumes from its last state
 file (written atomically every ``--save-every`` steps); the finished folder
 replaces the old one atomically.
 """
@@ -38,7 +43,7 @@ MODEL_NAMES = ("ar", "refusion", "mdm")  # training order: refusion and mdm star
 # Per-model recipe (steps, peak lr): ar learns the tasks from scratch; refusion and mdm adapt the
 # trained ar weights to their objective, as ReFusion fine-tunes Qwen3-8B and Dream starts from an AR
 # model. Each fits in well under 60 minutes on 2 CPU cores (README: measured times).
-RECIPES: dict[str, tuple[int, float]] = {"ar": (3000, 2e-3), "refusion": (1500, 1e-3), "mdm": (2000, 1e-3)}
+RECIPES: dict[str, tuple[int, float]] = {"ar": (3000, 2e-3), "refusion": (1500, 1e-3), "mdm": (1500, 1e-3)}
 
 
 @dataclass(frozen=True)
@@ -298,13 +303,15 @@ def main(argv: list[str] | None = None) -> int:
                      mdm_init=a.mdm_init)
     overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr)) if v is not None})
     names = sorted(names, key=MODEL_NAMES.index)
-    tokenizer, examples = prepare(TrainConfig(**overrides))
+    side_by_side = len([n for n in names if n != "ar"]) > 1 and not a.sequential and a.threads >= 2
+    if "ar" in names or not side_by_side:
+        tokenizer, examples = prepare(TrainConfig(**overrides))
     if "ar" in names:
         _train_timed("ar", tokenizer, examples, recipe("ar", **overrides), Path(a.out), a.bar_position)
         names.remove("ar")
-    if len(names) > 1 and not a.sequential and a.threads >= len(names):
+    if side_by_side:
         # refusion and mdm depend only on ar: one process each, the threads split between them.
-        return _side_by_side(names, a, argv or [])
+        return _side_by_side(names, a, argv)
     for name in names:
         _train_timed(name, tokenizer, examples, recipe(name, **overrides), Path(a.out), a.bar_position)
     return 0

@@ -1,4 +1,4 @@
-"""Embedded task suite, tokenizer and an overfit run (issue 3)."""
+"""Embedded task suite, tokenizer, an overfit run and training determinism."""
 
 import copy
 import random
