@@ -43,7 +43,7 @@ override EVAL_ARGS := $(value EVAL_ARGS)
 export TASK MODELS LIMIT OUT EVAL_ARGS
 
 eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... OUT=...
-	@set -f; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness eval --task "$$TASK" \
+	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness eval --task "$$TASK" \
 		$${MODELS:+--models "$$MODELS"} $${LIMIT:+--limit "$$LIMIT"} --out "$$OUT" $$EVAL_ARGS
 
 validate-tasks: setup ## score every task's gold answers, one line per task
