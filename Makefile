@@ -39,9 +39,19 @@ $(STAMP): pyproject.toml
 test: setup ## run the test suite (CPU, tiny models)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The knobs reach the CLI through the environment, never pasted into the recipe's shell
+# text: a value with quotes, ';' or '$(...)' stays one argument (and an unknown task).
+# `$(value ...)` keeps make from expanding a `$(shell ...)` inside a command-line value.
+override TASK := $(value TASK)
+override MODELS := $(value MODELS)
+override LIMIT := $(value LIMIT)
+override OUT := $(value OUT)
+override EVAL_ARGS := $(value EVAL_ARGS)
+export TASK MODELS LIMIT OUT EVAL_ARGS
+
 eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... OUT=...
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness eval --task '$(TASK)' \
-		$(if $(MODELS),--models '$(MODELS)') $(if $(LIMIT),--limit $(LIMIT)) --out '$(OUT)' $(EVAL_ARGS)
+	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness eval --task "$$TASK" \
+		$${MODELS:+--models "$$MODELS"} $${LIMIT:+--limit "$$LIMIT"} --out "$$OUT" $$EVAL_ARGS
 
 report: setup ## Table 1, speedups and figures of a run: make report RUN=<run dir or id>[,<run>...] NAME=...
 	$(PY) -m harness report $(if $(RUN),--run '$(RUN)') $(if $(NAME),--name '$(NAME)') --runs-root '$(OUT)' \

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import fcntl
 import os
 import re
+import secrets
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -277,7 +280,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None,
                    help=f"documents per leaf task (default: {DEFAULT_LIMIT} for the default suite, else all)")
     p.add_argument("--out", default="results/runs", help="output folder (default: %(default)s)")
-    p.add_argument("--run-id", default=None, help="run folder name; an existing one is resumed (default: a timestamp)")
+    p.add_argument("--run-id", default=None,
+                   help="run folder name; an existing one is resumed (default: a timestamp and random suffix)")
     p.add_argument("--seed", type=int, default=1234, help="seed for lm-eval and the decoders (default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores / processes)")
@@ -338,10 +342,42 @@ def build_config(ns: argparse.Namespace) -> dict:
     }
 
 
+LOCK_NAME = ".lock"
+_held_locks: list[int] = []  # open for the life of the process: closing would drop the lock
+
+
+def default_run_id() -> str:
+    """A timestamp plus random hex: two runs started in the same second still get different folders."""
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Take the run folder's exclusive lock (released when this process ends, however it ends).
+
+    A second run into the same folder fails at once with the holder's pid instead of
+    journaling every sample twice."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise InputError(f"cannot create run folder {run_dir}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+        os.close(fd)
+        raise InputError(f"run {run_dir.name!r} is in use by {holder}; wait for it or choose another --run-id")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}, started "
+                  f"{_dt.datetime.now().isoformat(timespec='seconds')}\n".encode(), 0)
+    _held_locks.append(fd)
+
+
 def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
     if run_id is None:
-        run_id = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_id = default_run_id()
     run_dir = out / run_id
+    lock_run_dir(run_dir)
     if (run_dir / "run.json").exists():
         old = read_json(run_dir / "run.json")
         diff = [k for k in RESUME_KEYS if old.get(k) != cfg.get(k)]
@@ -350,9 +386,14 @@ def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
                              "use a new --run-id or the same settings to resume")
         print(f"resuming run {run_id} in {run_dir}", file=sys.stderr)
         return run_dir
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir()):
         raise InputError(f"{run_dir} exists and is not a run folder (no run.json); choose another --run-id")
     env = environment(cfg["device"], cfg["threads"], cfg["num_processes"], cfg["seed"])
+    from harness.sandbox import capabilities
+
+    env["sandbox"] = capabilities()  # what code-task isolation this machine gave, with its warning
+    if env["sandbox"]["warning"]:
+        print(f"warning: {env['sandbox']['warning']}", file=sys.stderr)
     atomic_write_json(run_dir / "run.json", {**cfg, "run_id": run_id, "environment": env,
                                              "created": _dt.datetime.now().isoformat(timespec="seconds")})
     return run_dir
@@ -382,7 +423,50 @@ def finalize(run_dir: Path) -> dict:
     return summary
 
 
+class _Stopped(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: have the kernel send `sig` to this process when its parent dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_worker(cmd: list[str], env: dict) -> int:
+    """Run one model's worker; SIGTERM/SIGINT stop it cleanly (the journal keeps finished samples)."""
+    def stop(signum, _frame):
+        raise _Stopped(signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    # The worker gets SIGKILL if this runner dies in any way (kill -9 included).
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
+    try:
+        return proc.wait()
+    except _Stopped:
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("REFUSION_DIE_WITH_PARENT") == "1":
+        _die_with_parent()  # `make eval` killed: stop as if by SIGTERM instead of running on orphaned
     ns = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -399,7 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{n}] {m['name']}: {m['decoder']} on {m['checkpoint']}", file=sys.stderr)
         cmd = worker_command(run_dir, m["name"], cfg["num_processes"], 29500 + (os.getpid() % 1000))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        try:
+            rc = _run_worker(cmd, env)
+        except _Stopped as stop:
+            print(f"stopped by {signal.Signals(stop.signum).name}; rerun with --run-id {run_dir.name} to resume",
+                  file=sys.stderr)
+            return 128 + stop.signum
         if rc != 0:
             print(f"error: model {m['name']!r} failed (exit {rc}); rerun with --run-id {run_dir.name} to resume",
                   file=sys.stderr)

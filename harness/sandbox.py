@@ -1,109 +1,104 @@
-"""Run one untrusted Python program (a model's solution plus its tests) safely.
+"""Run one untrusted Python program (a model's solution) against trusted tests, safely.
 
-Public API: ``run_program(program, ...) -> SandboxResult``. Used for pass@1 on
-HumanEval, MBPP and the embedded code task (DESIGN §5: lm-eval's
-``evaluate.load("code_eval")`` does not work offline, so we execute ourselves).
+Public API:
 
-What is guaranteed when the harness runs as root (the normal case here and in CI):
+    run_program(program, tests, prelude="", remote=(), ...) -> SandboxResult
+    run_many([(program, tests, prelude, remote), ...], workers=4, ...) -> list[SandboxResult]
+    capabilities() -> dict      # which isolation mechanisms this machine gives (recorded in run.json)
 
-* The program runs in a fresh process under a *fresh unprivileged uid* taken
-  from a private range (50000-59999), one uid per concurrent run, reserved
-  across processes with an ``flock`` so parallel harnesses never share one.
-  Because of that uid it cannot signal the harness (EPERM), cannot read the
-  harness's ``/proc/<pid>/environ``, cannot delete or write root-owned files,
-  and its ``RLIMIT_NPROC`` (per-uid in Linux) bounds its own processes only,
-  so a fork bomb in one run cannot starve another run.
-* After the program ends (or at the wall-clock deadline) every process owned by
-  that uid is killed with ``kill(-1, SIGKILL)`` issued *as that uid*. This also
-  catches grandchildren that called ``setsid()`` or double-forked: nothing the
-  program started outlives ``run_program``. Files it left in /tmp, /var/tmp or
-  /dev/shm (world-writable) are removed, and so is its working directory.
-* Limits, set as hard limits inside the child before the program starts: CPU
-  seconds, address space, processes, file size (also caps stdout/stderr, which
-  go to unlinked temporary files, never to a pipe read into memory), open files,
-  no core dumps; ``no_new_privs`` so setuid binaries cannot regain root.
-* Environment is scrubbed (PATH, HOME and TMPDIR pointing at the sandbox dir,
-  LANG, PYTHONHASHSEED=0 for determinism). The interpreter runs with ``-I -S``:
-  standard library only, no site-packages, no user site.
-* Network: when ``unshare --net`` works (probed once) the program gets an empty
-  network namespace. Otherwise network access is NOT restricted.
-* ``passed`` needs exit status 0 *and* the launcher's completion mark written
-  after the program's last line ran, so ``sys.exit(0)`` / ``os._exit(0)``
-  before the tests is reported as ``exited``, not passed. (This stops
-  accidents; a program that deliberately forges the mark via introspection of
-  its own interpreter is out of scope.)
+Used for pass@1 on HumanEval, MBPP and the embedded code task (DESIGN §5:
+lm-eval's ``evaluate.load("code_eval")`` does not work offline, so we execute
+ourselves).
 
-Not guaranteed: total disk use is bounded only by file size x time; files that
-are world-readable on this machine (source code, data) can be read. Without
-root there is no uid switch: limits still apply, but the program could signal
-the harness and a ``setsid()`` grandchild can escape the cleanup
-(``SandboxResult.isolated`` is False then).
+Where the verdict comes from. The model's code (``program``) and the tests never
+share a process. The program runs in the *candidate* process; the tests run in a
+separate *judge* process under another uid, which receives them on a pipe (they
+are never written where the candidate could read them) and sees the program's
+functions only as proxies: each call is a request over a socket and each answer
+is plain data (tagged JSON of builtin types), rebuilt by the judge. So a returned
+object's ``__eq__``, a patched ``builtins.abs`` or a replaced helper never reaches
+the comparisons: helpers the tests call come from the trusted ``prelude`` (the
+task's own prompt code) and standard modules are the judge's own imports. The
+judge writes its verdict with a random nonce to a pipe only it holds; the harness
+accepts ``passed`` only from that pipe with that nonce. The program's exit
+status, output and files never count.
+
+Isolation of the candidate (as root, when the kernel allows it; see capabilities()):
+
+* a fresh unprivileged uid per run from 50000-59999 (leased with flock in
+  /run/refusion-sandbox, whatever TMPDIR says), so it can neither signal nor
+  read the harness or the judge;
+* new mount, PID, IPC, network and UTS namespaces: the root is a small tmpfs
+  with the system directories bound read-only (no repository, no data, no
+  host /tmp, /dev/shm, /run/lock), its /tmp and /dev/shm share one size-capped
+  tmpfs, SysV IPC objects and Unix sockets die with the namespace, and there is
+  no network. Killing the namespace's init (a root process the program cannot
+  touch) kills every process of the program;
+* a cgroup with a memory and a process limit for the whole program (v2, else
+  v1), on top of per-process rlimits (CPU, address space, processes, file
+  size, open files, no core dumps) and ``no_new_privs``.
+
+When a mechanism is missing, the run falls back (uid switch and a root kill
+loop, scratch-file sweep) and ``capabilities()["warning"]`` says what is lost;
+it is printed once per process and the runner records it in run.json. Cleanup
+never raises: a sample whose cleanup fails is scored failed with reason
+``sandbox_error`` and the problem in ``detail``.
 """
 
 from __future__ import annotations
 
 import fcntl
 import functools
+import json
 import os
-import random
+import secrets
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REASONS = ("passed", "timeout", "memory", "error", "exited", "killed", "output_limit", "file_size", "sandbox_error")
-_UID_RANGE = range(50000, 60000)
-_LOCK_DIR = Path(tempfile.gettempdir()) / "refusion-sandbox-locks"
-_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
-
-# Runs inside the child (as the sandbox uid): apply limits, then run the program
-# in this same process and write the completion mark only if it returned.
-_LAUNCHER = r"""
-import ctypes, os, resource, runpy, sys
-mark_fd = int(sys.argv[1])
-cpu, mem, nproc, fsize, nofile = (int(x) for x in sys.argv[2:7])
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-except Exception:
-    pass
-for res, val in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, (mem, mem)),
-                 (resource.RLIMIT_NPROC, (nproc, nproc)), (resource.RLIMIT_FSIZE, (fsize, fsize)),
-                 (resource.RLIMIT_NOFILE, (nofile, nofile)), (resource.RLIMIT_CORE, (0, 0))):
-    resource.setrlimit(res, val)
-sys.argv = ["program.py"]
-sys.path.insert(0, os.getcwd())
-runpy.run_path("program.py", run_name="__main__")
-sys.stdout.flush()
-os.write(mark_fd, b"OK")
-"""
-_KILLER = "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept ProcessLookupError:\n    pass\n"
+REASONS = ("passed", "timeout", "memory", "error", "exited", "killed", "output_limit", "file_size",
+           "protocol", "sandbox_error")
+UID_RANGE = range(50000, 60000)
+LOCK_DIR = Path("/run/refusion-sandbox")
+_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+_CGROUP_NAME = "refusion-sandbox"
+_CHILD_SRC = (Path(__file__).resolve().parent / "sandbox_child.py").read_text(encoding="utf-8")
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+        "PYTHONDONTWRITEBYTECODE": "1"}
+_warned = threading.Event()
 
 
 @dataclass(frozen=True)
 class SandboxResult:
     passed: bool
     reason: str  # one of REASONS
-    returncode: int | None
+    returncode: int | None  # the candidate's main process: exit code, or -signal
     stdout: str  # first `output_bytes` bytes, decoded leniently
     stderr: str
     duration_s: float
     isolated: bool  # True when the program ran under its own unprivileged uid
+    detail: str = ""  # the judge's failure (test line and exception) or a sandbox problem
 
 
+# ---------------------------------------------------------------- uids, interpreter, probes
 class _UidLease:
-    """A sandbox uid reserved for one run, across threads and processes (flock)."""
+    """A sandbox uid reserved for one run, across threads and processes (flock).
+
+    The lowest free uid is taken, so the lock folder holds at most as many files
+    as runs ever ran at once."""
 
     def __init__(self) -> None:
-        _LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
-        start = random.randrange(len(_UID_RANGE))
-        for i in range(len(_UID_RANGE)):
-            uid = _UID_RANGE[(start + i) % len(_UID_RANGE)]
-            fd = os.open(_LOCK_DIR / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for uid in UID_RANGE:
+            fd = os.open(LOCK_DIR / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -133,18 +128,160 @@ def _interpreter(as_other_uid: bool) -> str:
     raise RuntimeError("sandbox: no Python interpreter executable by an unprivileged user was found")
 
 
-@functools.lru_cache(maxsize=1)
-def _net_namespace_works() -> bool:
-    """Probe once whether `unshare --net` + `setpriv` are usable (needs root)."""
-    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"):
-        return False
+_NS_PROBE = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x00020000 | 0x04000000 | 0x08000000 | 0x20000000 | 0x40000000) != 0:
+    raise SystemExit(1)
+pid = os.fork()
+if pid == 0:
+    ok = libc.mount(None, b"/", None, 16384 | (1 << 18), None) == 0
+    ok = ok and libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 6, b"size=1m") == 0
+    ok = ok and libc.mount(b"proc", b"/tmp", b"proc", 14, None) == 0
+    os._exit(0 if ok else 1)
+raise SystemExit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def _cgroup_setup() -> tuple[str | None, list[Path]]:
+    """('v2'|'v1', parent folders for per-run cgroups) when memory and pids limits work, else (None, [])."""
+    for mount in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+        ctl = mount / "cgroup.controllers"
+        try:
+            if not {"memory", "pids"} <= set(ctl.read_text().split()):
+                continue
+            base = mount / _CGROUP_NAME
+            base.mkdir(exist_ok=True)
+            for d in (mount, base):
+                try:
+                    (d / "cgroup.subtree_control").write_text("+memory +pids")
+                except OSError:
+                    pass
+            if {"memory", "pids"} <= set((base / "cgroup.subtree_control").read_text().split()):
+                return "v2", [base]
+        except OSError:
+            continue
     try:
-        return subprocess.run(["unshare", "--net", "--", "true"], timeout=10,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+        bases = [Path("/sys/fs/cgroup/memory") / _CGROUP_NAME, Path("/sys/fs/cgroup/pids") / _CGROUP_NAME]
+        for b in bases:
+            b.mkdir(exist_ok=True)
+        if (bases[0] / "memory.limit_in_bytes").exists() and (bases[1] / "pids.max").exists():
+            return "v1", bases
+    except OSError:
+        pass
+    return None, []
 
 
+@functools.lru_cache(maxsize=1)
+def capabilities() -> dict:
+    """Which isolation mechanisms this process gets, probed once; ``warning`` names what is missing."""
+    root = os.geteuid() == 0
+    namespaces = False
+    cgroup, _ = (None, [])
+    if root:
+        try:
+            namespaces = subprocess.run([_interpreter(True), "-I", "-S", "-c", _NS_PROBE], timeout=30,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+        except (OSError, subprocess.SubprocessError, RuntimeError):
+            namespaces = False
+        cgroup, _ = _cgroup_setup()
+    missing = []
+    if not root:
+        missing.append("not root: no uid switch, namespaces or cgroups (the program can signal the harness, "
+                       "read its files and the judge's memory, and reach the network)")
+    else:
+        if not namespaces:
+            missing.append("no mount/PID/IPC/network namespaces (the program sees the host filesystem and network)")
+        if cgroup is None:
+            missing.append("no memory/pids cgroup (limits are per process only)")
+    return {"uid_switch": root, "namespaces": namespaces, "cgroup": cgroup,
+            "warning": ("sandbox: reduced isolation: " + "; ".join(missing)) if missing else None}
+
+
+def _warn_once(caps: dict) -> None:
+    if caps["warning"] and not _warned.is_set():
+        _warned.set()
+        print(f"warning: {caps['warning']}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- cgroups
+class _Cgroup:
+    """Per-run cgroup(s) with a memory and a process limit for the whole program."""
+
+    def __init__(self, memory_bytes: int, pids: int) -> None:
+        kind = capabilities()["cgroup"]
+        _, bases = _cgroup_setup() if kind else (None, [])
+        self.kind = kind
+        name = f"run-{os.getpid()}-{secrets.token_hex(6)}"
+        self.dirs = [b / name for b in bases]
+        made = []
+        try:
+            for d in self.dirs:
+                d.mkdir()
+                made.append(d)
+            if kind == "v2":
+                d = self.dirs[0]
+                (d / "memory.max").write_text(str(memory_bytes))
+                if (d / "memory.swap.max").exists():
+                    (d / "memory.swap.max").write_text("0")
+                (d / "pids.max").write_text(str(pids))
+            elif kind == "v1":
+                mem, pid = self.dirs
+                (mem / "memory.limit_in_bytes").write_text(str(memory_bytes))
+                if (mem / "memory.memsw.limit_in_bytes").exists():
+                    try:
+                        (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+                    except OSError:
+                        pass
+                (pid / "pids.max").write_text(str(pids))
+        except OSError:
+            self.dirs = made
+            self.remove()
+            raise
+
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def oom_kills(self) -> int:
+        files = {"v2": "memory.events", "v1": "memory.oom_control"}
+        if not self.dirs or self.kind not in files:
+            return 0
+        try:
+            for line in (self.dirs[0] / files[self.kind]).read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k == "oom_kill":
+                    return int(v)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def remove(self) -> str | None:
+        """Kill what is left in the cgroups and delete them; a problem as text, never raised."""
+        problem = None
+        for d in self.dirs:
+            for _ in range(100):
+                try:
+                    pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+                except (OSError, ValueError):
+                    pids = []
+                for p in pids:
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except OSError:
+                        pass
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)  # killed processes are still exiting
+            else:
+                problem = f"cgroup {d} could not be removed"
+        return problem
+
+
+# ---------------------------------------------------------------- processes and files of a uid
 def _uid_processes(uid: int) -> list[int]:
     """Live (non-zombie) pids whose real uid is `uid`."""
     pids = []
@@ -156,22 +293,28 @@ def _uid_processes(uid: int) -> list[int]:
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields.get("Uid", "-1 ").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
-            pids.append(int(entry.name))
+        try:
+            if int(fields.get("Uid", "-1 ").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
+                pids.append(int(entry.name))
+        except ValueError:
+            continue
     return pids
 
 
-def _kill_uid(uid: int, python: str) -> None:
-    """SIGKILL every process of `uid`, signalled *as* `uid` (so setsid escapes are caught)."""
-    # Only uid processes can create uid processes, so an empty scan is final.
-    for _ in range(5):
-        if not _uid_processes(uid):
-            return
-        subprocess.run([python, "-I", "-S", "-c", _KILLER], user=uid, group=uid, extra_groups=[],
-                       env={}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=30, cwd="/")
-    if _uid_processes(uid):
-        raise RuntimeError(f"sandbox: processes of uid {uid} survived SIGKILL")
+def _kill_uid(uid: int) -> str | None:
+    """Root: SIGKILL every process of `uid` until none is left (a stopped one dies too). Never raises."""
+    # Only processes of the uid can create more of them and each kill is final, so the loop ends.
+    for _ in range(200):
+        pids = _uid_processes(uid)
+        if not pids:
+            return None
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
+    return f"processes of uid {uid} survived SIGKILL"
 
 
 def _kill_session(pid: int) -> None:
@@ -189,7 +332,20 @@ def _kill_session(pid: int) -> None:
                 continue
 
 
-def _remove_scratch_files(uid: int) -> None:
+def _rm_rf(path: str) -> str | None:
+    # `rm -rf` walks any depth; shutil.rmtree recurses in Python and raises RecursionError
+    # on a few thousand nested folders.
+    try:
+        r = subprocess.run(["rm", "-rf", "--one-file-system", "--", path], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, timeout=120)
+        return None if r.returncode == 0 and not os.path.lexists(path) else f"could not remove {path}"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"could not remove {path}: {e}"
+
+
+def _remove_uid_leftovers(uid: int) -> list[str]:
+    """Fallback mode: files of `uid` in the world-writable folders and its SysV IPC objects."""
+    problems = []
     for d in _SCRATCH_DIRS:
         try:
             entries = list(os.scandir(d))
@@ -197,16 +353,27 @@ def _remove_scratch_files(uid: int) -> None:
             continue
         for e in entries:
             try:
-                if e.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if e.is_dir(follow_symlinks=False):
-                    shutil.rmtree(e.path, ignore_errors=True)
-                else:
-                    os.unlink(e.path)
+                if e.stat(follow_symlinks=False).st_uid == uid:
+                    p = _rm_rf(e.path)
+                    if p:
+                        problems.append(p)
             except OSError:
                 continue
+    for kind, flag in (("shm", "-m"), ("sem", "-s"), ("msg", "-q")):
+        try:
+            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            # columns: key id perms ... uid (the 8th for shm, 5th for sem, 8th for msg)
+            uid_col = {"shm": 7, "sem": 4, "msg": 7}[kind]
+            if len(f) > uid_col and f[uid_col] == str(uid):
+                subprocess.run(["ipcrm", flag, f[1]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return problems
 
 
+# ---------------------------------------------------------------- one run
 def _read_capped(f, limit: int) -> tuple[str, int]:
     f.seek(0, os.SEEK_END)
     size = f.tell()
@@ -214,120 +381,334 @@ def _read_capped(f, limit: int) -> tuple[str, int]:
     return f.read(limit).decode("utf-8", errors="replace"), size
 
 
-def _classify(timed_out: bool, rc: int | None, completed: bool, stderr: str,
-              out_size: int, err_size: int, file_limit: int) -> str:
+def _read_pipe(fd: int, limit: int = 1 << 16) -> bytes:
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while sum(map(len, chunks)) < limit:
+            b = os.read(fd, 4096)
+            if not b:
+                break
+            chunks.append(b)
+    except BlockingIOError:
+        pass
+    return b"".join(chunks)[:limit]
+
+
+def _classify(verdict: dict | None, timed_out: bool, rc: int | None, stderr: str, out_size: int,
+              err_size: int, file_limit: int, oom: bool) -> str:
+    """Reason of a run. Only the judge's verdict (nonce checked by the caller) can say passed;
+    the rest only explains a failure. rc counts only when the program ended by itself
+    (the judge saw it go): after a verdict the harness kills it, which says nothing."""
+    kind = (verdict or {}).get("kind")
+    if kind == "passed" and not timed_out:
+        return "passed"
     if timed_out:
         return "timeout"
-    if rc == 0:
-        return "passed" if completed else "exited"
-    if rc is not None and rc < 0:
+    if oom:
+        return "memory"
+    ended_by_itself = kind in (None, "candidate_gone")
+    if ended_by_itself and rc is not None and rc < 0:
         sig = -rc
         if sig == signal.SIGXCPU:
             return "timeout"
         if sig == signal.SIGXFSZ:
             return "output_limit" if max(out_size, err_size) >= file_limit else "file_size"
         return "killed"
-    tail = stderr[-2000:]
-    if "MemoryError" in tail:
+    text = stderr[-2000:] + "\n" + str((verdict or {}).get("detail", ""))
+    if "MemoryError" in text:
         return "memory"
     if max(out_size, err_size) >= file_limit:
         return "output_limit"
-    if "File too large" in tail or "Errno 27" in tail:
+    if "File too large" in text or "Errno 27" in text:
         return "file_size"
+    if kind == "candidate_gone" and rc == 0:
+        return "exited"
+    if kind == "protocol":
+        return "protocol"
     return "error"
 
 
-def run_program(program: str, *, timeout_s: float = 10.0, cpu_s: int | None = None, memory_mb: int = 1024,
-                max_procs: int = 32, file_mb: int = 16, output_bytes: int = 64 * 1024,
-                open_files: int = 64) -> SandboxResult:
-    """Run `program` (Python source: solution + asserts) in a sandbox; see the module doc.
+def run_program(program: str, tests: str = "", *, prelude: str = "", remote: tuple[str, ...] | list[str] = (),
+                timeout_s: float = 10.0, cpu_s: int | None = None, memory_mb: int = 1024, max_procs: int = 32,
+                file_mb: int = 16, output_bytes: int = 64 * 1024, open_files: int = 64,
+                scratch_mb: int = 64) -> SandboxResult:
+    """Run the untrusted `program`, then the trusted `tests` against it; see the module doc.
 
-    timeout_s: wall-clock limit; cpu_s: CPU-seconds limit (default: ceil(timeout_s));
-    memory_mb: address-space limit; max_procs: processes of the sandbox uid;
-    file_mb: largest file it may write (stdout/stderr included); output_bytes: how
-    much of stdout/stderr is returned. Thread-safe: call it from a thread pool.
+    prelude: trusted code the tests may use (a task's helper functions), run in the judge;
+    remote: names the tests must take from the program even though the prelude defines
+    them (the function under test when the prelude is its prompt).
+    timeout_s: wall-clock limit of the whole run; cpu_s: CPU seconds per process (default
+    ceil(timeout_s)); memory_mb: address space per process and memory of the whole
+    program; max_procs: processes of the program; file_mb: largest file (stdout/stderr
+    included); scratch_mb: its /tmp + /dev/shm; output_bytes: how much of stdout/stderr
+    is returned. Thread-safe: call it from a thread pool.
     """
-    if timeout_s <= 0 or memory_mb <= 0 or max_procs <= 0 or file_mb <= 0:
+    if timeout_s <= 0 or memory_mb <= 0 or max_procs <= 0 or file_mb <= 0 or scratch_mb <= 0:
         raise ValueError("sandbox limits must be positive")
-    cpu = int(cpu_s if cpu_s is not None else max(1, -(-timeout_s // 1)))
-    root = os.geteuid() == 0
-    lease = _UidLease() if root else None
-    python = _interpreter(as_other_uid=root)
-    workdir = tempfile.mkdtemp(prefix="refusion-sbx-")
-    file_limit = file_mb * 1024 * 1024
-    mark_r, mark_w = os.pipe()
-    start = time.monotonic()
-    proc = None
-    try:
-        Path(workdir, "program.py").write_text(program, encoding="utf-8")
-        nproc = max_procs
-        if lease is not None:
-            os.chown(workdir, lease.uid, lease.uid)
-            os.chown(Path(workdir, "program.py"), lease.uid, lease.uid)
+    caps = capabilities()
+    _warn_once(caps)
+    return _Run(program, tests, prelude, tuple(remote), caps, timeout_s=timeout_s,
+                cpu=int(cpu_s if cpu_s is not None else max(1, -(-timeout_s // 1))), memory_mb=memory_mb,
+                max_procs=max_procs, file_mb=file_mb, output_bytes=output_bytes, open_files=open_files,
+                scratch_mb=scratch_mb).run()
+
+
+class _Run:
+    def __init__(self, program, tests, prelude, remote, caps, **lim) -> None:
+        self.program, self.tests, self.prelude, self.remote = program, tests, prelude, remote
+        self.caps, self.lim = caps, lim
+        self.root = os.geteuid() == 0
+        self.ns = self.root and caps["namespaces"]
+        self.leases: list[_UidLease] = []
+        self.cgroup: _Cgroup | None = None
+        self.workdir: str | None = None
+        self.judge = self.cand = None
+        self.fds: list[int] = []
+        self.socks: list[socket.socket] = []
+        self.problems: list[str] = []
+        self.status = b""
+
+    def _status_lines(self, fd: int) -> list[str]:
+        """Lines the stage process wrote to the status pipe so far (read without blocking)."""
+        self.status += _read_pipe(fd)
+        return self.status.decode("utf-8", "replace").split("\n")
+
+    def _limits(self, nproc: int, mem_mb: int) -> dict:
+        return {"cpu": self.lim["cpu"], "mem": mem_mb * 1024 * 1024, "nproc": nproc,
+                "fsize": self.lim["file_mb"] * 1024 * 1024, "nofile": self.lim["open_files"]}
+
+    def _user(self, lease: _UidLease | None) -> dict:
+        return {"user": lease.uid, "group": lease.uid, "extra_groups": []} if lease else {}
+
+    def run(self) -> SandboxResult:
+        start = time.monotonic()
+        result = None
+        try:
+            with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
+                result = self._execute(start, out_f, err_f)
+        except Exception as e:  # noqa: BLE001 - a sandbox failure scores the sample failed, never the run
+            result = SandboxResult(False, "sandbox_error", None, "", "", time.monotonic() - start,
+                                   self.root, f"sandbox failed: {type(e).__name__}: {e}")
+        finally:
+            self._cleanup()
+        if self.problems:
+            return SandboxResult(False, "sandbox_error", result.returncode, result.stdout, result.stderr,
+                                 result.duration_s, result.isolated, "cleanup failed: " + "; ".join(self.problems))
+        return result
+
+    def _execute(self, start: float, out_f, err_f) -> SandboxResult:
+        lim = self.lim
+        python = _interpreter(as_other_uid=self.root)
+        if self.root:
+            self.leases = [_UidLease(), _UidLease()]
+        cand_lease, judge_lease = (self.leases + [None, None])[:2]
+        if self.ns and self.caps["cgroup"]:
+            self.cgroup = _Cgroup((lim["memory_mb"] + lim["scratch_mb"]) * 1024 * 1024, lim["max_procs"] + 2)
+        jsock, csock = socket.socketpair()
+        self.socks = [jsock, csock]
+        verdict_r, verdict_w = os.pipe()
+        status_r, status_w = os.pipe()
+        self.fds = [verdict_r, verdict_w, status_r, status_w]
+        nonce = secrets.token_hex(16)
+        base_env = dict(_ENV)
+
+        # The judge: trusted tests, its own uid, the only holder of the verdict pipe.
+        judge_err = tempfile.TemporaryFile()
+        self.judge = subprocess.Popen(
+            [python, "-I", "-S", "-c", _CHILD_SRC, "judge", str(jsock.fileno()), str(verdict_w)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=judge_err, cwd="/", env=base_env,
+            pass_fds=(jsock.fileno(), verdict_w), start_new_session=True, **self._user(judge_lease))
+        judge_cfg = {"nonce": nonce, "prelude": self.prelude, "tests": self.tests, "remote": list(self.remote),
+                     "limits": self._limits(8, max(2048, lim["memory_mb"]))}
+        self.judge.stdin.write(json.dumps(judge_cfg).encode("utf-8"))
+        self.judge.stdin.close()
+
+        # The candidate.
+        if self.ns:
+            cfg = {"parent": os.getpid(), "cgroups": self.cgroup.procs_files() if self.cgroup else [],
+                   "uid": cand_lease.uid, "scratch_mb": lim["scratch_mb"], "program": self.program,
+                   "limits": self._limits(lim["max_procs"], lim["memory_mb"])}
+            self.cand = subprocess.Popen(
+                [python, "-I", "-S", "-c", _CHILD_SRC, "stage", str(status_w), str(csock.fileno())],
+                stdin=subprocess.PIPE, stdout=out_f, stderr=err_f, cwd="/", env=base_env,
+                pass_fds=(status_w, csock.fileno()), start_new_session=True)
+            self.cand.stdin.write(json.dumps(cfg).encode("utf-8"))
+            self.cand.stdin.close()
         else:
-            # RLIMIT_NPROC counts every process of our own uid, so allow for those.
-            nproc = max_procs + len(_uid_processes(os.getuid()))
-        os.chmod(workdir, 0o700)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
-               "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
-        cmd = [python, "-I", "-S", "-c", _LAUNCHER, str(mark_w), str(cpu), str(memory_mb * 1024 * 1024),
-               str(nproc), str(file_limit), str(open_files)]
-        popen_kw: dict = {}
-        if lease is not None and _net_namespace_works():
-            u = str(lease.uid)
-            cmd = ["unshare", "--net", "--", "setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups",
-                   "--", *cmd]
-        elif lease is not None:
-            popen_kw = {"user": lease.uid, "group": lease.uid, "extra_groups": []}
-        with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
-            timed_out = False
-            try:
-                proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out_f,
-                                        stderr=err_f, pass_fds=(mark_w,), start_new_session=True, **popen_kw)
-            except OSError as e:
-                return SandboxResult(False, "sandbox_error", None, "", f"could not start: {e}",
-                                     time.monotonic() - start, lease is not None)
-            os.close(mark_w)
-            mark_w = -1
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                rc = None
-            duration = time.monotonic() - start
-            # Kill everything the program started, whether it finished or not.
-            if lease is not None:
-                _kill_uid(lease.uid, python)
+            # Fallback: a world-traversable folder whatever TMPDIR is, so the sandbox uid can enter it.
+            self.workdir = tempfile.mkdtemp(prefix="refusion-sbx-", dir="/tmp" if self.root else None)
+            Path(self.workdir, "program.py").write_text(self.program, encoding="utf-8")
+            nproc = lim["max_procs"]
+            if cand_lease is not None:
+                os.chown(self.workdir, cand_lease.uid, cand_lease.uid)
+                os.chown(Path(self.workdir, "program.py"), cand_lease.uid, cand_lease.uid)
             else:
-                _kill_session(proc.pid)
-            final_rc = proc.wait()
-            rc = final_rc if not timed_out else None
-            os.set_blocking(mark_r, False)
+                nproc += len(_uid_processes(os.getuid()))  # RLIMIT_NPROC counts all our own processes
+            os.chmod(self.workdir, 0o700)
+            self.cand = subprocess.Popen(
+                [python, "-I", "-S", "-c", _CHILD_SRC, "candidate", str(csock.fileno()),
+                 json.dumps(self._limits(nproc, lim["memory_mb"]))],
+                stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, cwd=self.workdir,
+                env={**base_env, "HOME": self.workdir, "TMPDIR": self.workdir},
+                pass_fds=(csock.fileno(),), start_new_session=True, **self._user(cand_lease))
+        for s in self.socks:
+            s.close()
+        self.socks = []
+        for fd in (verdict_w, status_w):
+            os.close(fd)
+            self.fds.remove(fd)
+
+        deadline = start + lim["timeout_s"]
+        timed_out = False
+        try:
+            self.judge.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        duration = time.monotonic() - start
+        verdict = None
+        raw = _read_pipe(verdict_r)
+        try:
+            v = json.loads(raw.decode("utf-8")) if raw else None
+            if isinstance(v, dict) and secrets.compare_digest(str(v.get("nonce", "")), nonce):
+                verdict = v
+        except (UnicodeDecodeError, ValueError):
+            verdict = None
+        if verdict is not None and verdict.get("kind") == "candidate_gone":
+            # The program ended on its own: let its exit status arrive (bounded by the deadline).
             try:
-                completed = os.read(mark_r, 16) == b"OK"
-            except BlockingIOError:
-                completed = False
-            stdout, out_size = _read_capped(out_f, output_bytes)
-            stderr, err_size = _read_capped(err_f, output_bytes)
-        reason = _classify(timed_out, rc, completed, stderr, out_size, err_size, file_limit)
-        return SandboxResult(reason == "passed", reason, rc, stdout, stderr, duration, lease is not None)
-    finally:
-        if proc is not None and proc.poll() is None:  # only on an unexpected exception above
-            proc.kill()
-            proc.wait()
-        for fd in (mark_r, mark_w):
-            if fd >= 0:
+                self.cand.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._stop_judge()
+        self._stop_candidate(status_r)
+        status = self._status_lines(status_r)
+        rc: int | None = None
+        setup_error = None
+        if self.ns:
+            for line in status:
+                word, _, val = line.partition(" ")
+                if word == "exit":
+                    rc = int(val)
+                elif word == "signal":
+                    rc = -int(val)
+                elif word == "setup":
+                    setup_error = val
+        else:
+            rc = self.cand.returncode
+        oom = self.cgroup.oom_kills() > 0 if self.cgroup else False
+        stdout, out_size = _read_capped(out_f, lim["output_bytes"])
+        stderr, err_size = _read_capped(err_f, lim["output_bytes"])
+        judge_err.seek(0)
+        judge_stderr = judge_err.read(4000).decode("utf-8", "replace")
+        judge_err.close()
+        if setup_error:
+            return SandboxResult(False, "sandbox_error", rc, stdout, stderr, duration, self.root,
+                                 f"sandbox setup failed: {setup_error}")
+        if verdict is None and not timed_out:
+            detail = "the judge gave no verdict" + (f": {judge_stderr.strip()[-500:]}" if judge_stderr else "")
+        else:
+            detail = (verdict or {}).get("detail", "") if not timed_out else f"no verdict within {lim['timeout_s']} s"
+        reason = _classify(verdict, timed_out, rc, stderr, out_size, err_size, lim["file_mb"] * 1024 * 1024, oom)
+        return SandboxResult(reason == "passed", reason, rc, stdout, stderr, duration, self.root, str(detail))
+
+    def _stop_judge(self) -> None:
+        if self.judge is None:
+            return
+        if self.judge.poll() is None:
+            try:
+                os.killpg(self.judge.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.judge.wait()
+
+    def _stop_candidate(self, status_r: int) -> None:
+        if self.cand is None:
+            return
+        if self.ns:
+            # Killing the namespace's init kills every process in it; the stage process
+            # returns only after init, hence every process of the program, is gone.
+            init = None
+            for line in self._status_lines(status_r):
+                if line.startswith("init "):
+                    init = int(line.split()[1])
+            if self.cand.poll() is None:
+                if init is not None:
+                    try:
+                        os.kill(init, signal.SIGKILL)
+                    except OSError:
+                        pass
+                try:
+                    self.cand.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.cand.kill()
+                    self.cand.wait()
+                    self.problems.append("the sandbox namespace did not end")
+        else:
+            if self.leases:
+                p = _kill_uid(self.leases[0].uid)
+                if p:
+                    self.problems.append(p)
+            else:
+                _kill_session(self.cand.pid)
+            if self.cand.poll() is None:
+                self.cand.kill()
+            self.cand.wait()
+
+    def _cleanup(self) -> None:
+        """Every step guarded: nothing here may raise out of run_program."""
+        for step in (self._cleanup_processes, self._cleanup_files, self._cleanup_handles):
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001
+                self.problems.append(f"{step.__name__}: {type(e).__name__}: {e}")
+
+    def _cleanup_processes(self) -> None:
+        for p in (self.judge, self.cand):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        for lease in self.leases:
+            problem = _kill_uid(lease.uid)
+            if problem:
+                self.problems.append(problem)
+        if self.cgroup is not None:
+            problem = self.cgroup.remove()
+            if problem:
+                self.problems.append(problem)
+
+    def _cleanup_files(self) -> None:
+        if self.workdir is not None:
+            p = _rm_rf(self.workdir)
+            if p:
+                self.problems.append(p)
+        if not self.ns:
+            for lease in self.leases:
+                self.problems.extend(_remove_uid_leftovers(lease.uid))
+
+    def _cleanup_handles(self) -> None:
+        for s in self.socks:
+            s.close()
+        for fd in self.fds:
+            try:
                 os.close(fd)
-        if lease is not None:
-            _remove_scratch_files(lease.uid)
+            except OSError:
+                pass
+        self.fds = []
+        for lease in self.leases:
             lease.release()
-        shutil.rmtree(workdir, ignore_errors=True)
+        self.leases = []
 
 
-def run_many(programs: list[str], *, workers: int = 4, **limits) -> list[SandboxResult]:
-    """Run several programs concurrently (threads; each in its own sandbox), results in input order."""
+def run_many(items: list, *, workers: int = 4, **limits) -> list[SandboxResult]:
+    """Run several (program, tests[, prelude[, remote]]) concurrently (threads), results in input order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda p: run_program(p, **limits), programs))
+    def one(item):
+        program, tests, *rest = item if isinstance(item, (tuple, list)) else (item, "")
+        prelude = rest[0] if rest else ""
+        remote = tuple(rest[1]) if len(rest) > 1 else ()
+        return run_program(program, tests, prelude=prelude, remote=remote, **limits)
 
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(one, items))

@@ -22,12 +22,17 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # as open() would create it; mkstemp makes it 0600
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

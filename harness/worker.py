@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import resource
+import signal
 import sys
 from pathlib import Path
 
@@ -54,11 +55,24 @@ def _sample_rows(samples: dict, records: dict[tuple, dict], unit: dict) -> list[
     return rows
 
 
+def _die_with_parent() -> None:
+    """The runner (or accelerate's launcher) is gone: this worker must not keep writing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.worker", description=__doc__)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--model", required=True)
     ns = p.parse_args(argv)
+    _die_with_parent()
+    # SIGTERM unwinds like an exception: open files close, the journal keeps every finished sample.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     run_dir = Path(ns.run_dir)
     cfg = read_json(run_dir / "run.json")
     spec = next((m for m in cfg["models"] if m["name"] == ns.model), None)

@@ -9,12 +9,15 @@ differences are listed in tasks/README.md.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import functools
 import os
 import random
 from typing import Any
 
 from tasks import math_equiv
+from tasks.code_exec import REMOTE_HEADER, TESTS_MARK
 from tasks.code_exec import pass_at_1 as _pass_at_1
 
 LETTERS = "ABCDEFGHIJ"
@@ -151,6 +154,37 @@ def pass_at_k(references: list[str], predictions: list[list[str]], k: list[int] 
 def pass_at_1(references: list[str] | str, predictions: list[list[str]] | list[str]) -> float:
     """lm-eval's mbpp metric interface (the program is prediction + "\\n" + reference)."""
     return _pass_at_1(references, predictions)
+
+
+def mbpp_doc_to_target(doc: dict) -> str:
+    """The three asserts (the gold code for a few-shot example), as lm-eval's mbpp target.
+
+    Tests call the function under test by name; when that name is also a builtin
+    (MBPP 126 tests a ``sum(a, b)``), a header tells the sandbox's judge to take it from
+    the model's program. The names come from the reference solution, never from the
+    model, so a model that redefines ``sorted`` or ``set`` cannot reach the comparisons.
+    """
+    if "is_fewshot" in doc:
+        return doc["code"] + "\n[DONE]"
+    tests = "\n".join(doc["test_list"][:3])
+    shadowed = sorted(_defined_names(doc.get("code", "")) & _called_names(tests) & set(dir(builtins)))
+    return (f"{REMOTE_HEADER}{','.join(shadowed)}\n{TESTS_MARK}\n" if shadowed else "") + tests
+
+
+def _defined_names(code: str) -> set[str]:
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def _called_names(code: str) -> set[str]:
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    return {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
 
 
 def embedded_code_target(doc: dict) -> str:

@@ -98,7 +98,7 @@ embedded_code_filter = _per_response(extract_code)
 
 
 def code_program(response: str, doc: dict) -> str:
-    """Embedded code: solution, then its assert statements."""
+    """Embedded code as one text (solution, then its asserts), for display; scoring keeps them apart."""
     return extract_code(response) + "\n" + "\n".join(doc["tests"])
 
 
@@ -110,7 +110,7 @@ def _score_embedded(name: str, responses: list[str], docs: list[dict]) -> list[d
         return [{key: float(extract_choice(r) == str(d["answer"]))} for r, d in zip(responses, docs)]
     from tasks.code_exec import run_checks
 
-    results = run_checks([code_program(r, d) for r, d in zip(responses, docs)])
+    results = run_checks([(extract_code(r), "\n".join(d["tests"])) for r, d in zip(responses, docs)])
     return [{key: float(res.passed)} for res in results]
 
 

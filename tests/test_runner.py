@@ -186,3 +186,105 @@ def test_models_spec_parsing():
         parse_models("ar,ar")
     with pytest.raises(InputError, match="expected name=checkpoint:decoder"):
         parse_models("a=onlypath")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return not Path(f"/proc/{pid}/status").read_text().split("State:")[1].strip().startswith("Z")
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_runner_and_worker_and_run_resumes(setup, reference, sig):
+    run_id = f"stopped-{sig.name}"
+    run_dir = setup["out"] / run_id
+    proc = subprocess.Popen(_cmd(setup, run_id), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    journal = run_dir / "models" / "a" / "journal" / "journal.rank0.jsonl"
+    deadline = time.time() + 900
+    try:
+        while time.time() < deadline:
+            if journal.exists() and journal.read_text().count("\n") >= 1:
+                break
+            assert proc.poll() is None, "run ended before it could be interrupted"
+            time.sleep(0.05)
+        else:
+            pytest.fail("journal never reached 1 sample")
+        workers = _children(proc.pid)
+        proc.send_signal(sig)  # the runner only, as a service manager or a terminal would
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert f"--run-id {run_id}" in err.strip().splitlines()[-1]
+    assert workers and not any(_alive(w) for w in workers)
+    _run(setup, run_id)
+    assert _deterministic(run_dir) == _deterministic(reference)
+
+
+def test_worker_dies_with_its_runner(setup):
+    run_id = "orphan"
+    proc = subprocess.Popen(_cmd(setup, run_id), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 900
+    try:
+        while time.time() < deadline and not _children(proc.pid):
+            time.sleep(0.05)
+        workers = _children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)  # the runner alone, with no chance to clean up
+        proc.wait()
+        end = time.time() + 60
+        while time.time() < end and any(_alive(w) for w in workers):
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert workers and not any(_alive(w) for w in workers)
+
+
+def test_run_folder_is_locked(setup, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom pathlib import Path\n"
+                               "from harness.runner import lock_run_dir\n"
+                               f"lock_run_dir(Path({str(setup['out'] / 'busy')!r}))\n"
+                               "print('locked', flush=True)\nsys.stdin.read()\n"],
+                              cwd=REPO, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        p = subprocess.run(_cmd(setup, "busy"), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"pid {holder.pid}" in lines[0] and "in use" in lines[0]
+    assert not (setup["out"] / "busy" / "run.json").exists()
+
+
+def test_default_run_ids_are_unique_within_a_second():
+    from harness.runner import default_run_id
+
+    ids = {default_run_id() for _ in range(50)}
+    assert len(ids) == 50
+
+
+def test_result_files_are_group_readable(tmp_path):
+    from harness.store import atomic_write_json
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_json(tmp_path / "m.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "m.json").stat().st_mode & 0o777 == 0o644

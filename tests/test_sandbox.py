@@ -1,146 +1,422 @@
-"""Hostile programs against harness.sandbox.run_program (issue 5 acceptance list)."""
+"""Hostile programs against the pass@1 scorer (tasks.code_exec -> harness.sandbox).
+
+Every hostile "model output" is scored by the project's own scorer; the expected
+verdict is "not passed" unless the case is about the machine (then a correct
+solution rides along and must still pass). All hostile cases run in one
+concurrent batch (module fixture), so the set stays within about a minute; the
+machine is checked afterwards: no process of a sandbox uid, no sandbox files in
+/tmp, /var/tmp, /dev/shm, /run/lock, no SysV IPC objects, no cgroups left.
+"""
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from harness.sandbox import SandboxResult, run_program
+from harness import sandbox
+from harness.sandbox import SandboxResult, capabilities, run_program
+from tasks.code_exec import CodeLimits, pass_at_1, split_reference
 
 ROOT = os.geteuid() == 0
+CAPS = capabilities()
 needs_root = pytest.mark.skipif(not ROOT, reason="uid isolation (signals, /proc, setsid escapes) needs root")
+needs_ns = pytest.mark.skipif(not CAPS["namespaces"], reason="needs mount/PID/IPC/net namespaces (root)")
+needs_cgroup = pytest.mark.skipif(not CAPS["cgroup"], reason="needs a memory/pids cgroup (root)")
+REPO = Path(__file__).resolve().parents[1]
+
+GOOD = "def f(x):\n    return x * 2\n"
+TESTS = "assert f(2) == 4\nassert f(5) == 10\nassert abs(f(0.25) - 0.5) < 1e-9\n"
+
+
+# ---------------------------------------------------------------- machine state
+def _in_range(uid: int) -> bool:
+    return uid in sandbox.UID_RANGE
+
+
+def leftovers() -> list[str]:
+    """What a finished sandbox run must never leave behind."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if _in_range(entry.stat().st_uid):
+                    found.append(f"process {entry.name} of uid {entry.stat().st_uid}")
+            except OSError:
+                continue
+    for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
+        try:
+            for e in os.scandir(d):
+                try:
+                    if _in_range(e.stat(follow_symlinks=False).st_uid) or e.name.startswith("refusion-sbx-"):
+                        found.append(f"file {e.path}")
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    for kind, col in (("shm", 7), ("sem", 4), ("msg", 7)):
+        try:
+            for line in Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]:
+                f = line.split()
+                if len(f) > col and f[col].isdigit() and _in_range(int(f[col])):
+                    found.append(f"SysV {kind} {f[1]}")
+        except OSError:
+            continue
+    for base in (Path("/sys/fs/cgroup/memory/refusion-sandbox"), Path("/sys/fs/cgroup/pids/refusion-sandbox"),
+                 Path("/sys/fs/cgroup/refusion-sandbox"), Path("/sys/fs/cgroup/unified/refusion-sandbox")):
+        if base.is_dir():
+            found += [f"cgroup {p}" for p in base.iterdir() if p.is_dir() and p.name.startswith(f"run-{os.getpid()}-")]
+    return found
 
 
 @pytest.fixture()
-def decoy(tmp_path: Path) -> Path:
-    """A directory outside the sandbox that hostile programs try to damage."""
-    d = tmp_path / "decoy"
-    d.mkdir()
-    (d / "keep.txt").write_text("precious")
-    d.chmod(0o755)
-    tmp_path.chmod(0o755)
-    (d / "keep.txt").chmod(0o644)
-    return d
+def clean_machine():
+    assert leftovers() == [], "machine not clean before the test"
+    yield
+    assert leftovers() == []
 
 
-def _intact(d: Path) -> bool:
-    return (d / "keep.txt").read_text() == "precious" and sorted(p.name for p in d.iterdir()) == ["keep.txt"]
+def score(prediction: str, reference: str = TESTS, timeout_s: float = 30.0, **kw) -> SandboxResult:
+    from tasks.code_exec import run_checks
+
+    return run_checks([(prediction, reference)], CodeLimits(timeout_s=timeout_s, workers=1, **kw))[0]
 
 
-def test_passing_and_failing_programs():
-    ok = run_program("def f(x):\n    return x + 1\nassert f(1) == 2\nprint('done')\n")
-    assert ok.passed and ok.reason == "passed" and ok.returncode == 0 and ok.stdout == "done\n"
-    bad = run_program("def f(x):\n    return x\nassert f(1) == 2\n")
-    assert not bad.passed and bad.reason == "error" and "AssertionError" in bad.stderr
+# ---------------------------------------------------------------- the hostile set
+class Listener:
+    """A TCP and a Unix-domain server on the host that sandboxed programs try to reach."""
+
+    def __init__(self, tmp: Path):
+        self.tcp = socket.socket()
+        self.tcp.bind(("127.0.0.1", 0))
+        self.tcp.listen(8)
+        self.port = self.tcp.getsockname()[1]
+        self.unix_path = str(tmp / "harness.sock")
+        self.unix = socket.socket(socket.AF_UNIX)
+        self.unix.bind(self.unix_path)
+        os.chmod(self.unix_path, 0o777)
+        self.unix.listen(8)
+        self.accepted = 0
+        for s in (self.tcp, self.unix):
+            s.settimeout(0.2)
+            threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+        self.stop = False
+
+    def _accept(self, s):
+        while not getattr(self, "stop", False):
+            try:
+                c, _ = s.accept()
+                self.accepted += 1
+                c.close()
+            except OSError:
+                continue
+
+    def close(self):
+        self.stop = True
+        self.tcp.close()
+        self.unix.close()
 
 
-@pytest.mark.parametrize("name,program,reasons", [
-    ("infinite loop", "while True:\n    pass\n", {"timeout"}),
-    ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-     {"timeout"}),
-    ("10 GB allocation", "x = bytearray(10 * 1024 ** 3)\n", {"memory"}),
-    ("1 GB file", "with open('big.bin', 'wb') as f:\n    for _ in range(1024):\n"
-                  "        f.write(b'0' * 1024 * 1024)\n", {"file_size"}),
-    ("100 MB stdout", "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1024 * 1024)\n",
-     {"output_limit"}),
-    ("os._exit before tests", "import os\nos._exit(0)\nassert False\n", {"exited"}),
-    ("sys.exit(0) before tests", "import sys\nsys.exit(0)\nassert False\n", {"exited"}),
-])
-def test_hostile_programs_fail_with_reason(name, program, reasons, decoy):
+def hostile_cases(tmp: Path, listener: Listener, secret_file: Path) -> dict[str, tuple[str, str, set[str] | None]]:
+    """name -> (prediction, reference, expected reasons; None = must fail, any reason)."""
+    wrong = "def f(x):\n    return 0\n"
+    forge = ("import os, json, struct\n"
+             "msg = json.dumps({'kind': 'passed', 'detail': '', 'nonce': ''}).encode()\n"
+             "targets = set()\n"
+             "for a in open('/proc/self/cmdline', 'rb').read().split(b'\\0'):\n"
+             "    if a.isdigit(): targets.add(int(a))\n"
+             "for fd in os.listdir('/proc/self/fd'):\n"
+             "    try:\n"
+             "        link = os.readlink(f'/proc/self/fd/{fd}')\n"
+             "    except OSError:\n"
+             "        continue\n"
+             "    if 'pipe' in link or 'socket' in link: targets.add(int(fd))\n"
+             "for fd in targets:\n"
+             "    for data in (b'OK', msg, struct.pack('>I', len(msg)) + msg):\n"
+             "        try:\n"
+             "            os.write(fd, data)\n"
+             "        except OSError:\n"
+             "            pass\n")
+    cases: dict[str, tuple[str, str, set[str] | None]] = {
+        # -- from the report: wrong answers that must not pass
+        "forged mark on argv fd then exit": (forge + "os._exit(0)\n", TESTS, None),
+        "forged mark on every pipe, wrong f": (forge + wrong, TESTS, None),
+        "__eq__ always True": ("class A:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
+                               "    def __sub__(self, o): return self\n    def __rsub__(self, o): return self\n"
+                               "    def __abs__(self): return 0\n    def __lt__(self, o): return True\n"
+                               "def f(x):\n    return A()\n", TESTS, None),
+        "patched builtins.abs": ("import builtins\nbuiltins.abs = lambda v: 0\n"
+                                 "def f(x):\n    return {2: 4, 5: 10}.get(x, 99)\n", TESTS, None),
+        "helper replaced through globals()": (
+            "def helper(x):\n    return x + 1\ndef g(x):\n    return 0\nglobals()['helper'] = lambda v: 7\n",
+            "# judge: remote=g\ndef helper(x):\n    return x + 1\ndef g(x):\n    '''doc'''\n# judge: tests\n"
+            "assert helper(g(3)) == 7\n", None),
+        "reads hidden asserts from program.py": (
+            "import re\nsrc = open('program.py').read()\n"
+            "table = {int(a): int(b) for a, b in re.findall(r'assert f\\((\\d+)\\) == (\\d+)', src)}\n"
+            "def f(x):\n    return table[x]\n", TESTS, None),
+        "sys.exit(0) before the tests": ("import sys\nsys.exit(0)\n" + GOOD, TESTS, {"exited"}),
+        "os._exit(0) before the tests": ("import os\nos._exit(0)\n" + GOOD, TESTS, {"exited"}),
+        "SystemExit inside the function": ("def f(x):\n    raise SystemExit(0)\n", TESTS, {"error"}),
+        "infinite loop": ("while True:\n    pass\n", TESTS, {"timeout"}),
+        "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+                      TESTS, {"timeout", "killed", "memory"}),
+        "8 GiB allocation": ("x = bytearray(8 * 1024 ** 3)\n" + GOOD, TESTS, {"memory"}),
+        "2 GB file": ("with open('big.bin', 'wb') as fh:\n    for _ in range(2048):\n"
+                      "        fh.write(b'0' * 1024 * 1024)\n" + GOOD, TESTS, {"file_size", "error"}),
+        "100 MB of stdout": ("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1024 * 1024)\n" + GOOD,
+                             TESTS, {"output_limit"}),
+        "ignores SIGTERM and spins": ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                      "while True:\n    pass\n", TESTS, {"timeout"}),
+        "kills its parent and the harness": (f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+                                             f"os.kill({os.getpid()}, signal.SIGKILL)\n" + GOOD, TESTS, None),
+        "TCP to 127.0.0.1": (f"import socket\nsocket.create_connection(('127.0.0.1', {listener.port}), timeout=5)\n"
+                             + GOOD, TESTS, None),
+        "Unix socket in host /tmp": (f"import socket\ns = socket.socket(socket.AF_UNIX)\n"
+                                     f"s.connect({listener.unix_path!r})\n" + GOOD, TESTS, None),
+        "SIGSTOPs every process it can see": (
+            "import os, signal, time\n"
+            "if os.fork() == 0:\n"
+            "    while True:\n"
+            "        for p in os.listdir('/proc'):\n"
+            "            if p.isdigit() and int(p) != os.getpid():\n"
+            "                try:\n"
+            "                    os.kill(int(p), signal.SIGSTOP)\n"
+            "                except OSError:\n"
+            "                    pass\n"
+            "        time.sleep(0.01)\n"
+            "time.sleep(60)\n", TESTS, {"timeout"}),
+        "1.2 GB into /dev/shm": ("import os\nwith open('/dev/shm/fill', 'wb') as fh:\n"
+                                 "    for _ in range(1200):\n        fh.write(b'0' * 1024 * 1024)\n"
+                                 "assert os.path.getsize('/dev/shm/fill') >= 1200 * 1024 * 1024\n" + GOOD,
+                                 TESTS, None),
+        # -- ten more a reward-hacking model might try
+        "reads the tests from a file on the host": (
+            f"import re\nsrc = open({str(secret_file)!r}).read()\n"
+            "table = {int(a): int(b) for a, b in re.findall(r'f\\((\\d+)\\) == (\\d+)', src)}\n"
+            "def f(x):\n    return table[x]\n", TESTS, None),
+        "reads the benchmark data and repository": (
+            f"import os\nassert os.path.exists({str(REPO / 'tasks')!r}) or os.path.exists('/work')\n" + GOOD,
+            TESTS, None),
+        "int subclass whose __eq__ is True": ("class I(int):\n    def __eq__(self, o): return True\n"
+                                              "    __hash__ = int.__hash__\n"
+                                              "def f(x):\n    return I(0)\n", TESTS, None),
+        "patches math.isclose": ("import math\nmath.isclose = lambda *a, **k: True\n"
+                                 "def f(x):\n    return 0.0\n",
+                                 "assert math.isclose(f(1.5), 3.0)\n", None),
+        "hunts expected values with gc and frames": (
+            "import gc, sys\n"
+            "def f(x):\n"
+            "    seen = [o for o in gc.get_objects() if isinstance(o, dict) and 'expected' in o]\n"
+            "    frame, vals = sys._getframe(), []\n"
+            "    while frame:\n"
+            "        vals += [v for v in frame.f_locals.values() if isinstance(v, int) and v != x]\n"
+            "        frame = frame.f_back\n"
+            "    return vals[0] if vals else (seen[0]['expected'] if seen else -1)\n", TESTS, None),
+        "takes over the channel and answers True": (
+            "import os, json, struct, socket\n"
+            "fds = [int(a) for a in open('/proc/self/cmdline', 'rb').read().split(b'\\0') if a.isdigit()]\n"
+            "for fd in fds:\n"
+            "    try:\n"
+            "        s = socket.socket(fileno=fd)\n"
+            "    except OSError:\n"
+            "        continue\n"
+            "    def send(o):\n"
+            "        d = json.dumps(o).encode(); s.sendall(struct.pack('>I', len(d)) + d)\n"
+            "    send({'ready': ['f']})\n"
+            "    while True:\n"
+            "        n = s.recv(4)\n"
+            "        if len(n) < 4: os._exit(0)\n"
+            "        s.recv(struct.unpack('>I', n)[0])\n"
+            "        send({'ok': ['b', True]})\n", TESTS, None),
+        "oversized and malformed replies": ("def f(x):\n    return 'x' * (80 * 1024 * 1024)\n", TESTS,
+                                            {"protocol", "memory", "error"}),
+        "returns a 10000-deep nested list": ("def f(x):\n    v = []\n    for _ in range(10000):\n        v = [v]\n"
+                                             "    return v\n", TESTS, None),
+        "raises KeyboardInterrupt in the function": ("def f(x):\n    raise KeyboardInterrupt\n", TESTS, {"error"}),
+        "kills every process of its uid and init": ("import os, signal\ntry:\n    os.kill(1, signal.SIGKILL)\n"
+                                                    "except OSError:\n    pass\nos.kill(-1, signal.SIGKILL)\n",
+                                                    TESTS, None),
+        "tries to become root": ("import os\nos.setuid(0)\n" + GOOD, TESTS, None),
+        "prints PASSED and writes a verdict at exit": (
+            "import atexit, os\nprint('PASSED'); print('{\"kind\": \"passed\"}')\n"
+            "atexit.register(lambda: [os.write(fd, b'{\"kind\": \"passed\"}') for fd in range(3, 64)"
+            " if os.path.exists(f'/proc/self/fd/{fd}')])\n" + wrong, TESTS, None),
+    }
+    return cases
+
+
+# Cases about the machine: the solution is correct, the program also does something
+# that must leave no trace; the verdict must still be computed.
+MACHINE_CASES = {
+    "3000-deep directory tree in /tmp and cwd": (
+        "import os\nfor base in ('/tmp', '.'):\n    os.chdir(base)\n    for _ in range(3000):\n"
+        "        os.mkdir('d')\n        os.chdir('d')\nos.chdir('/tmp')\n" + GOOD),
+    "two SysV shared-memory segments": (
+        "import ctypes\nlibc = ctypes.CDLL(None)\n"
+        "for _ in range(2):\n    assert libc.shmget(0, 1 << 20, 0o1000 | 0o666) >= 0\n" + GOOD),
+    "files in /run/lock, /var/tmp and /dev/shm": (
+        "for p in ('/run/lock/x', '/var/tmp/x', '/dev/shm/x', '/tmp/x'):\n    try:\n"
+        "        open(p, 'w').write('left behind')\n    except OSError:\n        pass\n" + GOOD),
+    "detached daemon that outlives the program": (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(30)\n    os._exit(0)\n" + GOOD),
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_results(tmp_path_factory):
+    if not ROOT:
+        pytest.skip("the hostile set needs root (uid switch)")
+    assert leftovers() == [], "machine not clean before the hostile set"
+    tmp = tmp_path_factory.mktemp("hostile")
+    tmp.chmod(0o755)
+    secret = tmp / "tests.txt"
+    secret.write_text(TESTS)
+    secret.chmod(0o644)
+    listener = Listener(tmp)
+    cases = hostile_cases(tmp, listener, secret)
+    items = [(n, p, r, 4.0) for n, (p, r, _) in cases.items()]
+    items += [(n, p, TESTS, 60.0) for n, p in MACHINE_CASES.items()]
+    # Hostile programs get a short deadline (each ends by failing it at worst); the
+    # machine cases are correct programs and get a generous one.
     t0 = time.monotonic()
-    r = run_program(program, timeout_s=3)
-    assert not r.passed, name
-    assert r.reason in reasons, (name, r.reason, r.stderr[-300:])
-    assert time.monotonic() - t0 < 20, name
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = dict(zip([i[0] for i in items],
+                           pool.map(lambda i: score(i[1], i[2], timeout_s=i[3]), items)))
+    elapsed = time.monotonic() - t0
+    listener.close()
+    yield {"results": results, "cases": cases, "elapsed": elapsed, "accepted": listener.accepted,
+           "left": leftovers()}
+
+
+def _hostile_names():
+    return list(hostile_cases(Path("/nonexistent"), type("L", (), {"port": 1, "unix_path": "/x"})(),
+                              Path("/x")))
+
+
+@pytest.mark.parametrize("name", _hostile_names())
+def test_hostile_program_is_not_passed(hostile_results, name):
+    r = hostile_results["results"][name]
+    expected = hostile_results["cases"][name][2]
+    assert not r.passed, (name, r)
+    if expected is not None:
+        assert r.reason in expected, (name, r.reason, r.detail, r.stderr[-300:])
     assert len(r.stdout) <= 64 * 1024 and len(r.stderr) <= 64 * 1024
-    assert _intact(decoy)
 
 
-def test_delete_files_outside_sandbox(decoy):
-    prog = (f"import shutil, os\nshutil.rmtree({str(decoy)!r})\n")
-    r = run_program(prog, timeout_s=5)
-    assert not r.passed and r.reason == "error"
-    assert "PermissionError" in r.stderr or not ROOT
-    assert _intact(decoy)
+@pytest.mark.parametrize("name", list(MACHINE_CASES))
+def test_machine_case_still_scored_and_leaves_nothing(hostile_results, name):
+    r = hostile_results["results"][name]
+    assert r.passed, (name, r.reason, r.detail, r.stderr[-300:])
 
 
-def test_environment_is_scrubbed(monkeypatch):
-    monkeypatch.setenv("REFUSION_TEST_SECRET", "hunter2")
-    prog = ("import os\nassert 'REFUSION_TEST_SECRET' not in os.environ\n"
-            "assert 'hunter2' not in repr(dict(os.environ))\n")
-    assert run_program(prog).passed
-    # And not through the parent's /proc entry either.
-    leak = (f"data = open('/proc/{os.getpid()}/environ', 'rb').read()\n"
-            "assert b'hunter2' not in data\n")
-    r = run_program(leak)
-    if ROOT:
-        assert not r.passed and "PermissionError" in r.stderr  # different uid: no access
-    else:
-        assert r.reason in ("passed", "error")
+def test_hostile_set_leaves_machine_clean_and_fast(hostile_results):
+    assert hostile_results["left"] == []
+    assert hostile_results["accepted"] == 0  # no TCP or Unix-socket connection reached the host
+    assert hostile_results["elapsed"] < 60, hostile_results["elapsed"]
 
 
-@needs_root
-def test_cannot_kill_parent():
-    r = run_program("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
-                    f"os.kill({os.getpid()}, signal.SIGKILL)\n")
-    assert not r.passed and r.reason == "error" and "PermissionError" in r.stderr
-    assert run_program("assert True\n").passed  # the harness is still here
+# ---------------------------------------------------------------- scorer semantics
+def test_gold_and_wrong_answers(clean_machine):
+    ok = run_program(GOOD + "print('done')\n", TESTS)
+    assert ok.passed and ok.reason == "passed" and ok.stdout == "done\n", ok
+    bad = run_program("def f(x):\n    return x\n", TESTS)
+    assert not bad.passed and bad.reason == "error" and "AssertionError" in bad.detail and "line 1" in bad.detail
 
 
-@needs_root
-def test_setsid_grandchild_does_not_outlive_the_run(tmp_path):
-    marker = tmp_path / "alive"
-    tmp_path.chmod(0o777)  # let the sandbox uid write the marker if it ever wakes up
-    prog = ("import os, time\n"
-            "if os.fork() == 0:\n"
-            "    os.setsid()\n"
-            "    if os.fork() == 0:\n"
-            "        time.sleep(4)\n"
-            f"        open({str(marker)!r}, 'w').write('escaped')\n"
-            "    os._exit(0)\n"
-            "time.sleep(30)\n")
-    t0 = time.monotonic()
-    r = run_program(prog, timeout_s=2)
-    assert r.reason == "timeout" and time.monotonic() - t0 < 10
-    time.sleep(4)
-    assert not marker.exists()
+def test_pass_at_1_end_to_end(clean_machine):
+    refs = [TESTS, TESTS]
+    assert pass_at_1(refs, [[GOOD], ["def f(x):\n    return 0\n"]], CodeLimits(workers=2)) == 0.5
 
 
-@needs_root
-def test_background_child_killed_when_program_exits(tmp_path):
-    marker = tmp_path / "alive"
-    tmp_path.chmod(0o777)
-    prog = ("import os, time\n"
-            "if os.fork() == 0:\n"
-            "    os.setsid()\n"
-            "    time.sleep(3)\n"
-            f"    open({str(marker)!r}, 'w').write('escaped')\n"
-            "    os._exit(0)\n")
-    r = run_program(prog, timeout_s=10)
-    assert r.passed  # the main program finished; its detached child must not survive it
-    time.sleep(3.5)
-    assert not marker.exists()
+def test_remote_objects_and_exceptions_keep_python_semantics(clean_machine):
+    prog = ("class P:\n    def __init__(self, a): self.a = a\n"
+            "def total(ps):\n    return sum(p.a for p in ps)\n"
+            "def gen(n):\n    return (i * i for i in range(n))\n"
+            "def boom(x):\n    raise ValueError('no')\n"
+            "import math\n")
+    tests = ("assert total([P(1), P(2)]) == 3\nassert list(gen(3)) == [0, 1, 4]\n"
+             "try:\n    boom(1)\n    assert False\nexcept ValueError:\n    pass\n"
+             "assert math.sqrt(4) == 2.0\nassert P(5).a == 5\n")
+    r = run_program(prog, tests)
+    assert r.passed, r
 
 
-def test_concurrent_runs_do_not_interfere():
-    programs = [f"import time\ntime.sleep(0.3)\nassert {i} * 2 == {2 * i}\nprint({i})\n" for i in range(6)]
-    programs.append("while True:\n    pass\n")
-    programs.append("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
-    # The hostile pair gets a short deadline; the benign ones a generous one, since on a
-    # loaded 2-core machine starting 8 interpreters next to a fork bomb can take seconds.
-    limits = [30] * 6 + [4, 4]
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        results: list[SandboxResult] = list(pool.map(lambda pl: run_program(pl[0], timeout_s=pl[1]),
-                                                     zip(programs, limits)))
-    for i, r in enumerate(results[:6]):
-        assert r.passed and r.stdout.strip() == str(i), (i, r.reason, r.stderr[-300:])
-    assert [r.reason for r in results[6:]] == ["timeout", "timeout"]
+def test_reference_format():
+    assert split_reference("assert f(1) == 2") == ("", "assert f(1) == 2", ())
+    assert split_reference("# judge: remote=f\ndef h(): pass\n# judge: tests\nassert f(1)") == (
+        "def h(): pass", "assert f(1)", ("f",))
 
 
 def test_bad_limits_rejected():
     with pytest.raises(ValueError):
         run_program("pass", timeout_s=0)
+
+
+# ---------------------------------------------------------------- limits per program, not per process
+@needs_cgroup
+@needs_ns
+def test_memory_limit_covers_all_processes(clean_machine):
+    # 4 children x 300 MB = 1.2 GB under memory_mb=512: each fits its own rlimit, the sum does not.
+    prog = ("import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        b = b'x' * (300 * 1024 * 1024)\n        time.sleep(3)\n        os._exit(0)\n"
+            "    kids.append(pid)\n"
+            "for k in kids:\n    assert os.waitpid(k, 0)[1] == 0\n" + GOOD)
+    r = score(prog, timeout_s=60, memory_mb=512)
+    assert not r.passed and r.reason == "memory", r
+
+
+@needs_ns
+def test_gold_passes_with_private_tmpdir(tmp_path, monkeypatch, clean_machine):
+    # A 0700 TMPDIR must not change the verdict: the sandbox uid never needs it.
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    r = run_program(GOOD + "import tempfile\nopen(tempfile.mktemp(), 'w').write('x')\n", TESTS, timeout_s=30)
+    assert r.passed, r
+
+
+def test_uid_lock_folder_ignores_tmpdir(tmp_path):
+    code = "from harness import sandbox; print(sandbox.LOCK_DIR)"
+    outs = {subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "TMPDIR": str(d)},
+                           capture_output=True, text=True, check=True).stdout for d in (tmp_path, "/tmp")}
+    assert len(outs) == 1 and not outs.pop().startswith(str(tmp_path))
+
+
+@needs_root
+def test_concurrent_runs_do_not_interfere(clean_machine):
+    programs = [(f"import time\ntime.sleep(0.3)\ndef f(x):\n    return x * 2\nprint({i})\n", 30.0) for i in range(6)]
+    programs += [("while True:\n    pass\n", 4.0),
+                 ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", 4.0)]
+    # Benign programs get a generous deadline: on a loaded 2-core machine starting 16
+    # interpreters next to a fork bomb can take seconds.
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda pl: run_program(pl[0], TESTS, timeout_s=pl[1]), programs))
+    for i, r in enumerate(results[:6]):
+        assert r.passed and r.stdout.strip() == str(i), (i, r)
+    assert [r.passed for r in results[6:]] == [False, False]
+
+
+def test_environment_is_scrubbed(monkeypatch, clean_machine):
+    monkeypatch.setenv("REFUSION_TEST_SECRET", "hunter2")
+    prog = ("import os\nassert 'REFUSION_TEST_SECRET' not in os.environ\n"
+            f"try:\n    data = open('/proc/{os.getpid()}/environ', 'rb').read()\nexcept OSError:\n    data = b''\n"
+            "assert b'hunter2' not in data\n" + GOOD)
+    r = run_program(prog, TESTS, timeout_s=30)
+    assert r.passed or not ROOT, r
+
+
+def test_capabilities_report_is_one_line_or_none():
+    w = CAPS["warning"]
+    assert w is None or "\n" not in w
+    if ROOT:
+        assert CAPS["uid_switch"]
