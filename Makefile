@@ -17,11 +17,6 @@ EVAL_ARGS ?=
 PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
-RUN ?=
-NAME ?=
-REPORT_ARGS ?=
-GRID ?=
-SWEEP_ARGS ?=
 
 .PHONY: help setup test eval report sweep validate-tasks train-tiny bench-decoders regress regress-update clean
 
@@ -47,19 +42,29 @@ override MODELS := $(value MODELS)
 override LIMIT := $(value LIMIT)
 override OUT := $(value OUT)
 override EVAL_ARGS := $(value EVAL_ARGS)
-export TASK MODELS LIMIT OUT EVAL_ARGS
+RUN ?=
+NAME ?=
+REPORT_ARGS ?=
+GRID ?=
+SWEEP_ARGS ?=
+override RUN := $(value RUN)
+override NAME := $(value NAME)
+override REPORT_ARGS := $(value REPORT_ARGS)
+override GRID := $(value GRID)
+override SWEEP_ARGS := $(value SWEEP_ARGS)
+export TASK MODELS LIMIT OUT EVAL_ARGS RUN NAME REPORT_ARGS GRID SWEEP_ARGS
 
 eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... OUT=...
 	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness eval --task "$$TASK" \
 		$${MODELS:+--models "$$MODELS"} $${LIMIT:+--limit "$$LIMIT"} --out "$$OUT" $$EVAL_ARGS
 
 report: setup ## Table 1, speedups and figures of a run: make report RUN=<run dir or id>[,<run>...] NAME=...
-	$(PY) -m harness report $(if $(RUN),--run '$(RUN)') $(if $(NAME),--name '$(NAME)') --runs-root '$(OUT)' \
-		$(REPORT_ARGS)
+	@set -f; exec $(PY) -m harness report $${RUN:+--run "$$RUN"} $${NAME:+--name "$$NAME"} --runs-root "$$OUT" \
+		$$REPORT_ARGS
 
 sweep: setup ## ReFusion quality vs tokens/s as its knobs vary: make sweep LIMIT=... GRID='slot_size=2,4,8;...'
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness sweep --task '$(TASK)' \
-		$(if $(LIMIT),--limit $(LIMIT)) $(if $(GRID),--grid '$(GRID)') --out '$(OUT)' $(SWEEP_ARGS)
+	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness sweep \
+		--task "$$TASK" $${LIMIT:+--limit "$$LIMIT"} $${GRID:+--grid "$$GRID"} --out "$$OUT" $$SWEEP_ARGS
 
 validate-tasks: setup ## score every task's gold answers, one line per task
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness validate-tasks
