@@ -207,20 +207,21 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_runner_and_worker_and_run_resumes(setup, reference, sig):
+    from harness.lm_adapter import PAUSE_ENV
+
     run_id = f"stopped-{sig.name}"
     run_dir = setup["out"] / run_id
-    proc = subprocess.Popen(_cmd(setup, run_id), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    journal = run_dir / "models" / "a" / "journal" / "journal.rank0.jsonl"
-    deadline = time.time() + 900
+    # The worker freezes after one journaled sample (test hook), so the signal lands mid-run by construction.
+    proc = subprocess.Popen(_cmd(setup, run_id), cwd=REPO, env={**_env(), PAUSE_ENV: "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        while time.time() < deadline:
-            if journal.exists() and journal.read_text().count("\n") >= 1:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "paused after 1" in line:
                 break
-            assert proc.poll() is None, "run ended before it could be interrupted"
-            time.sleep(0.05)
         else:
-            pytest.fail("journal never reached 1 sample")
+            pytest.fail(f"run ended (exit {proc.wait()}) without reaching the pause point: {''.join(seen)[-2000:]}")
         workers = _children(proc.pid)
         proc.send_signal(sig)  # the runner only, as a service manager or a terminal would
         _, err = proc.communicate(timeout=120)
@@ -231,26 +232,33 @@ def test_signal_stops_runner_and_worker_and_run_resumes(setup, reference, sig):
     assert proc.returncode == 128 + sig, err[-2000:]
     assert f"--run-id {run_id}" in err.strip().splitlines()[-1]
     assert workers and not any(_alive(w) for w in workers)
+    journal = run_dir / "models" / "a" / "journal" / "journal.rank0.jsonl"
+    assert journal.read_text().count("\n") == 1
     _run(setup, run_id)
     assert _deterministic(run_dir) == _deterministic(reference)
 
 
 def test_worker_dies_with_its_runner(setup):
+    from harness.lm_adapter import PAUSE_ENV
+
     run_id = "orphan"
-    proc = subprocess.Popen(_cmd(setup, run_id), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 900
+    proc = subprocess.Popen(_cmd(setup, run_id), cwd=REPO, env={**_env(), PAUSE_ENV: "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        while time.time() < deadline and not _children(proc.pid):
-            time.sleep(0.05)
+        for line in proc.stderr:  # the worker is alive and frozen mid-run once this line appears
+            if "paused after 1" in line:
+                break
+        else:
+            pytest.fail(f"run ended (exit {proc.wait()}) without reaching the pause point")
         workers = _children(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)  # the runner alone, with no chance to clean up
         proc.wait()
-        end = time.time() + 60
+        end = time.time() + 60  # generous: only bounds a failure, a pass returns at once
         while time.time() < end and any(_alive(w) for w in workers):
             time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
+        proc.stderr.close()
     assert workers and not any(_alive(w) for w in workers)
 
 
