@@ -12,7 +12,8 @@ MODELS is a comma-separated list of ``name=checkpoint:decoder[:knob=value,...]``
 Everything is validated before anything is written (exit 2 with one line naming
 the problem and the valid choices; ``--debug`` shows the full traceback instead).
 Each model then runs in its own process (``harness.worker``; under ``accelerate
-launch`` with ``--num-processes`` > 1), so its peak RSS is that model's. Output, all written atomically, in ``OUT/<run_id>/``:
+launch`` with ``--num-processes`` > 1), so its peak RSS is that model's. Output,
+all written atomically, in ``OUT/<run_id>/``:
 
     run.json                         settings + environment (written first)
     models/<model>/journal/          per-sample append-only journal (resume)
