@@ -81,11 +81,44 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"checkpoint directory {str(p)!r} has no config.json")
     if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise CheckpointError(f"checkpoint directory {str(p)!r} has no tokenizer files")
+    for f in sorted(p.glob("*.safetensors")):
+        check_safetensors(f)
     return p
 
 
+def check_safetensors(path: Path) -> None:
+    """CheckpointError naming the file when its header is unreadable or its data is cut short.
+
+    Reads the header only (a few KiB): a copy that stopped half-way is caught here, in
+    validation, instead of as a loader traceback inside the model's worker process.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            # safetensors caps the header at 100 MB; a bigger length means the first bytes are not a header.
+            header = json.loads(f.read(n)) if 0 < n <= min(size - 8, 100_000_000) else None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: truncated or corrupt "
+                              f"(no valid safetensors header in its {size} bytes)")
+    end = max((int(t["data_offsets"][1]) for k, t in header.items()
+               if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t), default=0)
+    if size < 8 + n + end:
+        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: truncated ({size} bytes, "
+                              f"its header needs {8 + n + end})")
+
+
 def decoder_knob_names(decoder: str) -> list[str]:
-    """Keyword knobs of a decoder, read from its signature (model/input_ids/attention_mask excluded)."""
+    """Keyword knobs of a decoder, read from its signature (model/input_ids/attention_mask excluded).
+
+    Callback parameters (``on_commit``: a test hook) are not knobs: a command line can only give
+    them a number or a string, which the decoder would then try to call.
+    """
     from refusion.decoding import get_decoder
 
     fn = get_decoder(decoder)
@@ -94,6 +127,8 @@ def decoder_knob_names(decoder: str) -> list[str]:
         if i < 2 or name == "attention_mask" or name in SPECIAL_KEYWORDS:
             continue
         if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
+            continue
+        if "Callable" in str(prm.annotation):  # a string under `from __future__ import annotations`
             continue
         names.append(name)
     return names

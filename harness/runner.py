@@ -10,9 +10,10 @@ MODELS is a comma-separated list of ``name=checkpoint:decoder[:knob=value,...]``
 (``ar``, ``refusion``, ``llada``, ``fast_dllm``, optionally ``preset:knob=value``).
 
 Everything is validated before anything is written (exit 2 with one line naming
-the problem and the valid choices). Each model then runs in its own process
-(``harness.worker``; under ``accelerate launch`` with ``--num-processes`` > 1), so
-its peak RSS is that model's. Output, all written atomically, in ``OUT/<run_id>/``:
+the problem and the valid choices; ``--debug`` shows the full traceback instead).
+Each model then runs in its own process (``harness.worker``; under ``accelerate
+launch`` with ``--num-processes`` > 1), so its peak RSS is that model's. Output,
+all written atomically, in ``OUT/<run_id>/``:
 
     run.json                         settings + environment (written first)
     models/<model>/journal/          per-sample append-only journal (resume)
@@ -120,17 +121,47 @@ def parse_models(spec: str) -> list[ModelSpec]:
 # ---------------------------------------------------------------- validation
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    out = [exc]
+    while True:
+        nxt = out[-1].__cause__ or out[-1].__context__
+        if nxt is None or nxt in out:
+            return out
+        out.append(nxt)
+
+
+def known_error(exc: BaseException) -> str | None:
+    """One line for an error that is the user's data or files, wherever in the chain it sits; else None.
+
+    lm-eval wraps what a dataset hook or a template raises, so the useful message is
+    often several links down (and the outermost one names neither file nor field).
+    """
+    from harness.data import DataError
+    from harness.lm_adapter import CheckpointError
+
+    for e in _chain(exc):
+        if isinstance(e, (DataError, CheckpointError)):
+            return str(e).replace("\n", " ")
+    try:
+        from jinja2.exceptions import UndefinedError
+    except ImportError:
+        return None
+    for e in _chain(exc):
+        if isinstance(e, UndefinedError):
+            return (f"the task's template cannot use a document of its data ({e}); check that the rows "
+                    "have the fields the task's YAML names").replace("\n", " ")
+    return None
+
+
 def _root_message(exc: BaseException) -> str:
-    seen = exc
-    while seen.__cause__ is not None or seen.__context__ is not None:
-        nxt = seen.__cause__ or seen.__context__
-        if nxt is None or nxt is seen:
-            break
-        seen = nxt
+    known = known_error(exc)
+    if known is not None:
+        return known
+    seen = _chain(exc)[-1]
     return f"{type(seen).__name__}: {seen}".replace("\n", " ")
 
 
-def resolve_units(task_arg: str, tasks_dir: Path) -> list[dict]:
+def resolve_units(task_arg: str, tasks_dir: Path, limit: int | None = None) -> list[dict]:
     """Task names -> units ({name, leaves, primary}); raises InputError for unknown names or missing data.
 
     A unit is what one metrics file covers: a benchmark (mmlu_pro with its 14 subjects
@@ -166,6 +197,8 @@ def resolve_units(task_arg: str, tasks_dir: Path) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - lm-eval wraps dataset errors in many types
             raise InputError(f"task {name!r}: cannot load its data: {_root_message(e)}") from e
         gmap = loaded.get("group_map", {})
+        for leaf, task in loaded.get("tasks", {}).items():
+            check_docs(leaf, task, limit)
 
         def expand(n: str) -> list[str]:
             if n in KNOWN or n not in gmap:
@@ -179,6 +212,50 @@ def resolve_units(task_arg: str, tasks_dir: Path) -> list[dict]:
             if not any(x["name"] == u for x in units):
                 units.append({"name": u, "leaves": leaves, "primary": primary})
     return units
+
+
+def _data_where(task) -> str:
+    """The file (or dataset) a task's documents come from, for error messages."""
+    cfg = getattr(task, "config", None)
+    kw = dict(getattr(cfg, "dataset_kwargs", None) or {})
+    split = getattr(cfg, "test_split", None) or getattr(cfg, "validation_split", None) or "test"
+    files = kw.get("data_files")
+    if isinstance(files, dict):
+        files = files.get(split) or next(iter(files.values()), None)
+    if files:
+        return str(files[0] if isinstance(files, list) else files)
+    if "benchmark" in kw:
+        try:
+            from harness.data import resolve
+
+            return resolve(kw["benchmark"], kw.get("split", split)).describe()
+        except Exception:  # noqa: BLE001 - embedded benchmarks and bad names: fall back to the name
+            return f"{kw['benchmark']} split {kw.get('split', split)}"
+    return str(getattr(cfg, "dataset_path", None) or "its dataset")
+
+
+def check_docs(leaf: str, task, limit: int | None) -> None:
+    """Render every document the run will use with the task's templates; InputError naming the first bad one.
+
+    lm-eval checks only the first document when it builds a task, so a bad later row
+    would otherwise stop the model's worker mid-run.
+    """
+    try:
+        docs = task.eval_docs
+    except Exception as e:  # noqa: BLE001
+        raise InputError(f"task {leaf!r}: cannot load its data: {_root_message(e)}") from e
+    choice = getattr(task, "OUTPUT_TYPE", None) == "multiple_choice"
+    for i, doc in enumerate(docs):
+        if limit is not None and i >= limit:
+            break
+        try:
+            task.doc_to_text(doc)
+            task.doc_to_target(doc)
+            if choice:
+                task.doc_to_choice(doc)
+        except Exception as e:  # noqa: BLE001 - templates and hooks raise anything; the document is what matters
+            why = _root_message(e)
+            raise InputError(f"task {leaf!r}, document {i} of {_data_where(task)}: {why}") from e
 
 
 def _leaves(name: str, gmap: dict) -> list[str]:
@@ -261,8 +338,14 @@ def environment(device: str, threads: int, num_processes: int, seed: int) -> dic
 # ---------------------------------------------------------------- running
 
 
-def worker_command(run_dir: Path, model: str, num_processes: int, port: int) -> list[str]:
-    base = ["-m", "harness.worker", "--run-dir", str(run_dir), "--model", model]
+def worker_error_file(run_dir: Path, model: str) -> Path:
+    """Where a worker leaves its one-line error for the runner to report."""
+    return run_dir / "models" / model / "error.txt"
+
+
+def worker_command(run_dir: Path, model: str, num_processes: int, port: int, debug: bool = False) -> list[str]:
+    base = ["-m", "harness.worker", "--run-dir", str(run_dir), "--model", model,
+            "--error-file", str(worker_error_file(run_dir, model))] + (["--debug"] if debug else [])
     if num_processes <= 1:
         return [sys.executable, *base]
     # --multi_gpu picks accelerate's multi-process (torchrun) launcher; on CPU the adapter joins gloo.
@@ -296,7 +379,26 @@ def _parser() -> argparse.ArgumentParser:
                    help="do not apply the paper's per-benchmark decoding settings (DESIGN §5)")
     p.add_argument("--bootstrap-iters", type=int, default=0, help="lm-eval stderr bootstrap (default: 0 = off)")
     p.add_argument("--tasks-dir", default=str(REPO / "tasks"), help="folder of task YAMLs (default: repo tasks/)")
+    p.add_argument("--debug", action="store_true",
+                   help="on an error, show the full traceback instead of the one-line message")
     return p
+
+
+def check_out_writable(out: Path, run_id: str | None) -> None:
+    """InputError unless the run folder can be created in OUT (checked, not tried: nothing is written)."""
+    target = out / run_id if run_id else out
+    probe = target
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise InputError(f"--out {str(out)!r}: {str(probe)!r} is a file, not a folder; choose another --out")
+    # effective ids: what the open() calls of this process will be allowed
+    eff = os.access in os.supports_effective_ids
+    if not os.access(probe, os.W_OK | os.X_OK, effective_ids=eff):
+        raise InputError(f"--out folder {str(probe)!r} is not writable; choose another --out "
+                         "or make it writable")
 
 
 def build_config(ns: argparse.Namespace) -> dict:
@@ -309,6 +411,7 @@ def build_config(ns: argparse.Namespace) -> dict:
         raise InputError(f"--batch-size must be >= 1, got {ns.batch_size}")
     if ns.run_id is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", ns.run_id):
         raise InputError(f"--run-id {ns.run_id!r} may only use letters, digits, '_', '.', '-'")
+    check_out_writable(Path(ns.out), ns.run_id)  # before minutes of loading, not after
     import torch
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -322,7 +425,10 @@ def build_config(ns: argparse.Namespace) -> dict:
         raise InputError(f"--tasks-dir {str(tasks_dir)!r} does not exist")
     task_defaults = not ns.no_task_defaults
     validate_models(models, [], task_defaults)  # cheap checks first: decoders, checkpoints, model knobs
-    units = resolve_units(ns.task, tasks_dir)
+    limit = ns.limit
+    if limit is None and ns.task == DEFAULT_TASK and ns.models is None:
+        limit = DEFAULT_LIMIT
+    units = resolve_units(ns.task, tasks_dir, limit)
     model_cfgs = validate_models(models, units, task_defaults)
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
@@ -330,9 +436,6 @@ def build_config(ns: argparse.Namespace) -> dict:
                          f"{', '.join(m['name'] for m in model_cfgs)}")
     if baseline is None:
         baseline = next((m["name"] for m in model_cfgs if m["decoder"] == "ar"), None)
-    limit = ns.limit
-    if limit is None and ns.task == DEFAULT_TASK and ns.models is None:
-        limit = DEFAULT_LIMIT
     threads = ns.threads or max(1, (os.cpu_count() or 1) // ns.num_processes)
     return {
         "task": ns.task, "units": units, "models": model_cfgs, "limit": limit, "seed": ns.seed,
@@ -473,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(ns)
         run_dir = _prepare_run_dir(Path(ns.out), ns.run_id, cfg)
     except InputError as e:
+        if ns.debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = len(cfg["models"])
@@ -481,7 +586,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i}/{n}] {m['name']}: already finished, skipped", file=sys.stderr)
             continue
         print(f"[{i}/{n}] {m['name']}: {m['decoder']} on {m['checkpoint']}", file=sys.stderr)
-        cmd = worker_command(run_dir, m["name"], cfg["num_processes"], 29500 + (os.getpid() % 1000))
+        cmd = worker_command(run_dir, m["name"], cfg["num_processes"], 29500 + (os.getpid() % 1000), ns.debug)
+        err_file = worker_error_file(run_dir, m["name"])
+        err_file.unlink(missing_ok=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         try:
             rc = _run_worker(cmd, env)
@@ -489,6 +596,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped by {signal.Signals(stop.signum).name}; rerun with --run-id {run_dir.name} to resume",
                   file=sys.stderr)
             return 128 + stop.signum
+        if rc != 0 and err_file.exists():
+            # The worker stopped on bad data or files and said why in one line: pass it on as ours.
+            msg = " ".join(err_file.read_text(encoding="utf-8").split())
+            err_file.unlink(missing_ok=True)
+            print(f"error: model {m['name']!r}: {msg}; fix it and rerun with --run-id {run_dir.name} to resume",
+                  file=sys.stderr)
+            return 2
         if rc != 0:
             print(f"error: model {m['name']!r} failed (exit {rc}); rerun with --run-id {run_dir.name} to resume",
                   file=sys.stderr)

@@ -69,7 +69,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.worker", description=__doc__)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--model", required=True)
+    p.add_argument("--error-file", default=None,
+                   help="write a one-line error here (for the runner to report) instead of to stderr")
+    p.add_argument("--debug", action="store_true", help="full traceback instead of the one-line error")
     ns = p.parse_args(argv)
+    try:
+        return _main(ns)
+    except Exception as e:  # noqa: BLE001 - sorted below: only the user's data and files get one line
+        from harness.runner import known_error
+
+        msg = None if ns.debug else known_error(e)
+        if msg is None:
+            raise
+        if ns.error_file:
+            from harness.store import atomic_write_text
+
+            atomic_write_text(Path(ns.error_file), msg + "\n")
+        else:
+            print(f"error: {msg}", file=sys.stderr)
+        return 2
+
+
+def _main(ns: argparse.Namespace) -> int:
     _die_with_parent()
     # SIGTERM unwinds like an exception: open files close, the journal keeps every finished sample.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
