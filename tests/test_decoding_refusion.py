@@ -149,18 +149,36 @@ def test_left_to_right_commits_slots_in_position_order(model):
     assert final == sorted(final) and stats["slots_parallel_max"] <= 1 and tokens[0].numel() == 24
 
 
-def test_batch_rows_equal_one_by_one(model):
-    g = torch.Generator().manual_seed(5)
-    rows = [torch.randint(3, 47, (n,), generator=g) for n in (4, 7)]
-    ids = torch.zeros(2, 7, dtype=torch.long)
-    mask = torch.zeros(2, 7, dtype=torch.long)
+def left_pad(rows):
+    width = max(r.numel() for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, 7 - r.numel():], mask[i, 7 - r.numel():] = r, 1
-    batched, stats = DECODERS["refusion"](model, ids, attention_mask=mask, **MIXED)
-    single = [DECODERS["refusion"](model, r[None], **MIXED) for r in rows]
+        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("extra", [{}, {"kv_layout": "replicated"}], ids=["packed", "replicated"])
+def test_batch_rows_equal_one_by_one(model, extra):
+    """4 rows of different prompt lengths that stop at different times: every row's tokens equal
+    decoding it alone, with one model call per step for all rows (rows at different phases stacked)."""
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randint(3, 47, (n,), generator=g) for n in (3, 5, 6, 8)]
+    ids, mask = left_pad(rows)
+    knobs = dict(MIXED, eos_token_id=[2, 34], **extra)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        batched, stats = DECODERS["refusion"](model, ids, attention_mask=mask, **knobs)
+    finally:
+        handle.remove()
+    single = [DECODERS["refusion"](model, r[None], **knobs) for r in rows]
     for got, (want, _) in zip(batched, single):
         assert torch.equal(got, want[0])
-    assert stats["nfe"] == sum(s["nfe"] for _, s in single)
+    lengths = [t.numel() for t in batched]
+    assert len(set(lengths)) == 4 and min(lengths) < 24  # different EOS times, some row stops early
+    assert stats["nfe"] == len(calls) == max(s["nfe"] for _, s in single) < sum(s["nfe"] for _, s in single)
+    assert stats["generated_tokens"] == sum(lengths)
 
 
 @pytest.mark.parametrize(
@@ -173,6 +191,22 @@ def test_invalid_knobs(model, knob, value):
     knobs[knob] = value
     with pytest.raises(ValueError, match=knob):
         DECODERS["refusion"](model, PROMPT, **knobs)
+
+
+@pytest.mark.parametrize(
+    "knob,value", [("infill_seed", "all"), ("kv_layout", "per_slot")],
+)
+def test_invalid_choices_name_the_knob_and_values(model, knob, value):
+    with pytest.raises(ValueError, match=f"{knob} must be one of .*(global|packed)"):
+        DECODERS["refusion"](model, PROMPT, **{knob: value}, gen_length=8, slot_size=4)
+
+
+@pytest.mark.parametrize("row", [[1, 1, 0], [1, 0, 1], [0, 0, 0], [0, 2, 1]], ids=["right", "hole", "empty", "two"])
+def test_attention_mask_must_be_left_padding(model, row):
+    ids = torch.full((2, 3), 5)
+    mask = torch.tensor([[0, 1, 1], row])
+    with pytest.raises(ValueError, match="attention_mask must be left padding"):
+        DECODERS["refusion"](model, ids, attention_mask=mask, gen_length=8, slot_size=4)
 
 
 def test_sampling_is_seeded(model):

@@ -93,6 +93,8 @@ class Meter:
 
     def __init__(self, model, phases: Sequence[str]):
         self.counts = {p: 0 for p in phases}
+        self.calls = 0  # model calls; one call may serve several phases (rows of a batch at different stages)
+        self.forward_s = 0.0  # seconds inside model calls, to tell forward time from decoder overhead
         self.kv_peak_bytes = 0
         self.cuda = next(model.parameters()).device.type == "cuda"
         self._sync()
@@ -107,16 +109,22 @@ class Meter:
         total = extra + sum(cache_bytes(c) for c in caches if c is not None)
         self.kv_peak_bytes = max(self.kv_peak_bytes, total)
 
+    def count(self, phases: str | Sequence[str]) -> None:
+        """One model call serving `phases` (a name or several names): nfe + 1, each phase + 1."""
+        self.calls += 1
+        for p in (phases,) if isinstance(phases, str) else phases:
+            self.counts[p] += 1
+
     def finish(self, responses: list[torch.Tensor], **extra) -> dict:
         self._sync()
         seconds = time.perf_counter() - self.t0
-        nfe = sum(self.counts.values())
+        nfe = self.calls
         generated = sum(int(r.numel()) for r in responses)
         stats = {"nfe": nfe, "generated_tokens": generated, "tpf": generated / nfe if nfe else 0.0}
         stats.update({f"nfe_{p}": n for p, n in self.counts.items()})
         stats["kv_peak_bytes"] = self.kv_peak_bytes
         stats["seconds"] = seconds
-        stats["timings"] = {"decode_s": seconds}
+        stats["timings"] = {"decode_s": seconds, "forward_s": self.forward_s}
         stats.update(extra)
         return stats
 
@@ -168,13 +176,28 @@ def cache_tail(cache: DynamicCache, start: int, rows: torch.Tensor) -> list[tupl
     return out
 
 
+def cache_from(model, parts: list[tuple[torch.Tensor, torch.Tensor]] | None) -> DynamicCache:
+    """A DynamicCache whose layers hold the given per-layer (keys, values) tensors as they are
+    (no copy; expanded views are fine: the model's next update concatenates into a new tensor).
+    None or an empty list gives an empty cache."""
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in zip(cache.layers, parts or []):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache
+
+
 def cache_append(cache: DynamicCache, parts: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
     """Append several per-layer (keys, values) chunks to the cache, in list order."""
     if not parts:
         return
     for i, layer in enumerate(cache.layers):
-        ks = [layer.keys] + [p[i][0] for p in parts]
-        vs = [layer.values] + [p[i][1] for p in parts]
+        ks = [p[i][0] for p in parts]
+        vs = [p[i][1] for p in parts]
+        if not getattr(layer, "is_initialized", False) or layer.keys is None:
+            layer.lazy_initialization(ks[0], vs[0])  # an empty cache: the chunks become its content
+        else:
+            ks, vs = [layer.keys] + ks, [layer.values] + vs
         layer.keys, layer.values = torch.cat(ks, 2), torch.cat(vs, 2)
 
 
@@ -203,8 +226,13 @@ def forward(
     attention_mask: torch.Tensor | None = None,
     visible: torch.Tensor | None = None,
     cache: DynamicCache | None = None,
+    kv_extra: int = 0,
 ) -> torch.Tensor:
-    """One counted model call; returns float logits [B, q, V].
+    """One counted, timed model call; returns float logits [B, q, V].
+
+    `phase` is a phase name, or several when one call serves rows at different stages
+    (counted once in nfe and once in each phase). `kv_extra`: bytes of KV held outside
+    `cache` (copies kept aside by the caller), added to the peak measured after the call.
 
     Give either `attention_mask`, a 2-D padding mask [B, kv] (the model applies its
     own causal or bidirectional pattern), or `visible`, a bool [B, q, kv] / [q, kv]
@@ -213,7 +241,9 @@ def forward(
     """
     if visible is not None:
         attention_mask = additive_mask(visible, model.dtype)
-    meter.counts[phase] += 1
+    meter.count(phase)
+    meter._sync()
+    t0 = time.perf_counter()
     out = model(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -221,8 +251,10 @@ def forward(
         cache=cache,
         use_cache=cache is not None,
     )
+    meter._sync()
+    meter.forward_s += time.perf_counter() - t0
     if cache is not None:
-        meter.kv(cache)
+        meter.kv(cache, extra=kv_extra)
     return out.logits.float()
 
 
@@ -269,6 +301,16 @@ def padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
             f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
         )
     return attention_mask.to(device=input_ids.device, dtype=torch.long)
+
+
+def left_padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """`padding_mask`, checked to be left padding: every row zeros then ones, with at least one one."""
+    mask = padding_mask(input_ids, attention_mask)
+    ok = bool(((mask == 0) | (mask == 1)).all()) and bool((mask[:, 1:] >= mask[:, :-1]).all())
+    if not ok or not bool(mask[:, -1].all()):
+        raise ValueError("attention_mask must be left padding: each row 0 ... 0 then 1 ... 1 (values 0 and 1,"
+                         " at least one 1)")
+    return mask
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -1,23 +1,56 @@
-"""ReFusion plan-and-infill decoder with full KV reuse (DESIGN §3), and its ablations
-as modes of the same function: left_to_right, recompute_kv, no_cache.
+"""ReFusion plan-and-infill decoder with full KV reuse, and its ablations as modes of the
+same function: left_to_right, recompute_kv, no_cache, and the replicated KV layout.
 
-State of one row (`_Row`): the committed sequence in commit order (ids, true position
-ids) and, for every committed token, which earlier committed tokens it attended to
-when its KV was computed: commit indices [0, base) plus [start, itself]. Prompt and
-global-verify tokens are causal (base = start = 0); a slot infilled in parallel saw
-the cache as it stood at the start of its round (base = that length) plus its own
-earlier tokens (start = its first commit index). The KV cache holds exactly those
-tokens' KV, in commit order. `no_cache` keeps the same state but no cache: every
-forward re-encodes the committed sequence under that recorded pattern, so tokens are
-unchanged and only the cost differs.
+A round of one row, each phase a short function over the row's `_State`:
+  plan           every masked slot of the block as mask tokens, causal after the committed
+                 row; pick the confident slots and their argmax drafts;
+  global verify  the drafts concatenated in slot order, causal after the row; commit the
+                 accepted whole slots (or up to an accepted EOS) and end the round;
+  parallel infill otherwise: every picked slot after the shared committed KV plus its own
+                 tokens, draft / verify at most slot_size times;
+  commit         the finished slots' tokens and KV, in slot order;
+  recompute      (recompute_kv) one causal forward over the slots just infilled together.
 
-Rows of a batch are decoded one after another (the state is per row; a batched
-version would pack rows like slots).
+Committed state (`_Row`): the committed sequence in commit order (ids, true position ids)
+and, for every committed token, which earlier committed tokens it attended to when its KV
+was computed: commit indices [0, base) plus [start, itself]. Prompt and global-verify
+tokens are causal (base = start = 0); a slot infilled in parallel saw the cache as it
+stood at the start of its round (base = that length) plus its own earlier tokens (start =
+its first commit index). The row's KV cache holds exactly those tokens' KV in commit order
+between model calls: a call appends the query's KV, the caller of the model (`_call`) crops
+it back at once, and only commits append kept KV. `no_cache` keeps the same state but no
+cache: every forward re-encodes the committed sequence under that recorded pattern, so
+tokens are unchanged and only the cost differs.
+
+Infill seed (`infill_seed`). When global verification commits nothing, parallel infill
+starts every picked slot from an accepted prefix. "global" (default, the reference rule):
+picked slot j starts from the longest prefix of its own tokens that passed global
+verification (token 0 always passes; token i > 0 passes when the AR probability from the
+previous stream position exceeds token_threshold). "first": only the first picked slot
+keeps its verified prefix, the others start from their first token.
+
+EOS during parallel infill: an accepted EOS ends its slot and drops the picked slots after
+it; slots positioned after the EOS are never decoded, so the committed positions stay
+contiguous up to the EOS. (The reference implementation drops later slots by their index
+among the picked slots rather than by position, which can leave unfilled slots between
+picked ones; that is not reproduced.)
+
+KV layout of parallel infill (`kv_layout`). "packed" (default): the picked slots form one
+query run with a mask that is full over the committed prefix, causal inside a slot and
+empty across slots, so the prefix KV is held and read once. "replicated": the reference's
+layout, the committed cache copied once per picked slot (batch rows, shrunk as slots
+finish) and each slot decoded in its own row; same tokens, k times the prefix KV.
+
+Batches: rows are left-padded prompts. Each row's decoding is a generator that yields one
+model request at a time; the driver answers every pending row with one model call (rows at
+different phases stacked, their caches left-padded, queries right-padded, all masked), so a
+row's tokens do not depend on its batch. Sampling uses one generator per row seeded with
+`seed`, for the same reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -27,23 +60,27 @@ from ..slot_attention import slot_visibility
 from .common import (
     Meter,
     cache_append,
-    cache_keep,
+    cache_from,
     cache_len,
-    cache_tail,
+    check_choice,
     check_float,
     check_int,
     eos_ids,
     forward,
     is_eos,
     kv_parts_bytes,
+    left_padding_mask,
     make_generator,
     mask_id,
-    padding_mask,
     pick,
     token_prob,
 )
 
 PHASES = ("plan", "verify", "draft", "infill", "recompute")
+INFILL_SEEDS = ("global", "first")
+KV_LAYOUTS = ("packed", "replicated")
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [U, kv_heads, T, head_dim]
 
 
 @dataclass
@@ -79,29 +116,395 @@ class _Row:
         return (j < base) | ((j >= start) & (j <= i))
 
 
-def _run(model, meter, phase, row: _Row, cache, new_ids, new_pos, slot_lens) -> torch.Tensor:
-    """Forward `new_ids` [q] at `new_pos` [q] after the committed row; returns logits [q, V].
+@dataclass(frozen=True)
+class _Knobs:
+    slot_size: int
+    n_slots: int
+    per_block: int
+    slot_threshold: float
+    token_threshold: float
+    temperature: float
+    left_to_right: bool
+    recompute_kv: bool
+    no_cache: bool
+    infill_seed: str
+    kv_layout: str
+    mask: int
+    eos: tuple[int, ...]
+    on_commit: Callable[[dict], None] | None
 
-    New tokens see every committed token plus the packed-slot pattern among
-    themselves (one run = causal). Committed tokens not in the cache (all of them
-    under no_cache, the prompt in the first round) are re-encoded in the same call
-    under their recorded pattern. After a cached call the cache holds
-    committed + new; the caller trims it.
+
+@dataclass
+class _Req:
+    """One row's share of a model call: `ids` [U, q] at `pos` [U, q] after the row's cache.
+
+    U is 1, or the number of slots decoded in their own rows (replicated layout). `vis`
+    is bool [q, T + q] (T = cached length), the same for every unit. `rows` picks units
+    of a replicated cache (None: all of them). `extra`: KV bytes the row holds aside.
     """
-    device = new_ids.device
-    c, cached, q = len(row.ids), cache_len(cache), new_ids.numel()
-    vis_new = slot_visibility(c, slot_lens, device)  # [q, c + q]
-    if cached < c:
-        vis = torch.zeros(c + q, c + q, dtype=torch.bool, device=device)
-        vis[:c, :c] = row.visibility(device)
-        vis[c:] = vis_new
-        ids = torch.cat([torch.tensor(row.ids[cached:], device=device), new_ids])
-        pos = torch.cat([torch.tensor(row.pos[cached:], device=device), new_pos])
-        vis = vis[cached:]  # rows for the uncached committed tokens + new ones
+
+    phase: str
+    cache: DynamicCache | None
+    ids: torch.Tensor
+    pos: torch.Tensor
+    vis: torch.Tensor
+    rows: list[int] | None = None
+    extra: int = 0
+
+
+Answer = tuple[torch.Tensor, KV | None]  # logits [U, q, V] and the query's KV (None without cache)
+Steps = Generator[_Req, Answer, object]
+
+
+@dataclass
+class _State:
+    """One row: committed state, cache, the block's masked slots and the current round."""
+
+    row: _Row
+    cache: DynamicCache | None
+    positions: torch.Tensor  # [n_slots, L] true position of every response token
+    gen: torch.Generator | None
+    counts: dict  # shared counters of the call
+    done: dict[int, int] = field(default_factory=dict)  # position -> committed response token
+    eos_pos: int | None = None  # position of the first committed EOS
+    masked: list[int] = field(default_factory=list)  # masked slots of the current block
+    # the round
+    c: int = 0  # committed length at the start of the round
+    slots: list[int] = field(default_factory=list)  # picked slots, position order
+    drafts: torch.Tensor | None = None  # [k, L]
+    accepted: list[int] = field(default_factory=list)  # per picked slot, accepted prefix length
+    alive: list[int] = field(default_factory=list)  # picked-slot indices still being infilled
+    finished: dict[int, int] = field(default_factory=dict)  # picked-slot index -> final length
+    kv_store: dict[int, KV] = field(default_factory=dict)  # picked-slot index -> its accepted KV [1, h, n, d]
+    units: list[int] = field(default_factory=list)  # replicated layout: picked-slot index of each cache row
+
+    def notify(self, kn: _Knobs, kind: str) -> None:
+        if kn.on_commit is not None:
+            r = self.row
+            kn.on_commit(dict(kind=kind, ids=list(r.ids), pos=list(r.pos), base=list(r.base), start=list(r.start),
+                              cache=self.cache))
+
+    def add(self, tokens: list[int], positions: list[int], eos: tuple[int, ...], base: int = 0,
+            start: int = 0) -> None:
+        self.row.add(tokens, positions, base, start)
+        for t, p in zip(tokens, positions):
+            self.done[p] = t
+            if t in eos and (self.eos_pos is None or p < self.eos_pos):
+                self.eos_pos = p
+
+    def drop_after_eos(self) -> None:
+        if self.eos_pos is not None:
+            self.masked = [s for s in self.masked if int(self.positions[s, 0]) < self.eos_pos]
+
+    def output(self) -> torch.Tensor:
+        """Committed response tokens sorted by position, cut after the first EOS."""
+        lp = int(self.positions[0, 0])
+        last = max(self.done) if self.eos_pos is None else self.eos_pos
+        positions = [p for p in sorted(self.done) if p <= last]
+        assert positions == list(range(lp, last + 1)), "committed positions must be contiguous up to the end"
+        return torch.tensor([self.done[p] for p in positions], dtype=torch.long, device=self.positions.device)
+
+
+# ---------------------------------------------------------------- model calls
+
+
+def _call(model, meter: Meter, reqs: list[_Req]) -> list[Answer]:
+    """One model call for every pending request; returns (logits [U, q, V], KV of the query) each.
+
+    A single request runs on its own cache, which is cropped straight back to the
+    committed tokens (the one place the cache is trimmed; keeping KV is the commit's
+    job). Several requests are stacked: caches left-padded to the longest, queries
+    right-padded, padding never visible (a padded query sees only itself).
+    """
+    phases = tuple(dict.fromkeys(r.phase for r in reqs))
+    if len(reqs) == 1:
+        r = reqs[0]
+        cache = r.cache
+        if cache is not None and r.rows is not None and cache_len(cache):  # a subset of the replicated rows
+            idx = torch.tensor(r.rows, device=r.ids.device)
+            cache = cache_from(model, [(lay.keys[idx], lay.values[idx]) for lay in cache.layers])
+        q = r.ids.shape[1]
+        logits = forward(model, meter, phases, r.ids, position_ids=r.pos, visible=r.vis.expand(r.ids.shape[0], -1, -1),
+                         cache=cache, kv_extra=r.extra)
+        if cache is None:
+            return [(logits, None)]
+        kv = [(lay.keys[:, :, -q:], lay.values[:, :, -q:]) for lay in cache.layers]
+        cache.crop(-q)
+        return [(logits, kv)]
+
+    device = reqs[0].ids.device
+    lens = [cache_len(r.cache) for r in reqs]
+    qs = [r.ids.shape[1] for r in reqs]
+    us = [r.ids.shape[0] for r in reqs]
+    tm, qm, n = max(lens), max(qs), sum(us)
+    ids = torch.zeros(n, qm, dtype=torch.long, device=device)
+    pos = torch.zeros(n, qm, dtype=torch.long, device=device)
+    vis = torch.zeros(n, qm, tm + qm, dtype=torch.bool, device=device)
+    j = torch.arange(qm, device=device)
+    vis[:, j, tm + j] = True  # padded queries see themselves only
+    parts = None
+    if reqs[0].cache is not None and tm:
+        ref = next(r.cache for r, t in zip(reqs, lens) if t)
+        parts = [(lay.keys.new_zeros(n, *lay.keys.shape[1:2], tm, lay.keys.shape[3]),
+                  lay.values.new_zeros(n, *lay.values.shape[1:2], tm, lay.values.shape[3])) for lay in ref.layers]
+    u0 = 0
+    for r, t, q, u in zip(reqs, lens, qs, us):
+        ids[u0:u0 + u, :q], pos[u0:u0 + u, :q] = r.ids, r.pos
+        vis[u0:u0 + u, :q, tm - t:tm] = r.vis[:, :t]
+        vis[u0:u0 + u, :q, tm:tm + q] = r.vis[:, t:]
+        if parts is not None and t:
+            idx = slice(None) if r.rows is None else torch.tensor(r.rows, device=device)
+            for (k, v), lay in zip(parts, r.cache.layers):
+                k[u0:u0 + u, :, tm - t:] = lay.keys[idx]
+                v[u0:u0 + u, :, tm - t:] = lay.values[idx]
+        u0 += u
+    cache = None if reqs[0].cache is None else cache_from(model, parts)
+    logits = forward(model, meter, phases, ids, position_ids=pos, visible=vis, cache=cache,
+                     kv_extra=sum(r.extra for r in reqs))
+    out, u0 = [], 0
+    for q, u in zip(qs, us):
+        kv = None if cache is None else [(lay.keys[u0:u0 + u, :, tm:tm + q], lay.values[u0:u0 + u, :, tm:tm + q])
+                                         for lay in cache.layers]
+        out.append((logits[u0:u0 + u, :q], kv))
+        u0 += u
+    return out
+
+
+def _ask(st: _State, phase: str, ids: torch.Tensor, pos: torch.Tensor, slot_lens: list[int],
+         rows: list[int] | None = None, extra: int = 0) -> Steps:
+    """Forward new tokens `ids` [U, q] at `pos` [U, q] after the committed row.
+
+    New tokens see every committed token plus the packed-slot pattern `slot_lens` among
+    themselves (one run = causal). Committed tokens not in the cache (the prompt in the
+    first round, everything under no_cache) are re-encoded in the same call under their
+    recorded pattern; their KV is committed here. Returns (logits [U, q, V], the new
+    tokens' KV [U, h, q, d] per layer, or None without cache).
+    """
+    device = ids.device
+    c, cached = len(st.row.ids), cache_len(st.cache)
+    vis = slot_visibility(c, slot_lens, device)  # [q, c + q]
+    pre = c - cached
+    if pre:
+        q = ids.shape[1]
+        full = torch.zeros(c + q, c + q, dtype=torch.bool, device=device)
+        full[:c, :c] = st.row.visibility(device)
+        full[c:] = vis
+        vis = full[cached:]  # rows of the uncached committed tokens and the new ones
+        u = ids.shape[0]
+        ids = torch.cat([torch.tensor(st.row.ids[cached:], device=device).expand(u, -1), ids], 1)
+        pos = torch.cat([torch.tensor(st.row.pos[cached:], device=device).expand(u, -1), pos], 1)
+    logits, kv = yield _Req(phase, st.cache, ids, pos, vis, rows, extra)
+    if pre and st.cache is not None:
+        cache_append(st.cache, [[(k[:1, :, :pre], v[:1, :, :pre]) for k, v in kv]])
+    if kv is not None and pre:
+        kv = [(k[:, :, pre:], v[:, :, pre:]) for k, v in kv]
+    return logits[:, pre:], kv
+
+
+# ---------------------------------------------------------------- phases
+
+
+def _plan(st: _State, kn: _Knobs) -> Steps:
+    """Mask tokens for every masked slot of the block; pick slots and their drafts."""
+    L, m = kn.slot_size, len(st.masked)
+    pos = st.positions[st.masked].flatten()  # [m * L]
+    logits, _ = yield from _ask(st, "plan", torch.full_like(pos, kn.mask)[None], pos[None], [m * L])
+    tok, conf = pick(logits[0], kn.temperature, st.gen)
+    tok, conf = tok.view(m, L), conf.view(m, L)
+    if kn.left_to_right:
+        picked = [0]
     else:
-        ids, pos, vis = new_ids, new_pos, vis_new
-    logits = forward(model, meter, phase, ids[None], position_ids=pos[None], visible=vis, cache=cache)
-    return logits[0, -q:]
+        picked = (conf[:, 0] > kn.slot_threshold).nonzero().flatten().tolist() or [int(conf[:, 0].argmax())]
+    st.slots = [st.masked[i] for i in picked]  # position order
+    st.drafts = tok[picked].clone()  # [k, L]
+
+
+def infill_seeds(probs: torch.Tensor, slot_size: int, token_threshold: float, rule: str = "global") -> list[int]:
+    """Accepted prefix of every picked slot at the start of parallel infill.
+
+    probs [k * L]: global-verification probability of every stream token (token i > 0 of
+    a slot: the AR probability from the previous stream position; token 0 is always
+    accepted, its entry is ignored). "global": per slot, the longest prefix whose tokens
+    all pass token_threshold (>= 1). "first": that for the first slot, 1 for the others.
+    """
+    ok = (probs > token_threshold).view(-1, slot_size)  # [k, L]
+    ok[:, 0] = True
+    seeds = ok.long().cumprod(1).sum(1)  # [k]
+    if rule == "first":
+        seeds[1:] = 1
+    return seeds.tolist()
+
+
+def _global_verify(st: _State, kn: _Knobs) -> Steps:
+    """The drafts as one causal stream; commit accepted whole slots (or up to an EOS) -> True."""
+    L, k = kn.slot_size, len(st.slots)
+    stream, spos = st.drafts.flatten(), st.positions[st.slots].flatten()  # [k * L]
+    logits, kv = yield from _ask(st, "verify", stream[None], spos[None], [k * L])
+    probs = torch.ones(k * L, device=stream.device)
+    probs[1:] = token_prob(logits[0, :-1], stream[1:], kn.temperature)  # token i from position i - 1
+    ok = probs > kn.token_threshold
+    ok[::L] = True  # a slot's first token is always accepted
+    n_acc = int(ok.long().cumprod(0).sum())
+    hits = is_eos(stream[:n_acc], kn.eos).nonzero()
+    n_commit = int(hits[0, 0]) + 1 if hits.numel() else (n_acc // L) * L
+    if not n_commit:
+        st.accepted = infill_seeds(probs, L, kn.token_threshold, kn.infill_seed)
+        return False
+    st.add(stream[:n_commit].tolist(), spos[:n_commit].tolist(), kn.eos)  # causal
+    if st.cache is not None:
+        cache_append(st.cache, [[(ks[:, :, :n_commit], vs[:, :, :n_commit]) for ks, vs in kv]])
+    st.counts["verify_commits"] += 1
+    committed = {st.slots[i // L] for i in range(n_commit)}
+    st.masked = [s for s in st.masked if s not in committed]
+    st.notify(kn, "verify")
+    return True
+
+
+def _infill_ask(st: _State, kn: _Knobs, phase: str, which: list[int], ids: torch.Tensor) -> Steps:
+    """Forward picked slots `which` with tokens `ids` [n, L], each after the committed row only.
+
+    Returns logits [n, L, V] and a function (r, length) -> the first `length` tokens' KV of
+    the r-th slot, copied ([1, h, length, d] per layer; None without cache).
+    """
+    L, n = kn.slot_size, len(which)
+    pos = st.positions[[st.slots[i] for i in which]]  # [n, L]
+    extra = kv_parts_bytes(st.kv_store.values())
+    if kn.kv_layout == "replicated":  # each slot its own row of the replicated cache
+        rows = None if which == st.units or st.cache is None else [st.units.index(i) for i in which]
+        logits, kv = yield from _ask(st, phase, ids, pos, [L], rows=rows, extra=extra)
+
+        def part(r: int, length: int) -> KV:
+            return [(k[r:r + 1, :, :length].clone(), v[r:r + 1, :, :length].clone()) for k, v in kv]
+    else:  # packed: one run, slots invisible to each other
+        logits, kv = yield from _ask(st, phase, ids.reshape(1, -1), pos.reshape(1, -1), [L] * n, extra=extra)
+        logits = logits.view(n, L, -1)
+
+        def part(r: int, length: int) -> KV:
+            return [(k[:, :, r * L:r * L + length].clone(), v[:, :, r * L:r * L + length].clone()) for k, v in kv]
+
+    return logits, (part if kv is not None else None)
+
+
+def _infill_draft(st: _State, kn: _Knobs, todo: list[int]) -> Steps:
+    """Not-yet-accepted tokens as masks; take the predictions at those positions."""
+    ids = st.drafts[todo].clone()  # [n, L]
+    for r, i in enumerate(todo):
+        ids[r, st.accepted[i]:] = kn.mask
+    logits, _ = yield from _infill_ask(st, kn, "draft", todo, ids)
+    new, _ = pick(logits, kn.temperature, st.gen)  # [n, L]
+    for r, i in enumerate(todo):
+        st.drafts[i, st.accepted[i]:] = new[r, st.accepted[i]:]
+
+
+def _infill_verify(st: _State, kn: _Knobs) -> Steps:
+    """Each alive slot causal inside itself; accept its longest confident prefix (>= one more token)."""
+    L, alive = kn.slot_size, st.alive
+    drafts = st.drafts[alive]  # [n, L]
+    logits, part = yield from _infill_ask(st, kn, "infill", alive, drafts)
+    good = (token_prob(logits[:, :-1], drafts[:, 1:], kn.temperature) > kn.token_threshold).tolist()  # [n][L-1]
+    eos = is_eos(drafts, kn.eos).tolist()  # [n][L]
+    stop_after: int | None = None
+    for r, i in enumerate(alive):
+        n = min(st.accepted[i] + 1, L)  # the first not-yet-accepted token is always accepted
+        while n < L and good[r][n - 1]:  # token n predicted from position n - 1
+            n += 1
+        hit = next((t for t in range(n) if eos[r][t]), None)
+        st.accepted[i] = n if hit is None else hit + 1
+        if part is not None:
+            st.kv_store[i] = part(r, st.accepted[i])
+        if st.accepted[i] == L or hit is not None:
+            st.finished[i] = st.accepted[i]
+        if hit is not None:
+            stop_after = i
+            break
+    if stop_after is not None:  # an accepted EOS drops every later picked slot (all positioned after it)
+        st.finished = {i: n for i, n in st.finished.items() if i <= stop_after}
+        st.kv_store = {i: kv for i, kv in st.kv_store.items() if i <= stop_after}
+    st.alive = [i for i in alive if i not in st.finished and (stop_after is None or i < stop_after)]
+
+
+def _parallel_infill(st: _State, kn: _Knobs) -> Steps:
+    """Draft / verify every picked slot against the shared committed KV until all are finished."""
+    L, k = kn.slot_size, len(st.slots)
+    st.counts["slots_parallel_max"] = max(st.counts["slots_parallel_max"], k)
+    st.counts["infill_slots"] += k
+    st.alive, st.finished, st.kv_store = list(range(k)), {}, {}
+    replicated = kn.kv_layout == "replicated" and st.cache is not None
+    if replicated:  # the reference layout: one copy of the committed cache per picked slot
+        st.cache.batch_repeat_interleave(k)
+        st.units = list(range(k))
+    else:
+        st.units = list(range(k))
+    for _ in range(L):
+        if not st.alive:
+            break
+        if replicated and st.alive != st.units:  # drop the rows of finished slots
+            st.cache.batch_select_indices(torch.tensor([st.units.index(i) for i in st.alive]))
+        st.units = list(st.alive)
+        st.counts["infill_rounds"] += 1
+        todo = [i for i in st.alive if st.accepted[i] < L]
+        if todo:
+            yield from _infill_draft(st, kn, todo)
+        yield from _infill_verify(st, kn)
+    assert not st.alive, "infill must finish within slot_size rounds"
+    if replicated:  # every row holds the same committed KV: keep one (a view, no copy)
+        for lay in st.cache.layers:
+            lay.keys, lay.values = lay.keys[:1], lay.values[:1]
+
+
+def _commit_infill(st: _State, kn: _Knobs) -> None:
+    """Finished slots in slot order, each with the KV computed at its true positions."""
+    order = sorted(st.finished)
+    first = st.c
+    for i in order:
+        n = st.finished[i]
+        st.add(st.drafts[i, :n].tolist(), st.positions[st.slots[i], :n].tolist(), kn.eos, base=st.c, start=first)
+        first += n
+    if st.cache is not None:
+        cache_append(st.cache, [st.kv_store[i] for i in order])
+    st.counts["infill_commits"] += 1
+    st.masked = [s for s in st.masked if s not in {st.slots[i] for i in order}]
+    st.notify(kn, "infill")
+
+
+def _recompute(st: _State, kn: _Knobs) -> Steps:
+    """Slots infilled together now see each other: one causal forward over the commit order."""
+    c, row = st.c, st.row
+    ids, pos = row.ids[c:], row.pos[c:]
+    del row.ids[c:], row.pos[c:], row.base[c:], row.start[c:]
+    if st.cache is not None:
+        st.cache.crop(-(cache_len(st.cache) - c))
+        device = st.positions.device
+        _, kv = yield from _ask(st, "recompute", torch.tensor([ids], device=device),
+                                torch.tensor([pos], device=device), [len(ids)])
+        cache_append(st.cache, [kv])
+    row.add(ids, pos)  # causal now
+    st.notify(kn, "recompute")
+
+
+def _decode_row(st: _State, kn: _Knobs) -> Steps:
+    """All blocks of one row, round by round; returns the response [n]."""
+    for b in range(kn.n_slots // kn.per_block):
+        st.masked = list(range(b * kn.per_block, (b + 1) * kn.per_block))
+        while True:
+            st.drop_after_eos()  # slots after the first EOS are never decoded (here and in later blocks)
+            if not st.masked:
+                break
+            st.counts["rounds"] += 1
+            st.c = len(st.row.ids)
+            yield from _plan(st, kn)
+            if (yield from _global_verify(st, kn)):
+                continue
+            yield from _parallel_infill(st, kn)
+            _commit_infill(st, kn)
+            if kn.recompute_kv and len(st.finished) > 1:
+                yield from _recompute(st, kn)
+        if st.eos_pos is not None:
+            break
+    return st.output()
+
+
+# ---------------------------------------------------------------- the decoder
 
 
 @torch.no_grad()
@@ -119,24 +522,28 @@ def refusion(
     left_to_right: bool = False,
     recompute_kv: bool = False,
     no_cache: bool = False,
+    infill_seed: str = "global",
+    kv_layout: str = "packed",
     seed: int | None = 0,
     mask_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
     on_commit: Callable[[dict], None] | None = None,
 ) -> tuple[list[torch.Tensor], dict]:
-    """ReFusion plan / global verify / parallel infill / commit (DESIGN §3).
+    """ReFusion plan / global verify / parallel infill / commit, every row of the batch together.
 
-    gen_length is padded up to a multiple of slot_size; the slots are cut into
-    serial_num_blocks consecutive blocks (must divide the slot count). Modes:
-    left_to_right -- the plan may only pick the leftmost masked slot;
-    recompute_kv -- after a parallel-infill commit of >= 2 slots, their KV is
-    recomputed by one causal forward over the commit order (may change tokens);
-    no_cache -- no KV reuse, every forward re-encodes the committed sequence (same
-    tokens). on_commit(info) is called after every commit (tests) with the row's
-    committed ids / positions / base / start, the cache (None under no_cache) and
-    the commit kind ("prompt", "verify", "infill", "recompute").
-    Phases counted: plan, verify (global), draft and infill (infill draft / verify),
-    recompute.
+    input_ids [B, P] left-padded, attention_mask [B, P] (1 = real token). gen_length is
+    padded up to a multiple of slot_size; the slots are cut into serial_num_blocks
+    consecutive blocks (must divide the slot count). Modes: left_to_right -- the plan may
+    only pick the leftmost masked slot; recompute_kv -- after a parallel-infill commit of
+    >= 2 slots, their KV is recomputed by one causal forward over the commit order (may
+    change tokens); no_cache -- no KV reuse, every forward re-encodes the committed
+    sequence (same tokens); infill_seed -- "global" or "first" (see the module doc);
+    kv_layout -- "packed" or "replicated" (same tokens, different memory). on_commit(info)
+    is called after every commit (tests) with the row's committed ids / positions / base /
+    start, its cache (None under no_cache) and the commit kind ("verify", "infill",
+    "recompute"). Phases counted: plan, verify (global), draft and infill (infill draft /
+    verify), recompute; one call serving rows at several phases counts once in nfe and
+    once in each of them. stats["timings"]["forward_s"] is the time inside model calls.
     """
     gen_length = check_int("gen_length", gen_length, 1)
     slot_size = check_int("slot_size", slot_size, 1)
@@ -147,180 +554,44 @@ def refusion(
             f"serial_num_blocks must divide the slot count {n_slots} (gen_length {gen_length} / slot_size {slot_size}),"
             f" got {serial_num_blocks}"
         )
-    slot_threshold = check_float("slot_threshold", slot_threshold, 0.0, 1.0)
-    token_threshold = check_float("token_threshold", token_threshold, 0.0, 1.0)
-    temperature = check_float("temperature", temperature, 0.0)
-    mask = mask_id(model, mask_token_id)
-    eos = eos_ids(model, eos_token_id)
-    pad = padding_mask(input_ids, attention_mask)
-    meter = Meter(model, PHASES)
-    gen = make_generator(input_ids.device, seed)
-    knobs = dict(
+    kn = _Knobs(
         slot_size=slot_size, n_slots=n_slots, per_block=n_slots // serial_num_blocks,
-        slot_threshold=slot_threshold, token_threshold=token_threshold, temperature=temperature,
-        left_to_right=left_to_right, recompute_kv=recompute_kv, no_cache=no_cache,
-        mask=mask, eos=eos, gen=gen, on_commit=on_commit,
+        slot_threshold=check_float("slot_threshold", slot_threshold, 0.0, 1.0),
+        token_threshold=check_float("token_threshold", token_threshold, 0.0, 1.0),
+        temperature=check_float("temperature", temperature, 0.0),
+        left_to_right=bool(left_to_right), recompute_kv=bool(recompute_kv), no_cache=bool(no_cache),
+        infill_seed=check_choice("infill_seed", infill_seed, INFILL_SEEDS),
+        kv_layout=check_choice("kv_layout", kv_layout, KV_LAYOUTS),
+        mask=mask_id(model, mask_token_id), eos=eos_ids(model, eos_token_id), on_commit=on_commit,
     )
-    counts = {"rounds": 0, "verify_commits": 0, "infill_rounds": 0, "infill_commits": 0, "slots_parallel_max": 0}
-    responses = [
-        _decode_row(model, meter, row_ids[row_mask.bool()], counts, **knobs) for row_ids, row_mask in zip(input_ids, pad)
-    ]
+    pad = left_padding_mask(input_ids, attention_mask)
+    meter = Meter(model, PHASES)
+    device = input_ids.device
+    counts = {"rounds": 0, "verify_commits": 0, "infill_rounds": 0, "infill_commits": 0, "slots_parallel_max": 0,
+              "infill_slots": 0}
+    rows = []
+    for row_ids, row_mask in zip(input_ids, pad):
+        prompt = row_ids[row_mask.bool()]
+        lp = prompt.numel()
+        st = _State(
+            row=_Row(ids=prompt.tolist(), pos=list(range(lp))),
+            cache=None if kn.no_cache else DynamicCache(config=model.config),
+            positions=lp + torch.arange(n_slots * slot_size, device=device).view(n_slots, slot_size),
+            gen=make_generator(device, seed), counts=counts,
+        )
+        rows.append(_decode_row(st, kn))
+
+    # Every pending row's next request is answered by one model call.
+    responses: list[torch.Tensor | None] = [None] * len(rows)
+    pending = {b: next(g) for b, g in enumerate(rows)}
+    while pending:
+        order = list(pending)
+        answers = _call(model, meter, [pending[b] for b in order])
+        for b, ans in zip(order, answers):
+            try:
+                pending[b] = rows[b].send(ans)
+            except StopIteration as stop:
+                responses[b] = stop.value
+                del pending[b]
+    counts["slots_parallel_mean"] = counts["infill_slots"] / counts["infill_commits"] if counts["infill_commits"] else 0.0
     return responses, meter.finish(responses, **counts)
-
-
-def _decode_row(model, meter, prompt, counts, *, slot_size, n_slots, per_block, slot_threshold, token_threshold,
-                temperature, left_to_right, recompute_kv, no_cache, mask, eos, gen, on_commit) -> torch.Tensor:
-    device = prompt.device
-    L, lp = slot_size, prompt.numel()
-    row = _Row(ids=prompt.tolist(), pos=list(range(lp)))
-    cache = None if no_cache else DynamicCache(config=model.config)
-    done: dict[int, list[int]] = {}  # position -> token, committed response tokens
-    eos_pos: int | None = None  # position of the first committed EOS
-
-    def notify(kind: str) -> None:
-        if on_commit is not None:
-            on_commit(dict(kind=kind, ids=list(row.ids), pos=list(row.pos), base=list(row.base),
-                           start=list(row.start), cache=cache))
-
-    def slot_pos(s: int) -> torch.Tensor:
-        return torch.arange(lp + s * L, lp + (s + 1) * L, device=device)
-
-    def commit(tokens: list[int], positions: list[int], base: int = 0, start: int = 0) -> None:
-        nonlocal eos_pos
-        row.add(tokens, positions, base, start)
-        for t, p in zip(tokens, positions):
-            done[p] = t
-            if t in eos and (eos_pos is None or p < eos_pos):
-                eos_pos = p
-
-    for b in range(n_slots // per_block):
-        masked = list(range(b * per_block, (b + 1) * per_block))
-        while masked:
-            if eos_pos is not None:  # drop slots after the first EOS (here and in later blocks)
-                masked = [s for s in masked if lp + s * L < eos_pos]
-                if not masked:
-                    break
-            counts["rounds"] += 1
-            c = len(row.ids)
-            # 1. Plan: every masked slot of the block as mask tokens at true positions, causal after the row.
-            plan_pos = torch.cat([slot_pos(s) for s in masked])  # [m * L]
-            logits = _run(model, meter, "plan", row, cache, torch.full_like(plan_pos, mask), plan_pos,
-                          [plan_pos.numel()])
-            if cache is not None:
-                cache_keep(cache, c)  # keep committed KV (incl. the prompt on round one), drop the masks'
-            tok, conf = pick(logits, temperature, gen)
-            tok, conf = tok.view(len(masked), L), conf.view(len(masked), L)
-            if left_to_right:
-                picked = [0]
-            else:
-                picked = (conf[:, 0] > slot_threshold).nonzero().flatten().tolist() or [int(conf[:, 0].argmax())]
-            slots = [masked[i] for i in picked]  # position order
-            drafts = tok[picked].clone()  # [k, L]
-            k = len(slots)
-
-            # 2. Global verify: the drafts concatenated, causal after the row.
-            stream, stream_pos = drafts.flatten(), torch.cat([slot_pos(s) for s in slots])
-            logits = _run(model, meter, "verify", row, cache, stream, stream_pos, [k * L])
-            ok = torch.ones(k * L, dtype=torch.bool, device=device)
-            ok[1:] = token_prob(logits[:-1], stream[1:], temperature) > token_threshold
-            ok[::L] = True  # a slot's first token is always accepted
-            n_acc = int(ok.long().cumprod(0).sum())
-            hits = is_eos(stream[:n_acc], eos).nonzero()
-            n_commit = int(hits[0, 0]) + 1 if hits.numel() else (n_acc // L) * L
-            if n_commit:
-                if cache is not None:
-                    cache_keep(cache, c, torch.arange(n_commit, device=device))
-                commit(stream[:n_commit].tolist(), stream_pos[:n_commit].tolist())  # causal
-                counts["verify_commits"] += 1
-                committed = {slots[i // L] for i in range(n_commit)}
-                masked = [s for s in masked if s not in committed]
-                notify("verify")
-                continue
-            if cache is not None:
-                cache_keep(cache, c)
-
-            # 3. Parallel infill: each picked slot its own run after the shared row (packed, one read of the prefix).
-            counts["slots_parallel_max"] = max(counts["slots_parallel_max"], k)
-            accepted = [1] * k
-            accepted[0] = max(1, n_acc)  # slot 0's stream prefix was verified in exactly its infill context
-            alive = list(range(k))  # indices into slots, position order
-            finished: dict[int, int] = {}  # slot index -> accepted length
-            kv_store: dict[int, list] = {}
-            for _ in range(L):
-                if not alive:
-                    break
-                counts["infill_rounds"] += 1
-                todo = [i for i in alive if accepted[i] < L]
-                if todo:  # draft: not-yet-accepted tokens as masks, predictions at those positions
-                    ids = drafts[todo].clone()
-                    for r, i in enumerate(todo):
-                        ids[r, accepted[i]:] = mask
-                    pos = torch.cat([slot_pos(slots[i]) for i in todo])
-                    logits = _run(model, meter, "draft", row, cache, ids.flatten(), pos, [L] * len(todo))
-                    new, _ = pick(logits.view(len(todo), L, -1), temperature, gen)
-                    for r, i in enumerate(todo):
-                        drafts[i, accepted[i]:] = new[r, accepted[i]:]
-                    if cache is not None:
-                        cache_keep(cache, c)
-                # verify: each alive slot's draft, causal inside the slot; longest confident prefix.
-                pos = torch.cat([slot_pos(slots[i]) for i in alive])
-                logits = _run(model, meter, "infill", row, cache, drafts[alive].flatten(), pos, [L] * len(alive))
-                logits = logits.view(len(alive), L, -1)
-                stop_after: int | None = None
-                for r, i in enumerate(alive):
-                    probs = token_prob(logits[r, :-1], drafts[i, 1:], temperature)  # [L-1], token j from j-1
-                    n = min(accepted[i] + 1, L)  # the first not-yet-accepted token is always accepted
-                    while n < L and bool(probs[n - 1] > token_threshold):
-                        n += 1
-                    accepted[i] = n
-                    hit = is_eos(drafts[i, :n], eos).nonzero()
-                    if hit.numel():
-                        accepted[i] = int(hit[0, 0]) + 1
-                        stop_after = i
-                    if cache is not None:
-                        kv_store[i] = cache_tail(cache, c, r * L + torch.arange(accepted[i], device=device))
-                    if accepted[i] == L or hit.numel():
-                        finished[i] = accepted[i]
-                    if stop_after is not None:
-                        break
-                if stop_after is not None:  # an accepted EOS drops every later slot
-                    finished = {i: n for i, n in finished.items() if i <= stop_after}
-                    kv_store = {i: kv for i, kv in kv_store.items() if i <= stop_after}
-                alive = [i for i in alive if i not in finished and (stop_after is None or i < stop_after)]
-                if cache is not None:
-                    meter.kv(cache, extra=kv_parts_bytes(kv_store.values()))
-                    cache_keep(cache, c)
-            assert not alive, "infill must finish within slot_size rounds"
-
-            # 4. Commit finished slots in slot order, each with the KV computed at its true positions.
-            order = sorted(finished)
-            first = c
-            for i in order:
-                n = finished[i]
-                commit(drafts[i, :n].tolist(), slot_pos(slots[i])[:n].tolist(), base=c, start=first)
-                first += n
-            if cache is not None:
-                cache_append(cache, [kv_store[i] for i in order])
-            counts["infill_commits"] += 1
-            masked = [s for s in masked if s not in {slots[i] for i in order}]
-            if eos_pos is not None:
-                masked = [s for s in masked if lp + s * L < eos_pos]
-            notify("infill")
-            if recompute_kv and len(order) > 1:
-                # Slots infilled together now see each other: one causal forward over the commit order.
-                new_ids = torch.tensor(row.ids[c:], device=device)
-                new_pos = torch.tensor(row.pos[c:], device=device)
-                del row.ids[c:], row.pos[c:], row.base[c:], row.start[c:]
-                if cache is not None:
-                    cache_keep(cache, c)
-                    _run(model, meter, "recompute", row, cache, new_ids, new_pos, [new_ids.numel()])
-                row.add(new_ids.tolist(), new_pos.tolist())  # causal now
-                notify("recompute")
-        if eos_pos is not None:
-            break
-
-    # Output: committed tokens sorted by position, cut after the first EOS.
-    last = max(done) if eos_pos is None else eos_pos
-    positions = [p for p in sorted(done) if p <= last]
-    assert positions == list(range(lp, last + 1)), "committed positions must be contiguous up to the end"
-    return torch.tensor([done[p] for p in positions], dtype=torch.long, device=device)
