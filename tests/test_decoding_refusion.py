@@ -8,11 +8,14 @@ parallel infill of several slots; every test asserts from the counters that the 
 is about really ran.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from refusion.decoding import DECODERS
+from refusion.decoding.refusion import infill_seeds
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,8 +84,14 @@ def sorted_committed(info, prompt_len, eos):
     return torch.tensor(out)
 
 
+SETTINGS = [{}, {"infill_seed": "first"}, {"kv_layout": "replicated"}]
+SETTING_IDS = ["global", "first", "replicated"]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
 @pytest.mark.parametrize("knobs", [MIXED, WIDE, dict(WIDE, recompute_kv=True)], ids=["mixed", "wide", "recompute"])
-def test_cache_equals_fresh_forward_after_every_commit(model, knobs):
+def test_cache_equals_fresh_forward_after_every_commit(model, knobs, setting):
+    knobs = dict(knobs, **setting)
     tokens, stats, kinds, last = run_checked(model, **knobs)
     assert "verify" in kinds and "infill" in kinds  # both commit paths ran and were checked
     assert stats["slots_parallel_max"] >= 2  # several slots infilled together (packed)
@@ -117,8 +126,10 @@ def test_zero_thresholds_single_block_is_argmax_of_one_plan(model):
     assert torch.equal(tokens[0], want[:cut])
 
 
+@pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
 @pytest.mark.parametrize("knobs", [MIXED, WIDE, dict(MIXED, left_to_right=True)], ids=["mixed", "wide", "l2r"])
-def test_no_cache_gives_identical_tokens(model, knobs):
+def test_no_cache_gives_identical_tokens(model, knobs, setting):
+    knobs = dict(knobs, **setting)
     a, sa = DECODERS["refusion"](model, PROMPT, **knobs)
     b, sb = DECODERS["refusion"](model, PROMPT, no_cache=True, **knobs)
     assert torch.equal(a[0], b[0])
@@ -147,6 +158,92 @@ def test_left_to_right_commits_slots_in_position_order(model):
     )
     final = order[-1][PROMPT.shape[1]:]
     assert final == sorted(final) and stats["slots_parallel_max"] <= 1 and tokens[0].numel() == 24
+
+
+def test_replicated_layout_same_tokens_more_kv(model):
+    """The per-slot copy of the committed cache: same tokens and forwards, k copies of the prefix KV."""
+    a, sa = DECODERS["refusion"](model, PROMPT, **WIDE)
+    b, sb = DECODERS["refusion"](model, PROMPT, kv_layout="replicated", **WIDE)
+    assert torch.equal(a[0], b[0]) and sa["nfe"] == sb["nfe"] and sa["slots_parallel_max"] >= 2
+    assert sb["kv_peak_bytes"] > sa["kv_peak_bytes"] > 0
+
+
+def test_infill_seeds_rule_on_hand_built_probabilities():
+    """Slot j starts from its own longest prefix that passed global verification ("global"),
+    or only slot 0 does ("first"). Token 0 of a slot always passes; its probability is ignored."""
+    L, thr = 4, 0.5
+    probs = torch.tensor([0.0, 0.9, 0.9, 0.1,  # slot 0: 3 pass
+                          0.0, 0.9, 0.2, 0.9,  # slot 1: 2 (token 3 passes but follows a failure)
+                          0.0, 0.6, 0.7, 0.8,  # slot 2: all 4
+                          0.0, 0.1, 0.9, 0.9])  # slot 3: only token 0
+    want = []
+    for j in range(4):  # the rule as written, token by token
+        n = 1
+        while n < L and probs[j * L + n] > thr:
+            n += 1
+        want.append(n)
+    assert infill_seeds(probs, L, thr) == want == [3, 2, 4, 1]
+    assert infill_seeds(probs, L, thr, "first") == [3, 1, 1, 1]
+
+
+class RuleModel(torch.nn.Module):
+    """A hand-built causal 'model' with a real KV cache: keys hold (token, position), and the
+    logits of a query depend on its own token and on the visible token one position before it.
+
+    Prompt tokens are 8..13, response tokens 5, 6, 7, mask 15. A mask predicts 5 after a prompt
+    token, 6 after a response token, and A(p) after a mask or nothing (A = 7 at position 5, else
+    5). A real token predicts 6 after itself if it is 6, else 5. Every prediction has prob 0.9.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.config = Qwen3Config(vocab_size=16, hidden_size=4, intermediate_size=4, num_hidden_layers=1,
+                                  num_attention_heads=1, num_key_value_heads=1, head_dim=2, eos_token_id=14,
+                                  pad_token_id=0, mask_token_id=15)
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    @property
+    def dtype(self):
+        return torch.float32
+
+    def forward(self, input_ids, position_ids, attention_mask, cache=None, use_cache=False):
+        b, q = input_ids.shape
+        new = torch.stack([input_ids.float(), position_ids.float()], -1)[:, None]  # [B, 1, q, 2]
+        keys = cache.update(new, new, 0)[0] if cache is not None else new
+        visible = attention_mask[:, 0] == 0  # [B, q, kv]
+        logits = torch.full((b, q, 16), torch.log(torch.tensor(0.1 / 15)).item())
+        for r in range(b):
+            for i in range(q):
+                tok, pos = int(input_ids[r, i]), int(position_ids[r, i])
+                prev = [int(keys[r, 0, j, 0]) for j in range(keys.shape[2])
+                        if visible[r, i, j] and int(keys[r, 0, j, 1]) == pos - 1]
+                prev = prev[0] if prev else None
+                if tok == 15:
+                    out = 5 if prev is not None and prev >= 8 and prev != 15 else (
+                        6 if prev is not None and prev != 15 else (7 if pos == 5 else 5))
+                else:
+                    out = 6 if tok == 6 else 5
+                logits[r, i, out] = torch.log(torch.tensor(0.9)).item()
+        return SimpleNamespace(logits=logits)
+
+
+def test_infill_seed_global_keeps_verified_prefixes_of_every_slot():
+    """Two slots of 3 after prompt [8, 9, 10]. Plan drafts [5, 5, 7 | 5, 5, 5]; global verification
+    rejects the 7 (slot 0 prefix 2) and passes all of slot 1 (prefix 3), so nothing is committed
+    and both slots go to parallel infill. "global": slot 1 keeps [5, 5, 5]; slot 0 redrafts its
+    last token after a 5 -> 6. "first": slot 1 restarts from its first token and is redrafted
+    after real tokens -> [5, 6, 6]."""
+    model = RuleModel().eval()
+    knobs = dict(gen_length=6, slot_size=3, slot_threshold=0.5, token_threshold=0.5)
+    prompt = torch.tensor([[8, 9, 10]])
+    a, sa = DECODERS["refusion"](model, prompt, **knobs)
+    b, sb = DECODERS["refusion"](model, prompt, infill_seed="first", **knobs)
+    assert sa["verify_commits"] == sb["verify_commits"] == 0 and sa["slots_parallel_max"] == 2
+    assert a[0].tolist() == [5, 5, 6, 5, 5, 5]
+    assert b[0].tolist() == [5, 5, 6, 5, 6, 6]
+    c, _ = DECODERS["refusion"](model, prompt, no_cache=True, **knobs)
+    d, _ = DECODERS["refusion"](model, prompt, kv_layout="replicated", **knobs)
+    assert torch.equal(a[0], c[0]) and torch.equal(a[0], d[0])
 
 
 def left_pad(rows):
