@@ -16,9 +16,9 @@ Requests
 - ``generate_until``: greedy unless a ``temperature`` knob says otherwise (task
   sampling settings are ignored: the decoders define decoding); ``gen_length``
   is the knob when given, else the request's ``max_gen_toks``; the text is cut
-  at the first stop string. Rows are batched (left padding) only for decoders
-  that take batches (``ar``, ``llada``, ``fast_dllm``), and only when
-  ``batch_size`` > 1; the default is 1, as in the paper.
+  at the first stop string. Rows are batched (left padding) when
+  ``batch_size`` > 1 (every decoder takes batches: ``ar``, ``refusion``,
+  ``llada``, ``fast_dllm``); the default is 1, as in the paper.
 - ``loglikelihood``: exact for causal checkpoints (one forward, sum of token
   log-probs). For bidirectional (``config.is_causal = False``) checkpoints it is
   the Monte-Carlo estimate LLaDA uses: mask a random subset of the continuation
@@ -60,7 +60,7 @@ from harness.store import Journal, request_key
 
 MODEL_NAME = "refusion_bench"
 PAUSE_ENV = "REFUSION_BENCH_PAUSE_AFTER"  # test hook: see RefusionBenchLM._maybe_pause
-BATCH_DECODERS = frozenset({"ar", "llada", "fast_dllm"})  # refusion decodes one sequence at a time
+BATCH_DECODERS = frozenset({"ar", "refusion", "llada", "fast_dllm"})  # decoders that take left-padded batches
 # Keywords every decoder takes that are not decoding knobs a user sets per run.
 SPECIAL_KEYWORDS = frozenset({"eos_token_id", "mask_token_id"})
 
