@@ -209,6 +209,11 @@ def run_long_prompt(model, tokenizer, n: int) -> dict:
         "packed_speedup": p["tps"] / r["tps"],
         "kv_peak_ratio": p["kv_peak_bytes_max"] / r["kv_peak_bytes_max"],
         "slots_infilled_together_mean": k,
+        # The packed cache still holds the k * L query tokens' KV after a call, the replicated one k * (T + L):
+        # (T + k L) / (k (T + L)) is the best ratio one layout can show against the other at prompt length T.
+        "kv_ratio_bound_with_query_kv": ((statistics.mean(x.shape[1] for x in prompts) + k * LONG_KNOBS["slot_size"])
+                                         / (k * (statistics.mean(x.shape[1] for x in prompts)
+                                                 + LONG_KNOBS["slot_size"])) if k else None),
     }
     return res
 
