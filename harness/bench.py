@@ -4,7 +4,7 @@
                                      [--out results/bench_decoders.json]
 
 Same prompts for every decoder, greedy, ``torch.set_num_threads(threads)``, one
-warm-up call per (config, kind) excluded from timing. Counting follows DESIGN §6:
+warm-up call per (config, kind) excluded from timing. Counting follows docs/design.md §6:
 generated tokens up to and including the first EOS; TPS = sum of tokens / sum of
 decode seconds (ratio of sums, and the mean of per-sample ratios); NFE and TPF
 from the decoder's own counters. Wall-clock figures are only compared as ratios

@@ -28,7 +28,7 @@ Requests
   confident position at a time and comparing with the target.
 - ``loglikelihood_rolling``: causal checkpoints only.
 
-Speed counting follows DESIGN §6: the decoder call is timed alone, after a
+Speed counting follows docs/design.md §6: the decoder call is timed alone, after a
 warm-up call, with device synchronisation; generated tokens, NFE and KV bytes come
 from the decoder's stats. With ``journal_dir`` every finished request is appended
 to a fsynced journal, and a request already there is answered from it instead of
@@ -419,7 +419,7 @@ class RefusionBenchLM(LM):
         for it, p, toks in zip(items, prompts, tokens):
             toks = [int(t) for t in toks.tolist()]
             gen = len(toks)
-            for j, t in enumerate(toks):  # DESIGN §6: up to and including the first EOS
+            for j, t in enumerate(toks):  # docs/design.md §6: up to and including the first EOS
                 if t in eos:
                     gen = j + 1
                     break

@@ -1,4 +1,4 @@
-"""Aggregate per-sample decode records into the figures DESIGN §6 defines.
+"""Aggregate per-sample decode records into the figures docs/design.md §6 defines.
 
 A sample record (one journal line) carries at least ``generated_tokens``,
 ``nfe``, ``decode_s`` (the decoder call only, after warm-up, device
@@ -61,7 +61,7 @@ def aggregate(records: Iterable[dict]) -> dict:
 
 
 def speedup(tps: float | None, baseline_tps: float | None) -> float | None:
-    """TPS(model) / TPS(baseline), same task, same run (DESIGN §6)."""
+    """TPS(model) / TPS(baseline), same task, same run (docs/design.md §6)."""
     if not tps or not baseline_tps:
         return None
     return tps / baseline_tps

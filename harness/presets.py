@@ -1,5 +1,5 @@
 """Named defaults of the runner: the model presets of the default run and the per-benchmark
-decoding settings the ReFusion paper used (DESIGN §5).
+decoding settings the ReFusion paper used (docs/design.md §5).
 
 Both are plain dicts; the runner looks names up here and lists the valid ones when
 a name is unknown.
@@ -42,7 +42,7 @@ PRESETS: dict[str, ModelSpec] = {
 EMBEDDED_GEN_LENGTH = {"embedded_math": 96, "embedded_code": 32, "embedded_choice": 32}
 DEFAULT_MODELS = ("ar", "refusion", "llada", "fast_dllm")
 
-# DESIGN §5: zero-shot, chat template, gen_length 512, batch 1, greedy; ReFusion's slot settings
+# docs/design.md §5: zero-shot, chat template, gen_length 512, batch 1, greedy; ReFusion's slot settings
 # per benchmark. Applied to the knobs a decoder accepts; anything given in MODELS wins.
 PAPER_GEN_LENGTH = 512
 PAPER_REFUSION: dict[str, dict[str, Any]] = {
@@ -59,7 +59,7 @@ PAPER_REFUSION: dict[str, dict[str, Any]] = {
 
 
 def paper_knobs(unit: str, decoder: str, accepted: set[str]) -> dict[str, Any]:
-    """Per-task decoding defaults (DESIGN §5 for the benchmarks, response budgets for the
+    """Per-task decoding defaults (docs/design.md §5 for the benchmarks, response budgets for the
     embedded suite), limited to the knobs ``decoder`` accepts."""
     if unit in EMBEDDED_GEN_LENGTH:
         return {"gen_length": EMBEDDED_GEN_LENGTH[unit]} if "gen_length" in accepted else {}

@@ -24,7 +24,7 @@ def _row(m: dict) -> dict:
 
 def summary(cfg: dict, metrics: list[dict]) -> dict:
     rows = [_row(m) for m in metrics]
-    # Mean over tasks of the per-task speedup: the paper's headline convention (DESIGN §6).
+    # Mean over tasks of the per-task speedup: the paper's headline convention (docs/design.md §6).
     by_model: dict[str, list[float]] = {}
     for r in rows:
         if r["speedup"] is not None:

@@ -1,5 +1,5 @@
 """`python -m harness eval` / `make eval`: run decoders on a task or suite through lm-eval and
-record quality, latency, tokens/s, NFE/TPF, memory and speedup (DESIGN §6).
+record quality, latency, tokens/s, NFE/TPF, memory and speedup (docs/design.md §6).
 
     python -m harness eval                          # embedded suite, tiny checkpoints, 4 decoders
     python -m harness eval --task gsm8k_cot --limit 20 \\
@@ -376,7 +376,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: the first model whose decoder is ar)")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts without the chat template")
     p.add_argument("--no-task-defaults", action="store_true",
-                   help="do not apply the paper's per-benchmark decoding settings (DESIGN §5)")
+                   help="do not apply the paper's per-benchmark decoding settings (docs/design.md §5)")
     p.add_argument("--bootstrap-iters", type=int, default=0, help="lm-eval stderr bootstrap (default: 0 = off)")
     p.add_argument("--tasks-dir", default=str(REPO / "tasks"), help="folder of task YAMLs (default: repo tasks/)")
     p.add_argument("--debug", action="store_true",

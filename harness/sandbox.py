@@ -6,7 +6,7 @@ Public API:
     run_many([(program, tests, prelude, remote), ...], workers=4, ...) -> list[SandboxResult]
     capabilities() -> dict      # which isolation mechanisms this machine gives (recorded in run.json)
 
-Used for pass@1 on HumanEval, MBPP and the embedded code task (DESIGN §5:
+Used for pass@1 on HumanEval, MBPP and the embedded code task (docs/design.md §5:
 lm-eval's ``evaluate.load("code_eval")`` does not work offline, so we execute
 ourselves).
 

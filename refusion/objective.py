@@ -1,4 +1,4 @@
-"""Training objectives: ReFusion (DESIGN §2), plain AR, and LLaDA-style masked diffusion.
+"""Training objectives: ReFusion (docs/design.md §2), plain AR, and LLaDA-style masked diffusion.
 
 Each objective is two plain functions: a *collate* from examples (prompt ids,
 response ids ending with EOS) to a batch of tensors, and a *loss* from
@@ -7,7 +7,7 @@ response ids ending with EOS) to a batch of tensors, and a *loss* from
 
 All three build an explicit 4-D additive float mask and explicit position ids:
 with jumping position ids and no mask, transformers reads the sequence as packed
-documents (DESIGN §8), and the eager path adds the mask, so bool would be wrong.
+documents (docs/design.md §8), and the eager path adds the mask, so bool would be wrong.
 Logits are scored at the position they sit on (labels are already aligned), so no
 objective relies on the model's internal label shift.
 """
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100
-EPS = 1e-3  # p = (1 - eps) t + eps, DESIGN §2 step 2
+EPS = 1e-3  # p = (1 - eps) t + eps, docs/design.md §2 step 2
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Example:
 
 @dataclass(frozen=True)
 class SlotPlan:
-    """Random choices of one ReFusion example (DESIGN §2 steps 1-3)."""
+    """Random choices of one ReFusion example (docs/design.md §2 steps 1-3)."""
     slot_size: int
     p: float                  # per-slot mask probability
     masked: tuple[bool, ...]  # one flag per slot, in position order
@@ -51,7 +51,7 @@ def draw_slot_plan(n_response: int, rng: random.Random, slot_sizes=(4, 8, 16, 32
 
 
 def build_refusion_sequence(ex: Example, plan: SlotPlan, mask_token_id: int) -> dict[str, list]:
-    """One ReFusion training sequence (DESIGN §2 steps 3-4), as plain lists of length L.
+    """One ReFusion training sequence (docs/design.md §2 steps 3-4), as plain lists of length L.
 
     Order: prompt; clean slots in ``plan.clean_order``; masked slots in position
     order with every token replaced by the mask id. Every token keeps its true
@@ -134,7 +134,7 @@ def _token_ce(model, batch) -> torch.Tensor:
 
 def refusion_loss(model, batch) -> torch.Tensor:
     """AR part: mean CE over clean-slot labels. MDM part: sum over masked tokens of CE / p,
-    divided by response length and batch size (DESIGN §2 step 5)."""
+    divided by response length and batch size (docs/design.md §2 step 5)."""
     ce = _token_ce(model, batch)
     ar_sel = (batch["labels"] != IGNORE) & ~batch["is_mdm"]
     ar = ce[ar_sel].sum() / ar_sel.sum().clamp_min(1)

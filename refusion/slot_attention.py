@@ -1,4 +1,4 @@
-"""Packed slot attention for ReFusion's parallel infill (DESIGN §3 step 3).
+"""Packed slot attention for ReFusion's parallel infill (docs/design.md §3 step 3).
 
 k picked slots are packed into one query run of n = sum(slot_lens) tokens that
 follows a shared prefix of C cached tokens. Visibility of packed query i:

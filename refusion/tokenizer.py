@@ -3,7 +3,7 @@
 Byte-level means every UTF-8 string encodes and decodes back exactly (real
 benchmark prompts included). Digits are split one per token before BPE, as
 Qwen3 does, so arithmetic is learnable by a small model. Special tokens follow
-DESIGN §2 (begin-of-text and mask added) plus Qwen-style chat roles; the EOS of
+docs/design.md §2 (begin-of-text and mask added) plus Qwen-style chat roles; the EOS of
 a response is ``<|im_end|>``.
 """
 
@@ -80,5 +80,5 @@ def encode_chat(tokenizer, query: str) -> list[int]:
 
 
 def encode_response(tokenizer, response: str) -> list[int]:
-    """Response ids followed by the EOS token (DESIGN §2 step 1)."""
+    """Response ids followed by the EOS token (docs/design.md §2 step 1)."""
     return tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]

@@ -109,7 +109,7 @@ def make_config(tokenizer, shape: ModelShape, name: str):
         pad_token_id=tokenizer.pad_token_id, **dataclasses.asdict(shape))
     cfg.mask_token_id = tokenizer.mask_token_id
     if name == "mdm":
-        cfg.is_causal = False  # LLaDA-style bidirectional attention (DESIGN §4, §8)
+        cfg.is_causal = False  # LLaDA-style bidirectional attention (docs/design.md §4, §8)
     return cfg
 
 

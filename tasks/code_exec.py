@@ -1,4 +1,4 @@
-"""pass@1 for code tasks through harness.sandbox (DESIGN §5: hub `code_eval` fails offline).
+"""pass@1 for code tasks through harness.sandbox (docs/design.md §5: hub `code_eval` fails offline).
 
 lm-eval's code_eval would run ``prediction + "\\n" + reference`` as one program. We
 keep the two apart: the prediction runs in the sandbox's candidate process, the

@@ -1,6 +1,6 @@
 """Embedded synthetic task suite: small, seeded generators a tiny model can learn on a CPU.
 
-Three kinds mirror the seven benchmarks (DESIGN §5):
+Three kinds mirror the seven benchmarks (docs/design.md §5):
 
 - ``math``   GSM8K / MATH style word problems; step-by-step solution ending in
              ``#### <integer>``; scored by exact match of the final integer.

@@ -3,7 +3,7 @@
 Datasets come from ``harness.data.load_rows`` only (REFUSION_DATA_DIR, else the
 HF ids), turned into an in-memory ``datasets.Dataset`` so nothing is written to
 a datasets cache (GPQA questions never touch the disk). Prompts, filters and
-metrics follow lm-eval 0.4.13's tasks of the same name (DESIGN §5); the
+metrics follow lm-eval 0.4.13's tasks of the same name (docs/design.md §5); the
 differences are listed in tasks/README.md.
 """
 

@@ -1,4 +1,4 @@
-"""MATH answer extraction, normalisation and equivalence (DESIGN §5, minerva_math).
+"""MATH answer extraction, normalisation and equivalence (docs/design.md §5, minerva_math).
 
 Follows the rules of lm-eval's minerva_math task (Lewkowycz et al. 2022,
 appendix D): the gold answer is the last ``\\boxed{...}`` of the solution; the

@@ -1,4 +1,4 @@
-"""Offline scoring for every task, in one place (DESIGN §5).
+"""Offline scoring for every task, in one place (docs/design.md §5).
 
     score(task_name, response, doc) -> float          # the task's headline metric, 0..1
     score_details(task_name, response, doc) -> dict   # every "metric,filter" value

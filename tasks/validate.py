@@ -1,4 +1,4 @@
-"""`python -m harness validate-tasks`: score every task's gold answers (DESIGN §5).
+"""`python -m harness validate-tasks`: score every task's gold answers (docs/design.md §5).
 
 For each task, builds its lm-eval Task(s) from our YAMLs, writes the gold
 answer of each document in the form the prompt asks for, scores it through the

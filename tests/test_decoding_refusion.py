@@ -1,4 +1,4 @@
-"""`refusion` decoder (DESIGN §3): cache exactness after every commit, output = committed
+"""`refusion` decoder (docs/design.md §3): cache exactness after every commit, output = committed
 tokens by position, the zero-threshold single-plan identity, no_cache == default, exact
 NFE, ablation modes and knob errors.
 

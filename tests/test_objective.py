@@ -1,4 +1,4 @@
-"""ReFusion / AR / MDM objectives (DESIGN §2): hand-built example, finite loss, overfitting."""
+"""ReFusion / AR / MDM objectives (docs/design.md §2): hand-built example, finite loss, overfitting."""
 
 import copy
 import random

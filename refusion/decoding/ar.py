@@ -1,4 +1,4 @@
-"""Autoregressive baseline decoder (DESIGN §4 "AR"): greedy or temperature sampling
+"""Autoregressive baseline decoder (docs/design.md §4 "AR"): greedy or temperature sampling
 with a KV cache, batch >= 1 with left padding.
 """
 

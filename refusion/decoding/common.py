@@ -1,7 +1,7 @@
 """Step helpers shared by every decoder: knob checks, special ids, counted forwards,
 KV-cache surgery, token picking, EOS handling and the stats dict.
 
-Counting follows DESIGN §6: NFE = model forward calls (one batched call is one NFE),
+Counting follows docs/design.md §6: NFE = model forward calls (one batched call is one NFE),
 generated tokens = response tokens up to and including the first EOS, TPF =
 generated tokens / NFE, kv_peak_bytes = the largest number of bytes held by KV-cache
 tensors at any point (measured right after each cached forward, when the cache also
@@ -207,7 +207,7 @@ def cache_append(cache: DynamicCache, parts: list[list[tuple[torch.Tensor, torch
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool visibility [B, q, kv] (or [q, kv]) -> additive float mask [B, 1, q, kv].
 
-    Float, not bool: the eager attention path *adds* the mask (DESIGN §8).
+    Float, not bool: the eager attention path *adds* the mask (docs/design.md §8).
     """
     if allowed.dim() == 2:
         allowed = allowed.unsqueeze(0)
@@ -237,7 +237,7 @@ def forward(
     Give either `attention_mask`, a 2-D padding mask [B, kv] (the model applies its
     own causal or bidirectional pattern), or `visible`, a bool [B, q, kv] / [q, kv]
     (kv = cached + q) passed as an explicit 4-D float mask -- needed whenever position
-    ids jump (DESIGN §8).
+    ids jump (docs/design.md §8).
     """
     if visible is not None:
         attention_mask = additive_mask(visible, model.dtype)

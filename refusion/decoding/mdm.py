@@ -1,4 +1,4 @@
-"""Masked-diffusion baselines on a bidirectional model (DESIGN §4): LLaDA-style
+"""Masked-diffusion baselines on a bidirectional model (docs/design.md §4): LLaDA-style
 semi-autoregressive low-confidence / random remasking, and Fast-dLLM (block-wise prefix
 or dual KV cache + confidence-threshold parallel decoding).
 
