@@ -1,7 +1,7 @@
 """Where benchmark data comes from, decided in one place.
 
 If ``REFUSION_DATA_DIR`` is set, every benchmark is read from local files laid
-out like ``../shared/data`` (one JSONL per split; GPQA inside its
+out as ``python -m harness data`` lists them (``<benchmark>/<split>.jsonl``; GPQA inside its
 password-protected zip, read in memory and never extracted). Otherwise the
 standard Hugging Face dataset ids are used (for users who are online).
 
@@ -100,7 +100,7 @@ def resolve(benchmark: str, split: str = "test", data_dir: str | os.PathLike | N
     path = Path(root).expanduser() / rel
     if not path.is_file():
         raise DataError(f"{benchmark}/{split}: no file at {path}; set {ENV_VAR} to a folder laid out "
-                        f"like shared/data (see its README), or unset it to use the Hugging Face hub")
+                        f"as `python -m harness data` lists them, or unset it to use the Hugging Face hub")
     return DataSource(benchmark, split, path, member or None, b.hf_path, hf_name, hf_split)
 
 
@@ -166,7 +166,7 @@ def load_rows(benchmark: str, split: str = "test", data_dir: str | os.PathLike |
         expected = Path("<dir>") / BENCHMARKS[benchmark].files[split].partition("::")[0]
         flags = ", ".join(f"{v}={os.environ[v]}" for v in OFFLINE_VARS if os.environ.get(v))
         raise DataError(f"{benchmark}/{split}: data is not available offline ({flags}, and {src.hf_path} is not "
-                        f"in the Hugging Face cache); set {ENV_VAR} to a folder laid out like shared/data "
+                        f"in the Hugging Face cache); set {ENV_VAR} to a folder of benchmark files "
                         f"(it reads {expected})") from e
     for i, row in enumerate(rows):
         _check_row(row, fields, f"{src.describe()}, row {i}")
