@@ -184,9 +184,9 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        log.append({"step": step + 1, "loss": float(loss), "lr": opt.param_groups[0]["lr"],
+        log.append({"step": step + 1, "loss": loss.item(), "lr": opt.param_groups[0]["lr"],
                     "elapsed_s": round(time.time() - t0, 2)})
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.set_postfix(loss=f"{log[-1]['loss']:.3f}")
         if (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
             tmp = state_path.with_name(state_path.name + ".tmp")
             torch.save({"config": dataclasses.asdict(cfg), "shape": dataclasses.asdict(shape), "step": step + 1,
