@@ -14,7 +14,9 @@ What is compared, per (model, task):
   tokens every run, so any change here is a behaviour change, not noise;
 - **speed, as ratios inside the run only**: tokens/s of every model divided by
   the AR model's (and fast_dllm by llada's) on the same task. A ratio more than
-  ``--tolerance`` (20%) below the baseline's fails; a faster one passes.
+  ``--tolerance`` (20%) below the baseline's fails; a faster one passes. Since
+  wall-clock time moves with whatever else the machine does, a ratio below the
+  line is confirmed by a second run, and only a ratio below it in both fails.
   Absolute times are recorded but never compared (another machine, another day).
 
 A baseline recorded with other settings (models, knobs, LIMIT, seed, threads or
@@ -254,6 +256,8 @@ def _parser(update: bool) -> argparse.ArgumentParser:
     else:
         p.add_argument("--tolerance", type=float, default=TOLERANCE,
                        help="allowed fall of a speed ratio below the baseline's (default: %(default)s)")
+        p.add_argument("--no-confirm", dest="confirm", action="store_false",
+                       help="fail on the first run's speed ratios without a confirming second run")
     return p
 
 
@@ -316,6 +320,24 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
               f"history {hist}; trend {TREND}")
         return 0
     rows = compare(base["figures"], now, ns.tolerance)
+    slow = [r for r in rows if not r["ok"] and r["rule"] != "exact"]
+    if slow and not ns.run and ns.confirm:
+        # Wall-clock ratios move with whatever else the machine does (another VM on the host, disk
+        # writeback after a test run): a real slowdown must show again in a second run; a ratio
+        # counts as regressed only when both runs are below the line. Exact figures must match in both.
+        print(f"{len(slow)} speed ratio(s) below the line; confirming with a second run", file=sys.stderr)
+        try:
+            again = figures(run_eval(cfg, Path(ns.out), run_id + "-confirm"))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        best = {k: max((v for v in (now["ratios"].get(k), again["ratios"].get(k)) if v is not None), default=None)
+                for k in set(now["ratios"]) | set(again["ratios"])}
+        det = now["deterministic"] if now["deterministic"] == again["deterministic"] else again["deterministic"]
+        rows = compare(base["figures"], {"deterministic": det, "ratios": best}, ns.tolerance)
+        if now["deterministic"] != again["deterministic"]:
+            rows.insert(0, {"figure": "deterministic figures differ between the two runs", "baseline": None,
+                            "now": None, "rule": "exact", "ok": False})
     text = render(rows, run_dir, baseline_path)
     atomic_write_text(Path(ns.report), text)
     print(text)

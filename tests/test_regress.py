@@ -114,6 +114,29 @@ def test_update_then_check_then_mismatched_settings(tmp_path, capsys, monkeypatc
     assert "different checkpoint_sha256" in capsys.readouterr().err
 
 
+def test_slow_ratio_is_confirmed_by_a_second_run(tmp_path, capsys, monkeypatch):
+    """A speed ratio below the line fails only when a second run confirms it."""
+    monkeypatch.setattr(regress, "TREND", tmp_path / "trend.png")
+    base_path, report = tmp_path / "embedded.json", tmp_path / "regress.md"
+    assert regress.main_update(["--baseline", str(base_path), "--run", str(fake_run(tmp_path / "b", BASE_TPS)),
+                                "--reason", "base"]) == 0
+    slow = fake_run(tmp_path / "slow", {**BASE_TPS, "refusion": 150.0})
+    fast = fake_run(tmp_path / "fast", BASE_TPS)
+    monkeypatch.setattr(regress, "settings", lambda *a: json.loads(base_path.read_text())["settings"])
+
+    def runs(*dirs):
+        it = iter(dirs)
+        monkeypatch.setattr(regress, "run_eval", lambda cfg, out, run_id: next(it))
+        return regress.main(["--baseline", str(base_path), "--report", str(report), "--out", str(tmp_path)])
+
+    assert runs(slow, fast) == 0  # a one-off slow run is noise
+    assert "confirming with a second run" in capsys.readouterr().err
+    assert runs(slow, slow) == 1  # slow twice: a regression
+    assert "| FAIL | refusion/ar/embedded_code tokens/s ratio" in report.read_text()
+    worse = fake_run(tmp_path / "worse", {**BASE_TPS, "refusion": 150.0}, nfe=41)
+    assert runs(worse, worse) == 1  # exact figures are never retried away
+
+
 def test_committed_baseline_matches_committed_checkpoints():
     """The baseline CI compares against must describe the checkpoints and presets in the repo."""
     data = regress.load_baseline(regress.BASELINE)
