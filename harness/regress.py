@@ -33,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from harness.presets import DEFAULT_MODELS, PRESETS
@@ -48,6 +49,7 @@ LIMIT = 20
 SEED = 1234
 THREADS = 2
 TOLERANCE = 0.20
+CONFIRM_PAUSE_S = 20  # let a passing disturbance end before the confirming run
 DETERMINISTIC = ("quality", "generated_tokens", "nfe", "tpf")
 # Speed ratios: numerator model -> denominator model (both must be in the run). Every model is
 # also compared with the run's AR baseline.
@@ -326,6 +328,7 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
         # writeback after a test run): a real slowdown must show again in a second run; a ratio
         # counts as regressed only when both runs are below the line. Exact figures must match in both.
         print(f"{len(slow)} speed ratio(s) below the line; confirming with a second run", file=sys.stderr)
+        time.sleep(CONFIRM_PAUSE_S)
         try:
             again = figures(run_eval(cfg, Path(ns.out), run_id + "-confirm"))
         except RuntimeError as e:

@@ -123,6 +123,7 @@ def test_slow_ratio_is_confirmed_by_a_second_run(tmp_path, capsys, monkeypatch):
     slow = fake_run(tmp_path / "slow", {**BASE_TPS, "refusion": 150.0})
     fast = fake_run(tmp_path / "fast", BASE_TPS)
     monkeypatch.setattr(regress, "settings", lambda *a: json.loads(base_path.read_text())["settings"])
+    monkeypatch.setattr(regress, "CONFIRM_PAUSE_S", 0)
 
     def runs(*dirs):
         it = iter(dirs)
