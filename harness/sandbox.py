@@ -7,7 +7,7 @@ Public API:
     capabilities() -> dict      # which isolation mechanisms this machine gives (recorded in run.json)
 
 Used for pass@1 on HumanEval, MBPP and the embedded code task (docs/design.md §5:
-lm-eval's ``evaluate.load("code_eval")`` does not work offline, so we execute
+lm-eval's hub-hosted ``code_eval`` metric cannot be loaded offline, so we execute
 ourselves).
 
 Where the verdict comes from. The model's code (``program``) and the tests never
