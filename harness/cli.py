@@ -17,10 +17,11 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("harness.runner", "run decoders on a task or suite and record quality and speed"),
     "validate-tasks": ("tasks.validate", "score every task's gold answers (one line per task)"),
-    "train-tiny": ("refusion.train", "train the tiny refusion / ar / mdm models from scratch"),
+    "train-tiny": ("harness.train_tiny", "train the tiny models (ar from scratch, the others from its weights)"),
     "bench-decoders": ("harness.bench", "benchmark every decoder on the embedded suite (JSON to results/)"),
     "generate-eval": ("harness.hf_generate", "accuracy of causal checkpoints with plain model.generate (left to right)"),
-    "data": ("harness.data", "show where each benchmark's data is read from"),
+    "knobs": ("harness.knobs", "every decoder's knobs: defaults, accepted values, help"),
+    "data": ("tasks.data", "show where each benchmark's data is read from"),
     "regress": ("harness.regress", "compare the default run with the committed baseline (CI regression check)"),
     "regress-update": ("harness.regress:main_update", "rewrite the regression baseline on purpose (--reason)"),
     "report": ("harness.paper_report", "the paper's Table 1, speedups and figures from one or more runs"),

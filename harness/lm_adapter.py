@@ -41,7 +41,6 @@ its share of the documents from lm-eval; ``all_gather``/``gather_object``/
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import random
@@ -60,9 +59,6 @@ from harness.store import Journal, request_key
 
 MODEL_NAME = "refusion_bench"
 PAUSE_ENV = "REFUSION_BENCH_PAUSE_AFTER"  # test hook: see RefusionBenchLM._maybe_pause
-BATCH_DECODERS = frozenset({"ar", "refusion", "llada", "fast_dllm"})  # decoders that take left-padded batches
-# Keywords every decoder takes that are not decoding knobs a user sets per run.
-SPECIAL_KEYWORDS = frozenset({"eos_token_id", "mask_token_id"})
 
 
 class CheckpointError(ValueError):
@@ -113,64 +109,6 @@ def check_safetensors(path: Path) -> None:
                               f"its header needs {8 + n + end})")
 
 
-def decoder_knob_names(decoder: str) -> list[str]:
-    """Keyword knobs of a decoder, read from its signature (model/input_ids/attention_mask excluded).
-
-    Callback parameters (``on_commit``: a test hook) are not knobs: a command line can only give
-    them a number or a string, which the decoder would then try to call.
-    """
-    from refusion.decoding import get_decoder
-
-    fn = get_decoder(decoder)
-    names = []
-    for i, (name, prm) in enumerate(inspect.signature(fn).parameters.items()):
-        if i < 2 or name == "attention_mask" or name in SPECIAL_KEYWORDS:
-            continue
-        if prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
-            continue
-        if "Callable" in str(prm.annotation):  # a string under `from __future__ import annotations`
-            continue
-        names.append(name)
-    return names
-
-
-class _Untouchable:
-    """Stands in for the model while a decoder checks its knobs: any use of it means the checks passed."""
-
-    class Reached(Exception):
-        pass
-
-    def __getattr__(self, name):
-        raise _Untouchable.Reached(name)
-
-    def __call__(self, *a, **k):
-        raise _Untouchable.Reached("__call__")
-
-
-def validate_knobs(decoder: str, knobs: dict[str, Any]) -> None:
-    """Raise ValueError naming a bad knob, without loading a model.
-
-    Names are checked against the decoder's signature; values by calling the decoder
-    with a stand-in model, which stops at the first touch of the model. Decoders check
-    their knobs before they touch the model, so every value check they make runs.
-    """
-    from refusion.decoding import get_decoder
-
-    valid = decoder_knob_names(decoder)
-    bad = sorted(set(knobs) - set(valid))
-    if bad:
-        raise ValueError(f"unknown knob(s) {', '.join(bad)} for decoder {decoder!r}; valid knobs: {', '.join(valid)}")
-    ids = torch.ones(1, 2, dtype=torch.long)
-    try:
-        get_decoder(decoder)(_Untouchable(), ids, None, **knobs)
-    except _Untouchable.Reached:
-        return
-    except ValueError as e:
-        raise ValueError(f"decoder {decoder!r}: {e}") from None
-    except (TypeError, AttributeError, RuntimeError):
-        return  # the decoder touched the stand-in in a way we cannot intercept: values were checked up to there
-
-
 def load_checkpoint(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
                     trust_remote_code: bool = False):
     """(model in eval mode, tokenizer) from a Hugging Face folder."""
@@ -218,22 +156,20 @@ class RefusionBenchLM(LM):
         **knobs: Any,
     ) -> None:
         super().__init__()
-        from refusion.decoding import DECODERS
+        from refusion.decoding import get_decoder, make_knobs
 
-        if decoder not in DECODERS:
-            raise ValueError(f"unknown decoder {decoder!r}; valid decoders: {', '.join(sorted(DECODERS))}")
+        self.decoder = get_decoder(decoder)  # unknown name: ValueError listing the valid ones
         for k in list(knobs):
             # lm-eval's own CLI may add these; they are not knobs
             if k in ("parallelize", "trust_remote_code", "max_length"):
                 knobs.pop(k)
-        validate_knobs(decoder, knobs)
-        for task, tk in (task_knobs or {}).items():
-            validate_knobs(decoder, {**tk, **knobs})
+        make_knobs(decoder, knobs)  # bad knobs fail here, before the model is loaded
+        for tk in (task_knobs or {}).values():
+            make_knobs(decoder, {**tk, **knobs})
         self.decoder_name = decoder
-        self.decode_fn = DECODERS[decoder]
-        self.knobs = dict(knobs)
+        self.knobs = dict(knobs)  # as given (they key the journal); the decoder fills in defaults
         self.task_knobs = {t: dict(v) for t, v in (task_knobs or {}).items()}
-        self.knob_names = set(decoder_knob_names(decoder))
+        self.knob_names = set(self.decoder.knobs.names())
         self.seed = int(seed)
         self.mc_num, self.mc_batch = int(mc_num), int(mc_batch)
         self.batch_size = 1 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
@@ -402,7 +338,7 @@ class RefusionBenchLM(LM):
             # Warm-up: the first real call pays for allocator growth and lazy init; excluded from timing.
             t0 = time.perf_counter()
             # Same knobs as the real call: a shortened gen_length can violate block/slot constraints.
-            self.decode_fn(self.model, ids[:1, -len(prompts[0]):], None, **knobs)
+            self.decoder(self.model, ids[:1, -len(prompts[0]):], None, **knobs)
             self._sync()
             self.warmup_s = time.perf_counter() - t0
             self._warm = True
@@ -410,7 +346,7 @@ class RefusionBenchLM(LM):
             torch.cuda.reset_peak_memory_stats(self._device)
         self._sync()
         t0 = time.perf_counter()
-        tokens, stats = self.decode_fn(self.model, ids, attn, **knobs)
+        tokens, stats = self.decoder(self.model, ids, attn, **knobs)
         self._sync()
         wall = time.perf_counter() - t0
         gpu_peak = torch.cuda.max_memory_allocated(self._device) if self._device.type == "cuda" else None
@@ -450,7 +386,7 @@ class RefusionBenchLM(LM):
                 self.served += 1
             else:
                 todo.append((i, it))
-        bs = self.batch_size if self.decoder_name in BATCH_DECODERS else 1
+        bs = self.batch_size if self.decoder.batched else 1
         batches: list[list[tuple[int, dict]]] = []
         for i, it in todo:
             last = batches[-1] if batches else None

@@ -61,6 +61,14 @@ class InputError(Exception):
 # ---------------------------------------------------------------- parsing
 
 
+class KnobHelp(Exception):
+    """``MODELS=<model>:help``: print the decoder's knobs instead of running."""
+
+    def __init__(self, decoder: str):
+        super().__init__(decoder)
+        self.decoder = decoder
+
+
 def _value(text: str) -> Any:
     from lm_eval.utils import handle_arg_string
 
@@ -101,6 +109,8 @@ def parse_models(spec: str) -> list[ModelSpec]:
                 knob_text.insert(0, ":".join(rest))
         knobs = dict(base.knobs)
         for kv in knob_text:
+            if kv.strip() == "help":
+                raise KnobHelp(base.decoder)
             k, eq, v = kv.partition("=")
             if not eq or not k:
                 raise InputError(f"bad knob {kv!r} for model {name!r}: expected knob=value")
@@ -136,7 +146,7 @@ def known_error(exc: BaseException) -> str | None:
     lm-eval wraps what a dataset hook or a template raises, so the useful message is
     often several links down (and the outermost one names neither file nor field).
     """
-    from harness.data import DataError
+    from tasks.data import DataError
     from harness.lm_adapter import CheckpointError
 
     for e in _chain(exc):
@@ -226,7 +236,7 @@ def _data_where(task) -> str:
         return str(files[0] if isinstance(files, list) else files)
     if "benchmark" in kw:
         try:
-            from harness.data import resolve
+            from tasks.data import resolve
 
             return resolve(kw["benchmark"], kw.get("split", split)).describe()
         except Exception:  # noqa: BLE001 - embedded benchmarks and bad names: fall back to the name
@@ -266,8 +276,8 @@ def _leaves(name: str, gmap: dict) -> list[str]:
 
 def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: bool) -> list[dict]:
     """Check decoders, checkpoints and knobs; return each model with its per-leaf knobs."""
-    from harness.lm_adapter import CheckpointError, check_checkpoint, decoder_knob_names, validate_knobs
-    from refusion.decoding import DECODERS
+    from harness.lm_adapter import CheckpointError, check_checkpoint
+    from refusion.decoding import DECODERS, make_knobs
 
     out = []
     for m in models:
@@ -281,13 +291,13 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
             check_checkpoint(ckpt)
         except CheckpointError as e:
             raise InputError(f"model {m.name!r}: {e}") from None
-        accepted = set(decoder_knob_names(m.decoder))
+        accepted = set(DECODERS[m.decoder].knobs.names())
         task_knobs: dict[str, dict] = {}
         try:
-            validate_knobs(m.decoder, m.knobs)
+            make_knobs(m.decoder, m.knobs)
             for u in units:
                 tk = paper_knobs(u["name"], m.decoder, accepted) if task_defaults else {}
-                validate_knobs(m.decoder, {**tk, **m.knobs})
+                make_knobs(m.decoder, {**tk, **m.knobs})
                 if tk:
                     for leaf in u["leaves"]:
                         task_knobs[leaf] = tk
@@ -492,7 +502,7 @@ def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
     if run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir()):
         raise InputError(f"{run_dir} exists and is not a run folder (no run.json); choose another --run-id")
     env = environment(cfg["device"], cfg["threads"], cfg["num_processes"], cfg["seed"])
-    from harness.sandbox import capabilities
+    from tasks.sandbox import capabilities
 
     env["sandbox"] = capabilities()  # what code-task isolation this machine gave, with its warning
     if env["sandbox"]["warning"]:
@@ -575,6 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = build_config(ns)
         run_dir = _prepare_run_dir(Path(ns.out), ns.run_id, cfg)
+    except KnobHelp as h:
+        from harness.knobs import describe
+
+        print(describe(h.decoder))
+        return 0
     except InputError as e:
         if ns.debug:
             raise

@@ -155,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.limit < 1:
             raise InputError(f"--limit must be >= 1, got {ns.limit}")
         grid = parse_grid(ns.grid)
-        from harness.lm_adapter import decoder_knob_names
+        from refusion.decoding import DECODERS
 
-        accepted = set(decoder_knob_names("refusion"))
+        accepted = set(DECODERS["refusion"].knobs.names())
         bad = sorted(k for k in grid if k not in accepted)
         if bad:
             raise InputError(f"unknown refusion knob(s) {', '.join(bad)}; valid knobs: {', '.join(sorted(accepted))}")

@@ -1,4 +1,5 @@
-"""Training objectives: ReFusion (docs/design.md §2), plain AR, and LLaDA-style masked diffusion.
+"""Training objectives: ReFusion (docs/design.md §2), plain AR, LLaDA-style masked diffusion,
+Dream-style shifted masked diffusion and D2F block-wise (diffusion-forcing) masked diffusion.
 
 Each objective is two plain functions: a *collate* from examples (prompt ids,
 response ids ending with EOS) to a batch of tensors, and a *loss* from
@@ -162,39 +163,109 @@ def ar_loss(model, batch) -> torch.Tensor:
     return ce.sum() / sel.sum().clamp_min(1)
 
 
-def collate_mdm(examples: list[Example], rng: random.Random, mask_token_id: int, pad_token_id: int,
-                eps: float = EPS, eos_token_id: int | None = None, pad_multiple: int = 32) -> dict[str, torch.Tensor]:
-    """LLaDA SFT: each response token masked w.p. t ~ U(0,1) (floored at eps); bidirectional attention;
-    the logit at a masked position predicts the token at that same position.
+def _eos_padded(ex: Example, eos_token_id: int | None, pad_multiple: int) -> Example:
+    """LLaDA / Dream SFT: the response padded with EOS up to the next multiple of ``pad_multiple``; the
+    pads are trained like response tokens, so the model learns to fill a fixed window's tail with EOS."""
+    if eos_token_id is None:
+        return ex
+    target = -(-len(ex.response) // pad_multiple) * pad_multiple
+    return Example(ex.prompt, ex.response + [eos_token_id] * (target - len(ex.response)))
 
-    As in LLaDA's SFT, the response is padded with EOS tokens (here up to the next
-    multiple of ``pad_multiple``) that are trained like response tokens, so the model
-    learns to fill the unused tail of a fixed-length generation window with EOS.
+
+def _draw_masks(n: int, ratios: list[float], rng: random.Random) -> list[bool]:
+    """One flag per response token, token i masked w.p. ratios[i]; at least one masked token."""
+    m = [rng.random() < r for r in ratios]
+    if not any(m):  # at least one target per example
+        m[rng.randrange(n)] = True
+    return m
+
+
+def _mdm_batch(rows: list[tuple[Example, list[bool], list[float]]], mask_token_id: int, pad_token_id: int,
+               shift: bool, block_size: int | None) -> dict[str, torch.Tensor]:
+    """Shared tail of the masked-diffusion collates: rows of (example, masked flags, per-token mask ratio).
+
+    ``labels[i]`` is what the logit at index i must predict: the original token at masked position i,
+    or with ``shift`` (Dream) the original token at masked position i + 1. ``block_size`` set: the
+    attention is block-causal (prompt one block, then response blocks of ``block_size``), else
+    bidirectional.
     """
-    ids, labels, weights, resp_len = [], [], [], []
-    for ex in examples:
-        if eos_token_id is not None:
-            target = -(-len(ex.response) // pad_multiple) * pad_multiple
-            ex = Example(ex.prompt, ex.response + [eos_token_id] * (target - len(ex.response)))
-        t = (1 - eps) * rng.random() + eps
-        m = [rng.random() < t for _ in ex.response]
-        if not any(m):  # at least one target per example
-            m[rng.randrange(len(m))] = True
+    ids, labels, weights, resp_len, blocks = [], [], [], [], []
+    for ex, m, ratio in rows:
+        P = len(ex.prompt)
         ids.append(ex.prompt + [mask_token_id if mi else tok for tok, mi in zip(ex.response, m)])
-        labels.append([IGNORE] * len(ex.prompt) + [tok if mi else IGNORE for tok, mi in zip(ex.response, m)])
-        weights.append([0.0] * len(ex.prompt) + [1.0 / t if mi else 0.0 for mi in m])
+        lab = [IGNORE] * P + [tok if mi else IGNORE for tok, mi in zip(ex.response, m)]
+        w = [0.0] * P + [1.0 / r if mi else 0.0 for mi, r in zip(m, ratio)]
+        if shift:  # the logit at i - 1 predicts token i; the last logit predicts nothing
+            lab, w = lab[1:] + [IGNORE], w[1:] + [0.0]
+        labels.append(lab)
+        weights.append(w)
         resp_len.append(len(ex.response))
+        if block_size is not None:
+            blocks.append([0] * P + [1 + j // block_size for j in range(len(ex.response))])
     input_ids = _pad(ids, pad_token_id)
     valid = _pad([[True] * len(s) for s in ids], False)
+    if block_size is None:
+        mask = additive_mask(valid, causal=False)
+    else:
+        mask = block_causal_mask(valid, _pad(blocks, 0))
     return {"input_ids": input_ids, "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids),
-            "attention_mask": additive_mask(valid, causal=False), "labels": _pad(labels, IGNORE),
+            "attention_mask": mask, "labels": _pad(labels, IGNORE),
             "mdm_weight": _pad(weights, 0.0).float(), "response_len": torch.tensor(resp_len, dtype=torch.float32)}
 
 
+def block_causal_mask(valid: torch.Tensor, block: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """[B, L] real-token flags and [B, L] block index -> [B, 1, L, L] additive mask where a query sees
+    every real key of its own and all earlier blocks (bidirectional inside a block, causal across
+    blocks: D2F's attention). Pad queries see themselves only."""
+    B, L = valid.shape
+    see = valid[:, None, None, :] & (block[:, None, None, :] <= block[:, None, :, None])
+    see |= torch.eye(L, dtype=torch.bool, device=valid.device)
+    return torch.zeros(B, 1, L, L, dtype=dtype, device=valid.device).masked_fill(~see, torch.finfo(dtype).min)
+
+
+def collate_mdm(examples: list[Example], rng: random.Random, mask_token_id: int, pad_token_id: int,
+                eps: float = EPS, eos_token_id: int | None = None, pad_multiple: int = 32,
+                shift: bool = False) -> dict[str, torch.Tensor]:
+    """LLaDA SFT: each response token masked w.p. t ~ U(0,1) (floored at eps); bidirectional attention;
+    the logit at a masked position predicts the token at that same position. With ``shift`` it is
+    Dream's objective instead: the logit at position i - 1 predicts masked token i, so an AR model's
+    next-token head carries over (Dream starts from Qwen2.5).
+
+    As in LLaDA's SFT, the response is padded with EOS tokens (here up to the next
+    multiple of ``pad_multiple``) that are trained like response tokens.
+    """
+    rows = []
+    for ex in examples:
+        ex = _eos_padded(ex, eos_token_id, pad_multiple)
+        t = (1 - eps) * rng.random() + eps
+        n = len(ex.response)
+        rows.append((ex, _draw_masks(n, [t] * n, rng), [t] * n))
+    return _mdm_batch(rows, mask_token_id, pad_token_id, shift=shift, block_size=None)
+
+
+def collate_d2f(examples: list[Example], rng: random.Random, mask_token_id: int, pad_token_id: int,
+                block_size: int = 8, eps: float = EPS, eos_token_id: int | None = None,
+                pad_multiple: int = 32) -> dict[str, torch.Tensor]:
+    """D2F (discrete diffusion forcing) SFT: the EOS-padded response cut into blocks of ``block_size``;
+    block b masked at ratio t_b with t_1 <= t_2 <= ... (sorted uniform draws, floored at eps), so later
+    blocks are noisier, as when a pipeline decoder starts a block before the previous one is done;
+    block-causal attention; the logit at a masked position predicts the token there (as LLaDA)."""
+    rows = []
+    for ex in examples:
+        ex = _eos_padded(ex, eos_token_id, pad_multiple)
+        n = len(ex.response)
+        n_blocks = -(-n // block_size)
+        ts = sorted((1 - eps) * rng.random() + eps for _ in range(n_blocks))
+        ratio = [ts[j // block_size] for j in range(n)]
+        rows.append((ex, _draw_masks(n, ratio, rng), ratio))
+    return _mdm_batch(rows, mask_token_id, pad_token_id, shift=False, block_size=block_size)
+
+
 def mdm_loss(model, batch) -> torch.Tensor:
-    """Sum over masked tokens of CE / t, divided by response length, averaged over the batch."""
+    """Sum over masked tokens of CE / t, divided by response length, averaged over the batch
+    (LLaDA, Dream and D2F alike; their collates differ)."""
     ce = _token_ce(model, batch)
     return ((ce * batch["mdm_weight"]).sum(1) / batch["response_len"]).mean()
 
 
-OBJECTIVES = {"refusion": refusion_loss, "ar": ar_loss, "mdm": mdm_loss}
+OBJECTIVES = {"refusion": refusion_loss, "ar": ar_loss, "mdm": mdm_loss, "dream": mdm_loss, "d2f": mdm_loss}

@@ -35,15 +35,19 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-MODEL_NAMES = ("ar", "refusion", "mdm")  # training order: refusion and mdm start from the trained ar weights
+MODEL_NAMES = ("ar", "refusion", "mdm", "dream", "d2f")  # training order (each after the model it starts from)
 
-# Per-model recipe (steps, peak lr): ar learns the tasks from scratch; refusion and mdm adapt the
-# trained ar weights to their objective, as ReFusion fine-tunes Qwen3-8B and Dream starts from an AR
-# model. Each fits in well under 60 minutes on 2 CPU cores (README: measured times).
-RECIPES: dict[str, tuple[int, float]] = {"ar": (3000, 2e-3), "refusion": (1500, 1e-3), "mdm": (1500, 1e-3)}
+# Per-model recipe (steps, peak lr): ar learns the tasks from scratch; the others adapt trained
+# weights to their objective, as ReFusion fine-tunes Qwen3-8B, Dream starts from Qwen2.5 and D2F
+# distils a trained LLaDA / Dream. Each fits in under 60 minutes on 2 CPU cores (README: measured times).
+RECIPES: dict[str, tuple[int, float]] = {"ar": (3000, 2e-3), "refusion": (1500, 1e-3), "mdm": (1500, 1e-3),
+                                         "dream": (1800, 1e-3), "d2f": (1800, 1e-3)}
+# Bidirectional (LLaDA, Dream) or block-causal (D2F, explicit masks) attention: not causal.
+NON_CAUSAL = ("mdm", "dream", "d2f")
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class TrainConfig:
     save_every: int = 200
     refusion_init: str = "ar"  # "ar": start from the trained ar checkpoint in the same folder; "scratch"
     mdm_init: str = "ar"       # likewise for mdm
+    dream_init: str = "ar"     # Dream is initialised from an AR model
+    d2f_init: str = "mdm"      # D2F starts from a trained masked-diffusion model
+    d2f_block_size: int = 8    # D2F's block (the decoder's block_size on the tiny model)
     # Share of each kind in a batch: arithmetic is the hardest thing the suite asks of a tiny model.
     kind_weights: tuple[tuple[str, float], ...] = (("math", 0.45), ("code", 0.2), ("choice", 0.35))
 
@@ -85,19 +92,15 @@ def recipe(name: str, **overrides) -> TrainConfig:
     return dataclasses.replace(TrainConfig(steps=steps, lr=lr), **overrides)
 
 
+def init_of(name: str, cfg: TrainConfig) -> str:
+    """The model whose trained weights ``name`` starts from, or "scratch"."""
+    return getattr(cfg, f"{name}_init", "scratch")
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def build_corpus():
-    """Tokenizer-training texts and the training rows per kind, from the embedded suite's train splits."""
-    from tasks.embedded import KINDS, load_split
-
-    rows = {kind: load_split(kind, "train") for kind in KINDS}
-    texts = [t for kind in KINDS for r in rows[kind] for t in (r["query"], r["response"])]
-    return texts, rows
 
 
 def make_config(tokenizer, shape: ModelShape, name: str):
@@ -108,8 +111,8 @@ def make_config(tokenizer, shape: ModelShape, name: str):
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, **dataclasses.asdict(shape))
     cfg.mask_token_id = tokenizer.mask_token_id
-    if name == "mdm":
-        cfg.is_causal = False  # LLaDA-style bidirectional attention (docs/design.md §4, §8)
+    if name in NON_CAUSAL:
+        cfg.is_causal = False  # bidirectional / block-causal attention (docs/design.md §4, §8)
     return cfg
 
 
@@ -134,9 +137,12 @@ def make_batch(name: str, examples, step: int, cfg: TrainConfig, tokenizer):
     batch = [rng.choice(examples[k]) for k in drawn]
     if name == "refusion":
         return obj.collate_refusion(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id, cfg.slot_sizes)
-    if name == "mdm":
+    if name in ("mdm", "dream"):
         return obj.collate_mdm(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id,
-                               eos_token_id=tokenizer.eos_token_id)
+                               eos_token_id=tokenizer.eos_token_id, shift=name == "dream")
+    if name == "d2f":
+        return obj.collate_d2f(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id,
+                               block_size=cfg.d2f_block_size, eos_token_id=tokenizer.eos_token_id)
     return obj.collate_ar(batch, tokenizer.pad_token_id)
 
 
@@ -154,8 +160,9 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
     torch.manual_seed(cfg.seed)
     model_cfg = make_config(tokenizer, shape, name)
     model = Qwen3ForCausalLM._from_config(copy.deepcopy(model_cfg), attn_implementation="sdpa")
-    if (name == "refusion" and cfg.refusion_init == "ar") or (name == "mdm" and cfg.mdm_init == "ar"):
-        _load_init(model, tokenizer, out_dir / "ar")
+    init = init_of(name, cfg)
+    if init != "scratch":
+        _load_init(model, tokenizer, out_dir / init)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     loss_fn = OBJECTIVES[name]
 
@@ -221,8 +228,8 @@ def _load_init(model, tokenizer, init_dir: Path) -> None:
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     if not (init_dir / "config.json").is_file():
-        raise FileNotFoundError(f"refusion and mdm start from the ar checkpoint, but {init_dir} has none: "
-                                "train ar first (--models ar,...) or pass --refusion-init / --mdm-init scratch")
+        raise FileNotFoundError(f"this model starts from the {init_dir.name} checkpoint, but {init_dir} has none: "
+                                f"train {init_dir.name} first or pass --<model>-init scratch")
     if AutoTokenizer.from_pretrained(str(init_dir)).get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"{init_dir} was trained with a different tokenizer; retrain ar first")
     src = Qwen3ForCausalLM.from_pretrained(str(init_dir))
@@ -258,22 +265,33 @@ def _write_log(folder: Path, log: list[dict], name: str) -> None:
     plt.close(fig)
 
 
-def prepare(cfg: TrainConfig):
-    """Train the tokenizer and tokenize the training rows (shared by the three models)."""
+Corpus = dict[str, list[dict]]  # kind -> training rows with "query" and "response" texts
+
+
+def prepare(cfg: TrainConfig, rows: Corpus):
+    """Train the tokenizer on the corpus and tokenize its rows (shared by every model)."""
     from refusion.objective import Example
     from refusion.tokenizer import TokenizerConfig, encode_chat, encode_response, train_tokenizer
 
-    texts, rows = build_corpus()
+    texts = [t for kind_rows in rows.values() for r in kind_rows for t in (r["query"], r["response"])]
     tokenizer = train_tokenizer(texts, TokenizerConfig(vocab_size=cfg.vocab_size))
     examples = {kind: [Example(encode_chat(tokenizer, r["query"]), encode_response(tokenizer, r["response"]))
                        for r in kind_rows] for kind, kind_rows in rows.items()}
     return tokenizer, examples
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = None,
+         entry: str | None = None) -> int:
+    """Command line of the trainer. ``corpus()`` returns the training rows per kind (the harness
+    passes the embedded suite's training split: this package does not import the tasks);
+    ``entry`` is the module that side-by-side children are started as (``python -m entry``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if corpus is None or entry is None:
+        print("error: the trainer needs a corpus: run it as `python -m harness train-tiny`", file=sys.stderr)
+        return 2
     p = argparse.ArgumentParser(prog="python -m harness train-tiny", description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default=",".join(MODEL_NAMES), help="comma-separated subset of refusion,ar,mdm")
+    p.add_argument("--models", default="ar,refusion,mdm",
+                   help=f"comma-separated subset of {','.join(MODEL_NAMES)} (default: the three of the default suite)")
     p.add_argument("--out", default="checkpoints/tiny", help="output folder (one sub-folder per model)")
     p.add_argument("--steps", type=int, default=None,
                    help="steps for every model (default: each model's recipe: "
@@ -282,14 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate for every model (default: the recipe's)")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--threads", type=int, default=TrainConfig.threads)
-    p.add_argument("--refusion-init", choices=["ar", "scratch"], default=TrainConfig.refusion_init,
-                   help="start refusion from the trained ar checkpoint (as ReFusion fine-tunes Qwen3) or from scratch")
+    for m in MODEL_NAMES[1:]:
+        default = getattr(TrainConfig, f"{m}_init")
+        p.add_argument(f"--{m}-init", choices=[default, "scratch"], default=default,
+                       help=f"start {m} from the trained {default} checkpoint (default) or from random weights")
     p.add_argument("--sequential", action="store_true",
-                   help="train refusion and mdm one after the other with all threads (default: side by side, "
-                   "threads split between them, once ar exists)")
+                   help="train the models of one stage (those starting from the same trained model) one after "
+                   "the other with all threads (default: side by side, threads split between them)")
     p.add_argument("--bar-position", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--mdm-init", choices=["ar", "scratch"], default=TrainConfig.mdm_init,
-                   help="start mdm from the trained ar checkpoint (as Dream starts from an AR model) or from scratch")
     a = p.parse_args(argv)
     names = [n.strip() for n in a.models.split(",") if n.strip()]
     bad = [n for n in names if n not in MODEL_NAMES]
@@ -299,22 +317,35 @@ def main(argv: list[str] | None = None) -> int:
     if (a.steps is not None and a.steps < 1) or a.batch_size < 1 or (a.lr is not None and a.lr <= 0):
         print("error: --steps and --batch-size must be >= 1, --lr > 0", file=sys.stderr)
         return 2
-    overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads, refusion_init=a.refusion_init,
-                     mdm_init=a.mdm_init)
+    overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads,
+                     **{f"{m}_init": getattr(a, f"{m}_init") for m in MODEL_NAMES[1:]})
     overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr)) if v is not None})
-    names = sorted(names, key=MODEL_NAMES.index)
-    side_by_side = len([n for n in names if n != "ar"]) > 1 and not a.sequential and a.threads >= 2
-    if "ar" in names or not side_by_side:
-        tokenizer, examples = prepare(TrainConfig(**overrides))
-    if "ar" in names:
-        _train_timed("ar", tokenizer, examples, recipe("ar", **overrides), Path(a.out), a.bar_position)
-        names.remove("ar")
-    if side_by_side:
-        # refusion and mdm depend only on ar: one process each, the threads split between them.
-        return _side_by_side(names, a, argv)
-    for name in names:
-        _train_timed(name, tokenizer, examples, recipe(name, **overrides), Path(a.out), a.bar_position)
+    base = TrainConfig(**overrides)
+    prepared = None
+    for stage in stages(sorted(set(names), key=MODEL_NAMES.index), base):
+        if len(stage) > 1 and not a.sequential and a.threads >= 2:
+            # Models of one stage depend only on earlier stages: one process each, threads split.
+            code = _side_by_side(stage, a, argv, entry)
+            if code:
+                return code
+            continue
+        prepared = prepared or prepare(base, corpus())
+        for name in stage:
+            _train_timed(name, *prepared, recipe(name, **overrides), Path(a.out), a.bar_position)
     return 0
+
+
+def stages(names: list[str], cfg: TrainConfig) -> list[list[str]]:
+    """``names`` grouped by depth in the start-from chain among ``names`` (ar; then what starts from
+    ar; then what starts from those), so each stage needs only checkpoints trained by an earlier
+    stage or already on disk."""
+    def depth(n: str) -> int:
+        init = init_of(n, cfg)
+        return 1 + depth(init) if init in names else 0
+    out: dict[int, list[str]] = {}
+    for n in names:
+        out.setdefault(depth(n), []).append(n)
+    return [out[d] for d in sorted(out)]
 
 
 def _train_timed(name: str, tokenizer, examples, cfg: TrainConfig, out: Path, bar_position: int) -> None:
@@ -323,7 +354,7 @@ def _train_timed(name: str, tokenizer, examples, cfg: TrainConfig, out: Path, ba
     print(f"{name}: {path} in {time.time() - t0:.0f}s", flush=True)
 
 
-def _side_by_side(names: list[str], a: argparse.Namespace, argv: list[str]) -> int:
+def _side_by_side(names: list[str], a: argparse.Namespace, argv: list[str], entry: str) -> int:
     import subprocess
 
     keep = []  # the caller's options except those set per child below
@@ -335,8 +366,8 @@ def _side_by_side(names: list[str], a: argparse.Namespace, argv: list[str]) -> i
                 next(it, None)
             continue
         keep.append(tok)
-    per = a.threads // len(names)
-    procs = [subprocess.Popen([sys.executable, "-m", "refusion.train", *keep, "--models", n, "--threads", str(per),
+    per = max(1, a.threads // len(names))
+    procs = [subprocess.Popen([sys.executable, "-m", entry, *keep, "--models", n, "--threads", str(per),
                                "--bar-position", str(i)]) for i, n in enumerate(names)]
     try:
         codes = [p.wait() for p in procs]
@@ -351,4 +382,4 @@ def _side_by_side(names: list[str], a: argparse.Namespace, argv: list[str]) -> i
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main())  # says how to run it with a corpus

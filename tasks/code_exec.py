@@ -1,9 +1,9 @@
-"""pass@1 for code tasks through harness.sandbox (docs/design.md §5: hub `code_eval` fails offline).
+"""pass@1 for code tasks through tasks.sandbox (docs/design.md §5: hub `code_eval` fails offline).
 
 lm-eval's code_eval would run ``prediction + "\\n" + reference`` as one program. We
 keep the two apart: the prediction runs in the sandbox's candidate process, the
 reference (the tests) in its judge, which calls the prediction's functions and
-compares plain results itself (see harness.sandbox). A reference may carry a
+compares plain results itself (see tasks.sandbox). A reference may carry a
 trusted prelude, the task's own prompt code, whose helpers the tests use:
 
     # judge: remote=<name>[,<name>...]     names the tests must take from the prediction
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from harness.sandbox import SandboxResult, run_many
+from tasks.sandbox import SandboxResult, run_many
 
 REMOTE_HEADER = "# judge: remote="
 TESTS_MARK = "# judge: tests"

@@ -1,6 +1,6 @@
 """Python hooks the task YAMLs in this folder reference with ``!function hooks.<name>``.
 
-Datasets come from ``harness.data.load_rows`` only (REFUSION_DATA_DIR, else the
+Datasets come from ``tasks.data.load_rows`` only (REFUSION_DATA_DIR, else the
 HF ids), turned into an in-memory ``datasets.Dataset`` so nothing is written to
 a datasets cache (GPQA questions never touch the disk). Prompts, filters and
 metrics follow lm-eval 0.4.13's tasks of the same name (docs/design.md §5); the
@@ -34,7 +34,7 @@ def _dataset(benchmark: str, split: str, data_dir: str | None):
     subtasks share one load). Keyed by the data dir so a changed env var is honoured."""
     import datasets
 
-    from harness.data import load_rows
+    from tasks.data import load_rows
 
     if benchmark.startswith("embedded_"):
         from tasks.embedded import load_split

@@ -28,7 +28,7 @@ INVALID = "[invalid]"
 class TaskInfo:
     leaves: tuple[str, ...]  # lm-eval leaf tasks (a group has several)
     primary: str  # "metric,filter" reported as the task's score
-    benchmark: str  # harness.data benchmark (or embedded_<kind>)
+    benchmark: str  # tasks.data benchmark (or embedded_<kind>)
 
 
 _MMLU_PRO = ("biology", "business", "chemistry", "computer_science", "economics", "engineering", "health",

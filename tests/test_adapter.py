@@ -181,15 +181,16 @@ def test_loglikelihood_mdm_monte_carlo_is_deterministic_and_unbiased_shape(mdm_c
 
 
 def test_bad_knobs_and_decoder_are_clear_errors(ckpt):
-    from harness.lm_adapter import CheckpointError, RefusionBenchLM, validate_knobs
+    from harness.lm_adapter import CheckpointError, RefusionBenchLM
+    from refusion.decoding import make_knobs
 
     with pytest.raises(ValueError, match="unknown decoder 'nope'; valid decoders: .*ar"):
         RefusionBenchLM(pretrained=str(ckpt), decoder="nope")
     with pytest.raises(ValueError, match="unknown knob.*slot_sise.*valid knobs: .*gen_length"):
-        validate_knobs("ar", {"slot_sise": 8})
+        make_knobs("ar", {"slot_sise": 8})
     with pytest.raises(ValueError, match="gen_length"):
-        validate_knobs("ar", {"gen_length": -3})
-    validate_knobs("ar", {"gen_length": 4})
+        make_knobs("ar", {"gen_length": -3})
+    make_knobs("ar", {"gen_length": 4})
     with pytest.raises(CheckpointError, match="does not exist"):
         RefusionBenchLM(pretrained=str(ckpt) + "_missing", decoder="ar")
 

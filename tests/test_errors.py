@@ -106,9 +106,10 @@ def test_offline_without_data_dir_says_to_set_it(setup, tmp_path):
 
 
 def test_callback_hook_is_not_a_knob(setup, tmp_path, capsys):
-    from harness.lm_adapter import decoder_knob_names
+    from refusion.decoding import DECODERS
 
-    assert "on_commit" not in decoder_knob_names("refusion") and "slot_size" in decoder_knob_names("refusion")
+    names = DECODERS["refusion"].knobs.names()
+    assert "on_commit" not in names and "slot_size" in names
     out = tmp_path / "out"
     err = _eval(capsys, out, "--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]),
                 "--models", f"a={setup['ckpt']}:refusion:on_commit=1")

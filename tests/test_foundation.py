@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import data
+from tasks import data
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = os.environ.get("REFUSION_DATA_DIR")
@@ -51,7 +51,7 @@ def test_imports_are_offline():
         "import socket\n"
         "def _no(*a, **k): raise RuntimeError('network touched at import')\n"
         "socket.socket.connect = _no; socket.create_connection = _no\n"
-        "import refusion, harness, harness.cli, harness.data, tasks\n"
+        "import refusion, harness, harness.cli, tasks.data, tasks\n"
         "print('ok')\n"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")

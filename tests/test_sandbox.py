@@ -1,4 +1,4 @@
-"""Hostile programs against the pass@1 scorer (tasks.code_exec -> harness.sandbox).
+"""Hostile programs against the pass@1 scorer (tasks.code_exec -> tasks.sandbox).
 
 Every hostile "model output" is scored by the project's own scorer; the expected
 verdict is "not passed" unless the case is about the machine (then a correct
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import sandbox
-from harness.sandbox import SandboxResult, capabilities, run_program
+from tasks import sandbox
+from tasks.sandbox import SandboxResult, capabilities, run_program
 from tasks.code_exec import CodeLimits, pass_at_1, split_reference
 
 ROOT = os.geteuid() == 0
@@ -386,7 +386,7 @@ def test_gold_passes_with_private_tmpdir(tmp_path, monkeypatch, clean_machine):
 
 
 def test_uid_lock_folder_ignores_tmpdir(tmp_path):
-    code = "from harness import sandbox; print(sandbox.LOCK_DIR)"
+    code = "from tasks import sandbox; print(sandbox.LOCK_DIR)"
     outs = {subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "TMPDIR": str(d)},
                            capture_output=True, text=True, check=True).stdout for d in (tmp_path, "/tmp")}
     assert len(outs) == 1 and not outs.pop().startswith(str(tmp_path))

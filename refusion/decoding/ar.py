@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from dataclasses import dataclass
+
 from .common import (
     Meter,
-    check_float,
-    check_int,
     cut_after_eos,
     eos_ids,
     forward,
@@ -20,6 +20,15 @@ from .common import (
     pick,
     positions_from_mask,
 )
+from .knobs import Knobs, gen_length, seed, temperature
+
+
+@dataclass(frozen=True)
+class ArKnobs(Knobs):
+    """Knobs of ``ar``."""
+    gen_length: int = gen_length(256)
+    temperature: float = temperature()
+    seed: int = seed()
 
 
 @torch.no_grad()
@@ -27,25 +36,25 @@ def ar(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    knobs: ArKnobs | dict | None = None,
     *,
-    gen_length: int = 256,
-    temperature: float = 0.0,
-    seed: int | None = 0,
     eos_token_id: int | list[int] | None = None,
     mask_token_id: int | None = None,
+    **overrides,
 ) -> tuple[list[torch.Tensor], dict]:
     """Decode at most `gen_length` tokens per row, one forward per token.
 
-    input_ids [B, P] left-padded, attention_mask [B, P] (1 = real token). Returns one
+    input_ids [B, P] left-padded, attention_mask [B, P] (1 = real token); ``knobs`` an
+    ``ArKnobs`` (or dict), keyword ``overrides`` replace its fields. Returns one
     1-D response per row, cut after its first EOS. `mask_token_id` is accepted and
     ignored so every decoder takes the same special-id keywords.
     Phases: prefill (the prompt forward, which also yields the first token) and step.
     """
-    gen_length = check_int("gen_length", gen_length, 1)
-    temperature = check_float("temperature", temperature, 0.0)
+    k = ArKnobs.of(knobs, overrides, "ar")
+    gen_length, temperature = k.gen_length, k.temperature
     eos = eos_ids(model, eos_token_id)
     device = input_ids.device
-    gen = make_generator(device, seed)
+    gen = make_generator(device, k.seed)
     meter = Meter(model, ("prefill", "step"))
 
     mask = padding_mask(input_ids, attention_mask)  # [B, P]

@@ -10,15 +10,14 @@ bidirectional mask hides pads. Response region: gen_length mask tokens after the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
 
 from .common import (
     Meter,
     cache_keep,
-    check_choice,
-    check_float,
-    check_int,
     cut_after_eos,
     eos_ids,
     forward,
@@ -30,14 +29,59 @@ from .common import (
     positions_from_mask,
     token_prob,
 )
+from .knobs import Knobs, gen_length, knob, seed, temperature
 
 
-def _check_blocks(gen_length: int, block_length: int) -> tuple[int, int]:
-    gen_length = check_int("gen_length", gen_length, 1)
-    block_length = check_int("block_length", block_length, 1, gen_length)
-    if gen_length % block_length:
-        raise ValueError(f"block_length must divide gen_length {gen_length}, got {block_length}")
-    return gen_length, block_length
+def _block_length() -> int:
+    return knob(32, "tokens per block, decoded left to right (must divide gen_length)", low=1)
+
+
+def _stop_at_eos() -> bool:
+    return knob(True, "stop after the first block at which every row holds an EOS (same tokens, fewer forwards)")
+
+
+def _check_blocks(k) -> None:
+    if k.block_length > k.gen_length or k.gen_length % k.block_length:
+        raise ValueError(f"block_length must divide gen_length {k.gen_length}, got {k.block_length}")
+
+
+@dataclass(frozen=True)
+class LladaKnobs(Knobs):
+    """Knobs of ``llada`` (docs/design.md §4)."""
+    gen_length: int = gen_length(128)
+    steps: int = knob(None, "forwards in all (default gen_length: one token per step); a multiple of the block "
+                      "count, at most gen_length", low=1, optional=True)
+    block_length: int = _block_length()
+    remasking: str = knob("low_confidence", "which masked tokens a step unmasks",
+                          choices=("low_confidence", "random"))
+    temperature: float = temperature()
+    stop_at_eos: bool = _stop_at_eos()
+    seed: int = seed()
+
+    def check(self) -> None:
+        _check_blocks(self)
+        n_blocks = self.gen_length // self.block_length
+        steps = self.gen_length if self.steps is None else self.steps
+        if not n_blocks <= steps <= self.gen_length or steps % n_blocks:
+            raise ValueError(f"steps must be a multiple of the block count {n_blocks} in [{n_blocks}, "
+                             f"{self.gen_length}], got {self.steps}")
+
+
+@dataclass(frozen=True)
+class FastDllmKnobs(Knobs):
+    """Knobs of ``fast_dllm`` (docs/design.md §4)."""
+    gen_length: int = gen_length(128)
+    block_length: int = _block_length()
+    threshold: float = knob(0.9, "unmask every masked token whose confidence passes this (at least one per "
+                            "step); >= 1 means one token per step", low=0.0)
+    cache: str = knob("dual", "KV reuse inside a block: none, prefix, or prefix and suffix (dual)",
+                      choices=("none", "prefix", "dual"))
+    temperature: float = temperature()
+    stop_at_eos: bool = _stop_at_eos()
+    seed: int = seed()
+
+    def check(self) -> None:
+        _check_blocks(self)
 
 
 def _start(model, input_ids, attention_mask, gen_length, mask):
@@ -80,16 +124,11 @@ def llada(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    knobs: LladaKnobs | dict | None = None,
     *,
-    gen_length: int = 128,
-    steps: int | None = None,
-    block_length: int = 32,
-    remasking: str = "low_confidence",
-    temperature: float = 0.0,
-    stop_at_eos: bool = True,
-    seed: int | None = 0,
     mask_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
+    **overrides,
 ) -> tuple[list[torch.Tensor], dict]:
     """LLaDA semi-autoregressive decoding: blocks left to right, steps / n_blocks full
     forwards per block, each unmasking a fixed number of the block's masked tokens -- the
@@ -100,15 +139,12 @@ def llada(
     after the first block at which every row holds an EOS (later blocks cannot change
     earlier ones, so the response is the same; only the cost drops).
     """
-    gen_length, block_length = _check_blocks(gen_length, block_length)
+    k = LladaKnobs.of(knobs, overrides, "llada")
+    gen_length, block_length, remasking, temperature = k.gen_length, k.block_length, k.remasking, k.temperature
     n_blocks = gen_length // block_length
-    steps = check_int("steps", gen_length if steps is None else steps, n_blocks, gen_length)
-    if steps % n_blocks:
-        raise ValueError(f"steps must be a multiple of the block count {n_blocks}, got {steps}")
-    remasking = check_choice("remasking", remasking, ("low_confidence", "random"))
-    temperature = check_float("temperature", temperature, 0.0)
+    steps = gen_length if k.steps is None else k.steps
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
-    gen = make_generator(input_ids.device, seed)
+    gen = make_generator(input_ids.device, k.seed)
     meter = Meter(model, ("step",))
     x, attn, pos = _start(model, input_ids, attention_mask, gen_length, mask)
     p0, per_block = input_ids.shape[1], steps // n_blocks
@@ -116,15 +152,15 @@ def llada(
     schedule = [block_length // per_block + (i < block_length % per_block) for i in range(per_block)]
     for b in range(n_blocks):
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
-        for k in schedule:
+        for n_unmask in schedule:
             logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, lo:hi]
             x0, prob = _propose(logits, temperature, gen)  # [B, block]
             if remasking == "random":
                 prob = torch.rand(prob.shape, generator=gen, device=prob.device)
             block = x[:, lo:hi]
             conf = torch.where(block == mask, prob, torch.full_like(prob, -torch.inf))
-            _commit_topk(block, x0, conf, torch.full((x.shape[0],), k, device=x.device))
-        if stop_at_eos and _finished(x, p0, hi, eos):
+            _commit_topk(block, x0, conf, torch.full((x.shape[0],), n_unmask, device=x.device))
+        if k.stop_at_eos and _finished(x, p0, hi, eos):
             break
     responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
     return responses, meter.finish(responses)
@@ -135,16 +171,11 @@ def fast_dllm(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    knobs: FastDllmKnobs | dict | None = None,
     *,
-    gen_length: int = 128,
-    block_length: int = 32,
-    threshold: float = 0.9,
-    cache: str = "dual",
-    temperature: float = 0.0,
-    stop_at_eos: bool = True,
-    seed: int | None = 0,
     mask_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
+    **overrides,
 ) -> tuple[list[torch.Tensor], dict]:
     """Fast-dLLM: per block, unmask every masked token whose confidence > threshold (at
     least the single most confident one per row per step) until the block is full.
@@ -156,12 +187,11 @@ def fast_dllm(
     forward the block alone. threshold >= 1 means exactly one token per step.
     Phases: full (whole-sequence forwards) and cached (steps reusing the block cache).
     """
-    gen_length, block_length = _check_blocks(gen_length, block_length)
-    threshold = check_float("threshold", threshold, 0.0)
-    cache_mode = check_choice("cache", cache, ("none", "prefix", "dual"))
-    temperature = check_float("temperature", temperature, 0.0)
+    k = FastDllmKnobs.of(knobs, overrides, "fast_dllm")
+    gen_length, block_length, threshold, temperature = k.gen_length, k.block_length, k.threshold, k.temperature
+    cache_mode = k.cache
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
-    gen = make_generator(input_ids.device, seed)
+    gen = make_generator(input_ids.device, k.seed)
     meter = Meter(model, ("full", "cached"))
     x, attn, pos = _start(model, input_ids, attention_mask, gen_length, mask)
     p0, total = input_ids.shape[1], x.shape[1]
@@ -190,9 +220,9 @@ def fast_dllm(
             masked = block == mask
             conf = torch.where(masked, prob, torch.full_like(prob, -torch.inf))
             # Count per row: all above threshold, at least one while the row has masks left.
-            k = torch.maximum((conf > threshold).sum(-1), masked.any(-1).long())
-            _commit_topk(block, x0, conf, k)
-        if stop_at_eos and _finished(x, p0, hi, eos):
+            n_unmask = torch.maximum((conf > threshold).sum(-1), masked.any(-1).long())
+            _commit_topk(block, x0, conf, n_unmask)
+        if k.stop_at_eos and _finished(x, p0, hi, eos):
             break
     responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
     return responses, meter.finish(responses)

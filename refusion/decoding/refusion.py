@@ -62,9 +62,6 @@ from .common import (
     cache_append,
     cache_from,
     cache_len,
-    check_choice,
-    check_float,
-    check_int,
     eos_ids,
     forward,
     is_eos,
@@ -75,6 +72,7 @@ from .common import (
     pick,
     token_prob,
 )
+from .knobs import Knobs, gen_length, knob, seed, temperature
 
 PHASES = ("plan", "verify", "draft", "infill", "recompute")
 INFILL_SEEDS = ("global", "first")
@@ -117,7 +115,41 @@ class _Row:
 
 
 @dataclass(frozen=True)
-class _Knobs:
+class RefusionKnobs(Knobs):
+    """Knobs of ``refusion`` (docs/design.md §3); the paper's per-benchmark values are in harness/presets.py."""
+    gen_length: int = gen_length(256)
+    slot_size: int = knob(8, "tokens per slot; gen_length is padded up to a multiple", low=1)
+    serial_num_blocks: int = knob(1, "consecutive blocks the slots are cut into (must divide the slot count); "
+                                  "the plan picks slots of the leftmost unfinished block only", low=1)
+    slot_threshold: float = knob(0.9, "a slot is picked when its first token's probability passes this",
+                                 low=0.0, high=1.0)
+    token_threshold: float = knob(0.4, "a drafted token is accepted when its verify probability passes this",
+                                  low=0.0, high=1.0)
+    temperature: float = temperature()
+    left_to_right: bool = knob(False, "the plan may only pick the leftmost masked slot (ablation)")
+    recompute_kv: bool = knob(False, "after a parallel commit of >= 2 slots, recompute their KV by one causal "
+                              "forward in commit order (ablation; may change tokens)")
+    no_cache: bool = knob(False, "no KV reuse: every forward re-encodes the committed sequence (same tokens)")
+    infill_seed: str = knob("global", "accepted prefix each picked slot starts parallel infill from",
+                            choices=INFILL_SEEDS)
+    kv_layout: str = knob("packed", "parallel-infill KV: one shared prefix (packed) or one copy per slot "
+                          "(replicated, the reference's layout; same tokens)", choices=KV_LAYOUTS)
+    seed: int = seed()
+
+    @property
+    def n_slots(self) -> int:
+        return -(-self.gen_length // self.slot_size)
+
+    def check(self) -> None:
+        if self.serial_num_blocks > self.n_slots or self.n_slots % self.serial_num_blocks:
+            raise ValueError(
+                f"serial_num_blocks must divide the slot count {self.n_slots} (gen_length {self.gen_length} / "
+                f"slot_size {self.slot_size}), got {self.serial_num_blocks}")
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Constants of one decode call: the knobs plus what is derived from them and the model."""
     slot_size: int
     n_slots: int
     per_block: int
@@ -178,7 +210,7 @@ class _State:
     kv_store: dict[int, KV] = field(default_factory=dict)  # picked-slot index -> its accepted KV [1, h, n, d]
     units: list[int] = field(default_factory=list)  # replicated layout: picked-slot index of each cache row
 
-    def notify(self, kn: _Knobs, kind: str) -> None:
+    def notify(self, kn: _Run, kind: str) -> None:
         if kn.on_commit is not None:
             r = self.row
             kn.on_commit(dict(kind=kind, ids=list(r.ids), pos=list(r.pos), base=list(r.base), start=list(r.start),
@@ -304,7 +336,7 @@ def _ask(st: _State, phase: str, ids: torch.Tensor, pos: torch.Tensor, slot_lens
 # ---------------------------------------------------------------- phases
 
 
-def _plan(st: _State, kn: _Knobs) -> Steps:
+def _plan(st: _State, kn: _Run) -> Steps:
     """Mask tokens for every masked slot of the block; pick slots and their drafts."""
     L, m = kn.slot_size, len(st.masked)
     pos = st.positions[st.masked].flatten()  # [m * L]
@@ -335,7 +367,7 @@ def infill_seeds(probs: torch.Tensor, slot_size: int, token_threshold: float, ru
     return seeds.tolist()
 
 
-def _global_verify(st: _State, kn: _Knobs) -> Steps:
+def _global_verify(st: _State, kn: _Run) -> Steps:
     """The drafts as one causal stream; commit accepted whole slots (or up to an EOS) -> True."""
     L, k = kn.slot_size, len(st.slots)
     stream, spos = st.drafts.flatten(), st.positions[st.slots].flatten()  # [k * L]
@@ -360,7 +392,7 @@ def _global_verify(st: _State, kn: _Knobs) -> Steps:
     return True
 
 
-def _infill_ask(st: _State, kn: _Knobs, phase: str, which: list[int], ids: torch.Tensor) -> Steps:
+def _infill_ask(st: _State, kn: _Run, phase: str, which: list[int], ids: torch.Tensor) -> Steps:
     """Forward picked slots `which` with tokens `ids` [n, L], each after the committed row only.
 
     Returns logits [n, L, V] and a function (r, length) -> the first `length` tokens' KV of
@@ -385,7 +417,7 @@ def _infill_ask(st: _State, kn: _Knobs, phase: str, which: list[int], ids: torch
     return logits, (part if kv is not None else None)
 
 
-def _infill_draft(st: _State, kn: _Knobs, todo: list[int]) -> Steps:
+def _infill_draft(st: _State, kn: _Run, todo: list[int]) -> Steps:
     """Not-yet-accepted tokens as masks; take the predictions at those positions."""
     ids = st.drafts[todo].clone()  # [n, L]
     for r, i in enumerate(todo):
@@ -396,7 +428,7 @@ def _infill_draft(st: _State, kn: _Knobs, todo: list[int]) -> Steps:
         st.drafts[i, st.accepted[i]:] = new[r, st.accepted[i]:]
 
 
-def _infill_verify(st: _State, kn: _Knobs) -> Steps:
+def _infill_verify(st: _State, kn: _Run) -> Steps:
     """Each alive slot causal inside itself; accept its longest confident prefix (>= one more token)."""
     L, alive = kn.slot_size, st.alive
     drafts = st.drafts[alive]  # [n, L]
@@ -423,7 +455,7 @@ def _infill_verify(st: _State, kn: _Knobs) -> Steps:
     st.alive = [i for i in alive if i not in st.finished and (stop_after is None or i < stop_after)]
 
 
-def _parallel_infill(st: _State, kn: _Knobs) -> Steps:
+def _parallel_infill(st: _State, kn: _Run) -> Steps:
     """Draft / verify every picked slot against the shared committed KV until all are finished."""
     L, k = kn.slot_size, len(st.slots)
     st.counts["slots_parallel_max"] = max(st.counts["slots_parallel_max"], k)
@@ -452,7 +484,7 @@ def _parallel_infill(st: _State, kn: _Knobs) -> Steps:
             lay.keys, lay.values = lay.keys[:1], lay.values[:1]
 
 
-def _commit_infill(st: _State, kn: _Knobs) -> None:
+def _commit_infill(st: _State, kn: _Run) -> None:
     """Finished slots in slot order, each with the KV computed at its true positions."""
     order = sorted(st.finished)
     first = st.c
@@ -467,7 +499,7 @@ def _commit_infill(st: _State, kn: _Knobs) -> None:
     st.notify(kn, "infill")
 
 
-def _recompute(st: _State, kn: _Knobs) -> Steps:
+def _recompute(st: _State, kn: _Run) -> Steps:
     """Slots infilled together now see each other: one causal forward over the commit order."""
     c, row = st.c, st.row
     ids, pos = row.ids[c:], row.pos[c:]
@@ -482,7 +514,7 @@ def _recompute(st: _State, kn: _Knobs) -> Steps:
     st.notify(kn, "recompute")
 
 
-def _decode_row(st: _State, kn: _Knobs) -> Steps:
+def _decode_row(st: _State, kn: _Run) -> Steps:
     """All blocks of one row, round by round; returns the response [n]."""
     for b in range(kn.n_slots // kn.per_block):
         st.masked = list(range(b * kn.per_block, (b + 1) * kn.per_block))
@@ -512,56 +544,31 @@ def refusion(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
+    knobs: RefusionKnobs | dict | None = None,
     *,
-    gen_length: int = 256,
-    slot_size: int = 8,
-    serial_num_blocks: int = 1,
-    slot_threshold: float = 0.9,
-    token_threshold: float = 0.4,
-    temperature: float = 0.0,
-    left_to_right: bool = False,
-    recompute_kv: bool = False,
-    no_cache: bool = False,
-    infill_seed: str = "global",
-    kv_layout: str = "packed",
-    seed: int | None = 0,
     mask_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
     on_commit: Callable[[dict], None] | None = None,
+    **overrides,
 ) -> tuple[list[torch.Tensor], dict]:
     """ReFusion plan / global verify / parallel infill / commit, every row of the batch together.
 
-    input_ids [B, P] left-padded, attention_mask [B, P] (1 = real token). gen_length is
-    padded up to a multiple of slot_size; the slots are cut into serial_num_blocks
-    consecutive blocks (must divide the slot count). Modes: left_to_right -- the plan may
-    only pick the leftmost masked slot; recompute_kv -- after a parallel-infill commit of
-    >= 2 slots, their KV is recomputed by one causal forward over the commit order (may
-    change tokens); no_cache -- no KV reuse, every forward re-encodes the committed
-    sequence (same tokens); infill_seed -- "global" or "first" (see the module doc);
-    kv_layout -- "packed" or "replicated" (same tokens, different memory). on_commit(info)
+    input_ids [B, P] left-padded, attention_mask [B, P] (1 = real token). ``knobs``: a
+    ``RefusionKnobs`` (or a dict), keyword ``overrides`` replace fields (see RefusionKnobs
+    for each knob; the modes are described in the module doc). on_commit(info)
     is called after every commit (tests) with the row's committed ids / positions / base /
     start, its cache (None under no_cache) and the commit kind ("verify", "infill",
     "recompute"). Phases counted: plan, verify (global), draft and infill (infill draft /
     verify), recompute; one call serving rows at several phases counts once in nfe and
     once in each of them. stats["timings"]["forward_s"] is the time inside model calls.
     """
-    gen_length = check_int("gen_length", gen_length, 1)
-    slot_size = check_int("slot_size", slot_size, 1)
-    n_slots = -(-gen_length // slot_size)
-    serial_num_blocks = check_int("serial_num_blocks", serial_num_blocks, 1, n_slots)
-    if n_slots % serial_num_blocks:
-        raise ValueError(
-            f"serial_num_blocks must divide the slot count {n_slots} (gen_length {gen_length} / slot_size {slot_size}),"
-            f" got {serial_num_blocks}"
-        )
-    kn = _Knobs(
-        slot_size=slot_size, n_slots=n_slots, per_block=n_slots // serial_num_blocks,
-        slot_threshold=check_float("slot_threshold", slot_threshold, 0.0, 1.0),
-        token_threshold=check_float("token_threshold", token_threshold, 0.0, 1.0),
-        temperature=check_float("temperature", temperature, 0.0),
-        left_to_right=bool(left_to_right), recompute_kv=bool(recompute_kv), no_cache=bool(no_cache),
-        infill_seed=check_choice("infill_seed", infill_seed, INFILL_SEEDS),
-        kv_layout=check_choice("kv_layout", kv_layout, KV_LAYOUTS),
+    k = RefusionKnobs.of(knobs, overrides, "refusion")
+    slot_size, n_slots = k.slot_size, k.n_slots
+    kn = _Run(
+        slot_size=slot_size, n_slots=n_slots, per_block=n_slots // k.serial_num_blocks,
+        slot_threshold=k.slot_threshold, token_threshold=k.token_threshold, temperature=k.temperature,
+        left_to_right=k.left_to_right, recompute_kv=k.recompute_kv, no_cache=k.no_cache,
+        infill_seed=k.infill_seed, kv_layout=k.kv_layout,
         mask=mask_id(model, mask_token_id), eos=eos_ids(model, eos_token_id), on_commit=on_commit,
     )
     pad = left_padding_mask(input_ids, attention_mask)
@@ -577,7 +584,7 @@ def refusion(
             row=_Row(ids=prompt.tolist(), pos=list(range(lp))),
             cache=None if kn.no_cache else DynamicCache(config=model.config),
             positions=lp + torch.arange(n_slots * slot_size, device=device).view(n_slots, slot_size),
-            gen=make_generator(device, seed), counts=counts,
+            gen=make_generator(device, k.seed), counts=counts,
         )
         rows.append(_decode_row(st, kn))
 

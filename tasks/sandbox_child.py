@@ -1,6 +1,6 @@
 """Code that runs in the sandbox's child interpreters, never imported by the harness.
 
-``harness.sandbox`` passes this file's text to ``python -I -S -c`` with a role:
+``tasks.sandbox`` passes this file's text to ``python -I -S -c`` with a role:
 
 * ``stage`` (root, only when namespaces work): joins the run's cgroups, enters
   new mount/PID/IPC/network/UTS namespaces, forks the namespace's init, which

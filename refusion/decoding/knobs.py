@@ -1,0 +1,133 @@
+"""Decoder knobs: one frozen dataclass per decoder, the single source of each knob's name,
+default, range and help text.
+
+A decoder's knob class sits beside the decoder (``ArKnobs`` in ar.py, ``RefusionKnobs`` in
+refusion.py, ...). Every field is declared with ``knob(...)``, which records its range or
+choices; ``Knobs.__post_init__`` checks every field against them and then calls
+``check()`` for rules across fields (a block length that must divide gen_length). So a
+knob set that exists is valid: the runner builds it once while configuring a run, before
+anything is written, and the decoder receives it ready-made.
+
+What is not a knob: the special token ids (``eos_token_id``, ``mask_token_id``: they come
+from the tokenizer or the model config and are keyword arguments of the decoder call) and
+test hooks (``on_commit``), which no command line can set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+K = TypeVar("K", bound="Knobs")
+
+
+def knob(default: Any, help: str, *, low: float | None = None, high: float | None = None,
+         choices: tuple[str, ...] | None = None, optional: bool = False) -> Any:
+    """A dataclass field with its checks: numbers in [low, high], strings in ``choices``, bools as
+    given; ``optional`` also allows None. The field's type is taken from its annotation."""
+    return field(default=default, metadata={"help": help, "low": low, "high": high, "choices": choices,
+                                            "optional": optional})
+
+
+def _check(name: str, kind: str, value: Any, meta: dict) -> Any:
+    """``value`` as the field's type, or ValueError naming the knob and what it accepts."""
+    if value is None and meta["optional"]:
+        return None
+    low, high, choices = meta["low"], meta["high"], meta["choices"]
+    if choices is not None:
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    is_num = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "int":
+        ok = is_num and float(value).is_integer()
+        what = "an integer"
+    else:
+        ok = is_num and value == value  # not NaN
+        what = "a number"
+    rng = (f"in [{low}, {high}]" if high is not None else f">= {low}") if low is not None else ""
+    if ok and (low is None or value >= low) and (high is None or value <= high):
+        return int(value) if kind == "int" else float(value)
+    none = " or none" if meta["optional"] else ""
+    raise ValueError(f"{name} must be {what} {rng}{none}, got {value!r}".replace("  ", " "))
+
+
+def _kind(annotation: Any) -> str:
+    text = str(annotation)  # a string under `from __future__ import annotations`
+    for kind in ("bool", "int", "float", "str"):
+        if kind in text:
+            return kind
+    raise TypeError(f"knob annotation {text!r} is not bool / int / float / str")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Base class of the decoders' knob dataclasses (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, _check(f.name, _kind(f.type), getattr(self, f.name), f.metadata))
+        self.check()
+
+    def check(self) -> None:
+        """Rules across knobs; raise ValueError naming the knob."""
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def of(cls: type[K], knobs: K | dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
+           decoder: str | None = None) -> K:
+        """``knobs`` (an instance, a dict or None = defaults) with ``overrides`` applied, validated.
+
+        An unknown name raises ValueError listing the valid knobs."""
+        given = dataclasses.asdict(knobs) if isinstance(knobs, Knobs) else dict(knobs or {})
+        given.update(overrides or {})
+        bad = sorted(set(given) - set(cls.names()))
+        if bad:
+            who = f" for decoder {decoder!r}" if decoder else ""
+            raise ValueError(f"unknown knob(s) {', '.join(bad)}{who}; valid knobs: {', '.join(cls.names())}")
+        return cls(**given)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def describe(cls) -> list[dict[str, Any]]:
+        """One row per knob: name, type, default, accepted values, help."""
+        rows = []
+        for f in fields(cls):
+            m = f.metadata
+            if m["choices"] is not None:
+                accepted = " | ".join(m["choices"])
+            elif _kind(f.type) == "bool":
+                accepted = "true | false"
+            elif m["low"] is not None:
+                accepted = f"[{m['low']}, {m['high']}]" if m["high"] is not None else f">= {m['low']}"
+            else:
+                accepted = "integer" if _kind(f.type) == "int" else "any"
+            if m["optional"]:
+                accepted += " | none"
+            rows.append({"name": f.name, "type": _kind(f.type), "default": f.default, "accepted": accepted,
+                         "help": m["help"]})
+        return rows
+
+
+# Knobs several decoders share: one definition of their range and help text each.
+def gen_length(default: int) -> Any:
+    return knob(default, "response budget in tokens", low=1)
+
+
+def temperature() -> Any:
+    return knob(0.0, "sampling temperature; 0 = greedy (exact)", low=0.0)
+
+
+def seed() -> Any:
+    return knob(0, "seed of the sampling generator (each row gets its own, so a row's tokens do not depend "
+                   "on its batch)", optional=True)
