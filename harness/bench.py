@@ -32,12 +32,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.presets import EMBEDDED_GEN_LENGTH, PRESETS, TINY_REFUSION_KNOBS
+from harness.presets import PRESETS, TINY_REFUSION_KNOBS
+from tasks.info import EMBEDDED_TASKS, TASKS
 from harness.store import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
 # Knobs and per-kind response budgets are shared with the runner's default run (one source).
-GEN_LENGTH = {name.removeprefix("embedded_"): n for name, n in EMBEDDED_GEN_LENGTH.items()}
+GEN_LENGTH = {name.removeprefix("embedded_"): TASKS[name].gen_length for name in EMBEDDED_TASKS}
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""Named defaults of the runner: the model presets of the default run and the per-benchmark
-decoding settings the ReFusion paper used (docs/design.md §5).
+"""Named defaults of the runner: the model presets of the default run. The per-task decoding
+settings (the paper's, docs/design.md §5) live in the task table, tasks/info.py.
 
-Both are plain dicts; the runner looks names up here and lists the valid ones when
-a name is unknown.
+PRESETS is a plain dict; the runner looks names up here and lists the valid ones when a name
+is unknown.
 """
 
 from __future__ import annotations
@@ -37,35 +37,13 @@ PRESETS: dict[str, ModelSpec] = {
     "fast_dllm": ModelSpec("fast_dllm", f"{TINY}/mdm", "fast_dllm",
                            {"block_length": 32, "threshold": 0.9, "cache": "dual"}),
 }
-# Response budget of the embedded tasks (their longest gold responses: math 80, code 27, choice
-# 19 tokens), as harness/bench.py uses; the YAMLs' max_gen_toks (512) would only add padding work.
-EMBEDDED_GEN_LENGTH = {"embedded_math": 96, "embedded_code": 32, "embedded_choice": 32}
 DEFAULT_MODELS = ("ar", "refusion", "llada", "fast_dllm")
-
-# docs/design.md §5: zero-shot, chat template, gen_length 512, batch 1, greedy; ReFusion's slot settings
-# per benchmark. Applied to the knobs a decoder accepts; anything given in MODELS wins.
-PAPER_GEN_LENGTH = 512
-PAPER_REFUSION: dict[str, dict[str, Any]] = {
-    "mmlu_pro": {"slot_size": 16, "serial_num_blocks": 4, "slot_threshold": 0.9, "token_threshold": 0.4},
-    "arc_challenge_chat": {"slot_size": 8, "serial_num_blocks": 64, "slot_threshold": 0.8, "token_threshold": 0.1},
-    "gsm8k_cot": {"slot_size": 32, "serial_num_blocks": 4, "slot_threshold": 0.9, "token_threshold": 0.4},
-    "minerva_math": {"slot_size": 32, "serial_num_blocks": 8, "slot_threshold": 0.8, "token_threshold": 0.6},
-    "gpqa_main_generative": {"slot_size": 8, "serial_num_blocks": 32, "slot_threshold": 0.8, "token_threshold": 0.2},
-    "gpqa_main_generative_n_shot": {"slot_size": 8, "serial_num_blocks": 32, "slot_threshold": 0.8,
-                                    "token_threshold": 0.2},
-    "humaneval_instruct": {"slot_size": 32, "serial_num_blocks": 4, "slot_threshold": 0.9, "token_threshold": 0.4},
-    "mbpp": {"slot_size": 32, "serial_num_blocks": 4, "slot_threshold": 0.9, "token_threshold": 0.3},
-}
 
 
 def paper_knobs(unit: str, decoder: str, accepted: set[str]) -> dict[str, Any]:
-    """Per-task decoding defaults (docs/design.md §5 for the benchmarks, response budgets for the
-    embedded suite), limited to the knobs ``decoder`` accepts."""
-    if unit in EMBEDDED_GEN_LENGTH:
-        return {"gen_length": EMBEDDED_GEN_LENGTH[unit]} if "gen_length" in accepted else {}
-    if unit not in PAPER_REFUSION:
-        return {}
-    knobs: dict[str, Any] = {"gen_length": PAPER_GEN_LENGTH}
-    if decoder == "refusion":
-        knobs.update(PAPER_REFUSION[unit])
-    return {k: v for k, v in knobs.items() if k in accepted}
+    """Per-task decoding defaults from the task table (tasks/info.py: the paper's gen_length and ReFusion
+    slot settings for the benchmarks, response budgets for the embedded suite), limited to the knobs
+    ``decoder`` accepts; {} for a task the table does not know."""
+    from tasks.info import TASKS
+
+    return TASKS[unit].decoding_knobs(decoder, accepted) if unit in TASKS else {}

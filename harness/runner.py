@@ -189,10 +189,7 @@ def resolve_units(task_arg: str, tasks_dir: Path, limit: int | None = None) -> l
         datasets.disable_progress_bars()
     except ImportError:
         pass
-    try:
-        from tasks.scoring import TASKS as KNOWN
-    except ImportError:
-        KNOWN = {}
+    from tasks.info import TASKS as KNOWN
     tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
     valid = sorted(set(tm.all_tasks) | set(tm.all_groups))
     names = [t.strip() for t in task_arg.split(",") if t.strip()]

@@ -21,9 +21,6 @@ from tasks.code_exec import REMOTE_HEADER, TESTS_MARK
 from tasks.code_exec import pass_at_1 as _pass_at_1
 
 LETTERS = "ABCDEFGHIJ"
-MATH_TYPES = {"algebra": "Algebra", "counting_and_prob": "Counting & Probability", "geometry": "Geometry",
-              "intermediate_algebra": "Intermediate Algebra", "num_theory": "Number Theory",
-              "prealgebra": "Prealgebra", "precalc": "Precalculus"}
 GPQA_SHUFFLE_SEED = 0
 
 
@@ -45,13 +42,22 @@ def _dataset(benchmark: str, split: str, data_dir: str | None):
     return datasets.Dataset.from_list(rows)
 
 
-def load_dataset(benchmark: str, split: str = "test", **_: Any) -> dict:
+def load_dataset(benchmark: str, split: str = "test", where: dict[str, Any] | None = None, **_: Any) -> dict:
     """lm-eval ``custom_dataset`` hook: {split: Dataset} from our resolver.
 
-    lm-eval calls it with the task's metadata and ``dataset_kwargs`` as keywords;
-    only ``benchmark`` and ``split`` matter, the rest (version, ...) is ignored.
+    lm-eval calls it with the task's metadata and ``dataset_kwargs`` as keywords; only
+    ``benchmark``, ``split`` and ``where`` matter, the rest (version, ...) is ignored.
+    ``where`` ({field: value}) keeps the rows whose fields equal those values: a subject
+    task (mmlu_pro_biology, minerva_math_algebra) is its benchmark plus one ``where`` in
+    its YAML.
     """
-    return {split: _dataset(benchmark, split, os.environ.get("REFUSION_DATA_DIR"))}
+    ds = _dataset(benchmark, split, os.environ.get("REFUSION_DATA_DIR"))
+    if where:
+        missing = sorted(set(where) - set(ds.column_names))
+        if missing:
+            raise ValueError(f"dataset_kwargs.where: {benchmark} rows have no field(s) {', '.join(missing)}")
+        ds = ds.filter(lambda d: all(d[k] == v for k, v in where.items()))
+    return {split: ds}
 
 
 # ---------------------------------------------------------------- MMLU-Pro
@@ -60,28 +66,6 @@ def mmlu_pro_doc_to_text(doc: dict) -> str:
     lines = ["Question:", doc["question"], "Options:"]
     lines += [f"{LETTERS[i]}. {opt.strip()}" for i, opt in enumerate(doc["options"][:len(LETTERS)])]
     return "\n".join(lines) + "\nAnswer: Let's think step by step."
-
-
-def _mmlu_pro_subject(subject: str):
-    def process(dataset):
-        return dataset.filter(lambda d: d["category"] == subject)
-    return process
-
-
-mmlu_pro_biology = _mmlu_pro_subject("biology")
-mmlu_pro_business = _mmlu_pro_subject("business")
-mmlu_pro_chemistry = _mmlu_pro_subject("chemistry")
-mmlu_pro_computer_science = _mmlu_pro_subject("computer science")
-mmlu_pro_economics = _mmlu_pro_subject("economics")
-mmlu_pro_engineering = _mmlu_pro_subject("engineering")
-mmlu_pro_health = _mmlu_pro_subject("health")
-mmlu_pro_history = _mmlu_pro_subject("history")
-mmlu_pro_law = _mmlu_pro_subject("law")
-mmlu_pro_math = _mmlu_pro_subject("math")
-mmlu_pro_other = _mmlu_pro_subject("other")
-mmlu_pro_philosophy = _mmlu_pro_subject("philosophy")
-mmlu_pro_physics = _mmlu_pro_subject("physics")
-mmlu_pro_psychology = _mmlu_pro_subject("psychology")
 
 
 # ---------------------------------------------------------------- GPQA
@@ -108,23 +92,10 @@ def gpqa_process_docs(dataset):
 
 
 # ---------------------------------------------------------------- MATH (minerva_math)
-def _math_subject(type_name: str | None):
-    def process(dataset):
-        if type_name is not None:
-            dataset = dataset.filter(lambda d: d["type"] == type_name)
-        return dataset.map(lambda d: {"problem": d["problem"], "solution": d["solution"],
-                                      "answer": math_equiv.gold_answer(d["solution"])})
-    return process
-
-
-math_algebra = _math_subject(MATH_TYPES["algebra"])
-math_counting_and_prob = _math_subject(MATH_TYPES["counting_and_prob"])
-math_geometry = _math_subject(MATH_TYPES["geometry"])
-math_intermediate_algebra = _math_subject(MATH_TYPES["intermediate_algebra"])
-math_num_theory = _math_subject(MATH_TYPES["num_theory"])
-math_prealgebra = _math_subject(MATH_TYPES["prealgebra"])
-math_precalc = _math_subject(MATH_TYPES["precalc"])
-math_all = _math_subject(None)
+def math_process_docs(dataset):
+    """The gold answer of each problem (the last boxed expression of its solution) as ``answer``."""
+    return dataset.map(lambda d: {"problem": d["problem"], "solution": d["solution"],
+                                  "answer": math_equiv.gold_answer(d["solution"])})
 
 
 def math_doc_to_text(doc: dict) -> str:

@@ -17,52 +17,12 @@ from __future__ import annotations
 import functools
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+
+from tasks.info import BENCHMARK_TASKS, EMBEDDED_TASKS, TASKS, TaskInfo, UnknownTask, task_info  # noqa: F401
 
 TASKS_DIR = Path(__file__).resolve().parent
 INVALID = "[invalid]"
-
-
-@dataclass(frozen=True)
-class TaskInfo:
-    leaves: tuple[str, ...]  # lm-eval leaf tasks (a group has several)
-    primary: str  # "metric,filter" reported as the task's score
-    benchmark: str  # tasks.data benchmark (or embedded_<kind>)
-
-
-_MMLU_PRO = ("biology", "business", "chemistry", "computer_science", "economics", "engineering", "health",
-             "history", "law", "math", "other", "philosophy", "physics", "psychology")
-_MATH = ("algebra", "counting_and_prob", "geometry", "intermediate_algebra", "num_theory", "prealgebra",
-         "precalc")
-
-TASKS: dict[str, TaskInfo] = {
-    "mmlu_pro": TaskInfo(tuple(f"mmlu_pro_{s}" for s in _MMLU_PRO), "exact_match,custom-extract", "mmlu_pro"),
-    "arc_challenge_chat": TaskInfo(("arc_challenge_chat",), "exact_match,remove_whitespace", "arc_challenge"),
-    "gsm8k_cot": TaskInfo(("gsm8k_cot",), "exact_match,flexible-extract", "gsm8k"),
-    "minerva_math": TaskInfo(tuple(f"minerva_math_{s}" for s in _MATH), "exact_match,none", "math"),
-    "gpqa_main_generative": TaskInfo(("gpqa_main_generative",), "exact_match,flexible-extract", "gpqa"),
-    "humaneval_instruct": TaskInfo(("humaneval_instruct",), "pass@1,create_test", "humaneval"),
-    "mbpp": TaskInfo(("mbpp",), "pass_at_1,none", "mbpp"),
-    "embedded_math": TaskInfo(("embedded_math",), "exact_match,extract", "embedded_math"),
-    "embedded_code": TaskInfo(("embedded_code",), "pass_at_1,extract", "embedded_code"),
-    "embedded_choice": TaskInfo(("embedded_choice",), "exact_match,extract", "embedded_choice"),
-}
-TASKS["gpqa_main_generative_n_shot"] = TASKS["gpqa_main_generative"]
-BENCHMARK_TASKS = ("mmlu_pro", "arc_challenge_chat", "gsm8k_cot", "minerva_math", "gpqa_main_generative",
-                   "humaneval_instruct", "mbpp")
-EMBEDDED_TASKS = ("embedded_math", "embedded_code", "embedded_choice")
-
-
-class UnknownTask(KeyError):
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-def task_info(name: str) -> TaskInfo:
-    if name not in TASKS:
-        raise UnknownTask(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
-    return TASKS[name]
 
 
 # ---------------------------------------------------------------- embedded kinds

@@ -19,7 +19,8 @@ import sys
 import time
 
 from tasks import math_equiv
-from tasks.scoring import BENCHMARK_TASKS, EMBEDDED_TASKS, TASKS, UnknownTask, lm_eval_task, score_many, task_info
+from tasks.info import BENCHMARK_TASKS, EMBEDDED_TASKS, TASKS, UnknownTask, task_info
+from tasks.scoring import lm_eval_task, score_many
 
 ALL_TASKS = BENCHMARK_TASKS + EMBEDDED_TASKS
 # Reference solutions that fail under the upstream task definition itself.
