@@ -12,7 +12,6 @@ go to ``results/generate_eval.json`` (atomic write) and a table on stdout.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -81,14 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: no checkpoint (config.json) in: {', '.join(missing)}", file=sys.stderr)
         return 2
-    import torch
-    import transformers
+    from harness.runner import environment
 
     report = {"command": "python -m harness generate-eval " + " ".join(argv or []),
               "decoding": "transformers generate, greedy, max_new_tokens=96",
-              "env": {"torch": torch.__version__, "transformers": transformers.__version__,
-                      "threads": a.threads, "machine": platform.machine()},
-              "models": {}}
+              "environment": environment("cpu", a.threads, 1, 0), "models": {}}
     for m in paths:
         report["models"][m] = evaluate_checkpoint(m, limit=a.limit, threads=a.threads)
         cells = "  ".join(f"{k}={v['accuracy']:.1f}% ({v['items']})" for k, v in report["models"][m].items())

@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lm_eval.api.model import LM
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import postprocess_generated_text
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
@@ -136,7 +137,7 @@ def is_causal_model(model) -> bool:
 
 
 @register_model(MODEL_NAME)
-class RefusionBenchLM(LM):
+class RefusionBenchLM(TemplateLM):
     def __init__(
         self,
         pretrained: str,
@@ -196,6 +197,7 @@ class RefusionBenchLM(LM):
         self.model, self.tokenizer = load_checkpoint(pretrained, str(self._device), dtype, bool(trust_remote_code))
         self.causal = is_causal_model(self.model)
         self.dtype = dtype
+        self._special_ids()
 
         self.journal = Journal(journal_dir, self.rank) if journal_dir else None
         self._done: dict[str, dict] = self.journal.load() if self.journal else {}
@@ -250,19 +252,38 @@ class RefusionBenchLM(LM):
 
     # ------------------------------------------------ helpers
 
-    def _encode(self, text: str) -> list[int]:
-        # Special tokens are already in the (chat-templated) text; never add a second BOS.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    backend = "causal"  # for TemplateLM._encode_pair: encode context + continuation together, then split
 
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        for src in (getattr(self.model, "generation_config", None), self.model.config):
-            v = getattr(src, "eos_token_id", None) if src is not None else None
-            if v is not None:
-                ids.update([v] if isinstance(v, int) else v)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        # Special tokens are already in the (chat-templated) text; never add a second BOS.
+        return list(self.tokenizer(string, add_special_tokens=bool(add_special_tokens))["input_ids"])
+
+    _encode = tok_encode
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.eos[0]
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    def _special_ids(self) -> None:
+        """EOS and mask ids by the decoders' rules (refusion/decoding/common.py: the model's generation
+        config, else its config), plus the tokenizer's EOS; passed to every decoder call, so the
+        decoders cut responses and the adapter counts tokens by the same set."""
+        from refusion.decoding.common import eos_ids, mask_id
+
+        ids = list(eos_ids(self.model, None))
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(int(self.tokenizer.eos_token_id))
+        self.eos: tuple[int, ...] = tuple(ids)
+        try:
+            self.mask: int | None = mask_id(self.model, None)
+        except ValueError:  # a causal checkpoint without a mask id; bidirectional ones need it
+            tok_mask = getattr(self.tokenizer, "mask_token_id", None)
+            self.mask = int(tok_mask) if tok_mask is not None else None
 
     def knobs_for(self, task: str | None, gen_kwargs: dict) -> dict[str, Any]:
         """Effective knobs of one request: task defaults < model_args; gen_length falls back to max_gen_toks."""
@@ -310,35 +331,30 @@ class RefusionBenchLM(LM):
                 "doc_id": req.doc_id, "idx": req.idx}
 
     def _cut(self, tokens: list[int], until: list[str]) -> str:
-        eos = self._eos_ids()
-        body = []
-        for t in tokens:
-            if t in eos:
-                break
-            body.append(t)
-        text = self.tokenizer.decode(body, skip_special_tokens=True)
-        for s in until:
-            if s and s in text:
-                text = text[: text.index(s)]
-        return text
+        """Response text: the decoder's tokens (already cut after the first EOS) without the EOS, then
+        lm-eval's stop-sequence rule."""
+        if tokens and tokens[-1] in self.eos:
+            tokens = tokens[:-1]
+        return postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until, None)
 
     def _run_batch(self, items: list[dict]) -> list[dict]:
         prompts = [self._encode(it["context"]) for it in items]
-        width = max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self._device), mask.to(self._device)
-        attn = None if len(prompts) == 1 else mask
+        if len(prompts) == 1:
+            ids, mask = torch.tensor(prompts, dtype=torch.long), None
+        else:  # left padding by the tokenizer (its pad id; the mask tells the decoders what is real)
+            padded = self.tokenizer.pad({"input_ids": prompts}, padding=True, padding_side="left",
+                                        return_tensors="pt")
+            ids, mask = padded["input_ids"], padded["attention_mask"]
+        ids = ids.to(self._device)
+        mask = mask.to(self._device) if mask is not None else None
+        attn = mask
+        special = {"eos_token_id": list(self.eos), "mask_token_id": self.mask}
         knobs = items[0]["knobs"]
         if not self._warm:
             # Warm-up: the first real call pays for allocator growth and lazy init; excluded from timing.
             t0 = time.perf_counter()
             # Same knobs as the real call: a shortened gen_length can violate block/slot constraints.
-            self.decoder(self.model, ids[:1, -len(prompts[0]):], None, **knobs)
+            self.decoder(self.model, ids[:1, -len(prompts[0]):], None, knobs, **special)
             self._sync()
             self.warmup_s = time.perf_counter() - t0
             self._warm = True
@@ -346,27 +362,22 @@ class RefusionBenchLM(LM):
             torch.cuda.reset_peak_memory_stats(self._device)
         self._sync()
         t0 = time.perf_counter()
-        tokens, stats = self.decoder(self.model, ids, attn, **knobs)
+        tokens, stats = self.decoder(self.model, ids, attn, knobs, **special)
         self._sync()
         wall = time.perf_counter() - t0
         gpu_peak = torch.cuda.max_memory_allocated(self._device) if self._device.type == "cuda" else None
-        eos = self._eos_ids()
         out = []
         for it, p, toks in zip(items, prompts, tokens):
-            toks = [int(t) for t in toks.tolist()]
-            gen = len(toks)
-            for j, t in enumerate(toks):  # docs/design.md §6: up to and including the first EOS
-                if t in eos:
-                    gen = j + 1
-                    break
+            toks = [int(t) for t in toks.tolist()]  # cut by the decoder after the first EOS (docs/design.md §6)
             rec = {
                 "key": it["key"], "kind": "generate", "task": it["task"], "doc_id": it["doc_id"],
                 "idx": it["idx"], "rank": self.rank, "prompt_tokens": len(p), "tokens": toks,
-                "generated_tokens": gen if len(items) > 1 else int(stats["generated_tokens"]),
+                "generated_tokens": len(toks),
                 "nfe": int(stats["nfe"]),
                 # In a batch every row shares the batch's forwards and wall time; split time evenly
                 # so that sums over samples stay equal to the real decode time.
                 "decode_s": wall / len(items), "batch_wall_s": wall, "batch_size": len(items),
+                "forward_s": stats["timings"]["forward_s"] / len(items),
                 "kv_peak_bytes": stats.get("kv_peak_bytes"), "gpu_peak_bytes": gpu_peak,
                 "knobs": it["knobs"], "response": self._cut(toks, it["until"]),
             }
@@ -417,21 +428,10 @@ class RefusionBenchLM(LM):
     # ------------------------------------------------ loglikelihood
 
     def _split(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        # Tokenise the pair jointly so merges across the boundary match what the model saw in training.
-        n_space = len(context) - len(context.rstrip())
-        if n_space:
-            context, continuation = context[:-n_space], context[-n_space:] + continuation
-        whole = self._encode(context + continuation)
-        ctx = self._encode(context)
-        if whole[: len(ctx)] == ctx:
-            cont = whole[len(ctx):]
-        else:
-            cont = self._encode(continuation)
-        if not ctx:
-            prefix = self.tokenizer.bos_token_id
-            prefix = prefix if prefix is not None else self.tokenizer.eos_token_id
-            ctx = [prefix]
-        return ctx, cont
+        """lm-eval's pair encoding (TemplateLM._encode_pair); an empty context is the prefix token."""
+        if not context:
+            return [self.prefix_token_id], self.tok_encode(continuation)
+        return self._encode_pair(context, continuation)
 
     @torch.no_grad()
     def _ll_causal(self, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
@@ -444,12 +444,9 @@ class RefusionBenchLM(LM):
         return ll, greedy
 
     def _mask_id(self) -> int:
-        v = getattr(self.model.config, "mask_token_id", None)
-        if v is None:
-            v = getattr(self.tokenizer, "mask_token_id", None)
-        if v is None:
+        if self.mask is None:
             raise ValueError(f"checkpoint {self.pretrained!r} is bidirectional but names no mask_token_id")
-        return int(v)
+        return self.mask
 
     @torch.no_grad()
     def _ll_mdm(self, ctx: list[int], cont: list[int], key: str) -> tuple[float, bool]:
@@ -490,6 +487,19 @@ class RefusionBenchLM(LM):
             x[n_ctx + j] = pred[j]
         return ll, bool((x[n_ctx:] == target).all())
 
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """TemplateLM's token-level entry: ((context, continuation), ctx ids, cont ids) per request."""
+        out = []
+        for (context, continuation), ctx, cont in requests:
+            key = request_key("loglikelihood_tokens", context, continuation, self.causal, self.mc_num, self.seed)
+            out.append(self._score(ctx, cont, key))
+        return out
+
+    def _score(self, ctx: list[int], cont: list[int], key: str) -> tuple[float, bool]:
+        if not cont:
+            return 0.0, True
+        return self._ll_causal(ctx, cont) if self.causal else self._ll_mdm(ctx, cont, key)
+
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         out = []
         for req in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="loglikelihood", dynamic_ncols=True):
@@ -501,13 +511,7 @@ class RefusionBenchLM(LM):
                 rec = self._done[key]
                 self.served += 1
             else:
-                ctx, cont = self._split(context, continuation)
-                if not cont:
-                    ll, greedy = 0.0, True
-                elif self.causal:
-                    ll, greedy = self._ll_causal(ctx, cont)
-                else:
-                    ll, greedy = self._ll_mdm(ctx, cont, key)
+                ll, greedy = self._score(*self._split(context, continuation), key)
                 rec = {"key": key, "kind": "loglikelihood", "task": req.task_name, "doc_id": req.doc_id,
                        "idx": req.idx, "rank": self.rank, "loglikelihood": ll, "is_greedy": greedy}
                 self._record(rec)
@@ -523,8 +527,7 @@ class RefusionBenchLM(LM):
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
         max_len = int(getattr(self.model.config, "max_position_embeddings", 2048))
-        prefix = self.tokenizer.bos_token_id
-        prefix = prefix if prefix is not None else self.tokenizer.eos_token_id
+        prefix = self.prefix_token_id
         out = []
         for req in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="loglikelihood_rolling"):
             (text,) = req.args

@@ -2,8 +2,8 @@
 
 A sample record (one journal line) carries at least ``generated_tokens``,
 ``nfe``, ``decode_s`` (the decoder call only, after warm-up, device
-synchronised) and optionally per-phase ``nfe_*`` counts, ``kv_peak_bytes`` and
-``gpu_peak_bytes``. Everything here is a pure function of those records, so a
+synchronised) and optionally ``forward_s`` (time inside model calls), per-phase
+``nfe_*`` counts, ``kv_peak_bytes`` and ``gpu_peak_bytes``. Everything here is a pure function of those records, so a
 resumed run that reads the same records back produces the same figures.
 """
 
@@ -49,6 +49,10 @@ def aggregate(records: Iterable[dict]) -> dict:
             "mean_of_ratios": _mean([g / n for g, n in zip(gen, nfe) if n > 0]),
         },
     }
+    fwd = [float(r["forward_s"]) for r in recs if r.get("forward_s") is not None]
+    # Share of decode time spent outside model calls (decoder bookkeeping, cache surgery, masks).
+    out["outside_forward_share"] = (1 - sum(fwd) / sum(lat)) if fwd and len(fwd) == len(recs) and sum(lat) > 0 \
+        else None
     phases = sorted({k for r in recs for k in r if k.startswith("nfe_")})
     out["nfe_by_phase"] = {k: sum(int(r.get(k, 0)) for r in recs) for k in phases}
     kv = [int(r["kv_peak_bytes"]) for r in recs if r.get("kv_peak_bytes") is not None]

@@ -33,11 +33,22 @@ PRESETS: dict[str, ModelSpec] = {
     "refusion": ModelSpec("refusion", f"{TINY}/refusion", "refusion", dict(TINY_REFUSION_KNOBS)),
     "refusion_left_to_right": ModelSpec("refusion_left_to_right", f"{TINY}/refusion", "refusion",
                                         {**TINY_REFUSION_KNOBS, "left_to_right": True}),
+    # ReFusion ablations (make bench-decoders): KV recomputed after parallel commits, no KV reuse, and the
+    # reference's per-slot copy of the committed cache (same tokens as `refusion`).
+    "refusion_recompute_kv": ModelSpec("refusion_recompute_kv", f"{TINY}/refusion", "refusion",
+                                       {**TINY_REFUSION_KNOBS, "recompute_kv": True}),
+    "refusion_no_cache": ModelSpec("refusion_no_cache", f"{TINY}/refusion", "refusion",
+                                   {**TINY_REFUSION_KNOBS, "no_cache": True}),
+    "refusion_replicated": ModelSpec("refusion_replicated", f"{TINY}/refusion", "refusion",
+                                     {**TINY_REFUSION_KNOBS, "kv_layout": "replicated"}),
     "llada": ModelSpec("llada", f"{TINY}/mdm", "llada", {"block_length": 32, "remasking": "low_confidence"}),
     "fast_dllm": ModelSpec("fast_dllm", f"{TINY}/mdm", "fast_dllm",
                            {"block_length": 32, "threshold": 0.9, "cache": "dual"}),
 }
 DEFAULT_MODELS = ("ar", "refusion", "llada", "fast_dllm")
+# make bench-decoders: every decoder and ReFusion ablation.
+BENCH_MODELS = ("ar", "refusion", "refusion_left_to_right", "refusion_recompute_kv", "refusion_no_cache",
+                "refusion_replicated", "llada", "fast_dllm")
 
 
 def paper_knobs(unit: str, decoder: str, accepted: set[str]) -> dict[str, Any]:

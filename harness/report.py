@@ -19,6 +19,7 @@ def _row(m: dict) -> dict:
         "latency_p90_s": s["latency_s"]["p90"], "speedup": (m.get("speedup") or {}).get("tokens_per_s"),
         "peak_rss_bytes": m["memory"].get("peak_rss_bytes"), "kv_peak_bytes": m["memory"].get("kv_peak_bytes"),
         "gpu_peak_bytes": m["memory"].get("gpu_peak_bytes"),
+        "outside_forward_share": s.get("outside_forward_share"),
     }
 
 

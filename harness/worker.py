@@ -45,7 +45,7 @@ def _sample_rows(samples: dict, records: dict[tuple, dict], unit: dict) -> list[
                    "prompt": s["arguments"][0][0] if s.get("arguments") else None,
                    "response": rec.get("response"), "filtered_resps": s.get("filtered_resps"),
                    "filter": s.get("filter"), "metrics": {k: s[k] for k in s.get("metrics", []) if k in s}}
-            for k in ("generated_tokens", "nfe", "tpf", "decode_s", "batch_size", "kv_peak_bytes", "gpu_peak_bytes",
+            for k in ("generated_tokens", "nfe", "tpf", "decode_s", "forward_s", "batch_size", "kv_peak_bytes", "gpu_peak_bytes",
                       "prompt_tokens", "tokens", "knobs", "rank"):
                 if k in rec:
                     row[k] = rec[k]
@@ -155,7 +155,7 @@ def _main(ns: argparse.Namespace) -> int:
             "quality": quality, "quality_primary": unit.get("primary") if unit.get("primary") in quality
             else next(iter(quality), None),
             "speed": {k: speed[k] for k in ("samples", "generated_tokens", "latency_s", "tokens_per_s", "nfe", "tpf",
-                                            "nfe_by_phase")},
+                                            "nfe_by_phase", "outside_forward_share")},
             "memory": {**speed["memory"], "peak_rss_bytes": peak_rss,
                        "peak_rss_by_rank": [r["peak_rss_bytes"] for r in ranks],
                        "rss_scope": "whole worker process of this model (all tasks of the run)"},

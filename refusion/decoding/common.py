@@ -123,7 +123,6 @@ class Meter:
         stats = {"nfe": nfe, "generated_tokens": generated, "tpf": generated / nfe if nfe else 0.0}
         stats.update({f"nfe_{p}": n for p, n in self.counts.items()})
         stats["kv_peak_bytes"] = self.kv_peak_bytes
-        stats["seconds"] = seconds
         stats["timings"] = {"decode_s": seconds, "forward_s": self.forward_s}
         stats.update(extra)
         return stats
