@@ -142,7 +142,7 @@ def run_long_prompt(model, tokenizer, n: int) -> dict:
 
 
 def check_targets(results: dict) -> dict:
-    """Issue 4's figures, each as (value, target, met) per kind."""
+    """The decoder targets (speed and quality against ar and llada), each as (value, target, met) per kind."""
     checks = {}
     for kind, r in results.items():
         ar, rf, ll, fd = r["ar"], r["refusion"], r["llada"], r["fast_dllm"]
