@@ -153,6 +153,7 @@ class RefusionBenchLM(TemplateLM):
         mc_batch: int = 16,
         warmup: bool = True,
         trust_remote_code: bool = False,
+        response_extract: str | None = None,
         max_batch_size: int | None = None,  # lm-eval passes it; batches are fixed-size here
         **knobs: Any,
     ) -> None:
@@ -167,6 +168,9 @@ class RefusionBenchLM(TemplateLM):
         make_knobs(decoder, knobs)  # bad knobs fail here, before the model is loaded
         for tk in (task_knobs or {}).values():
             make_knobs(decoder, {**tk, **knobs})
+        if response_extract not in (None, "python_fence"):
+            raise ValueError(f"response_extract must be python_fence or unset, got {response_extract!r}")
+        self.response_extract = response_extract
         self.decoder_name = decoder
         self.knobs = dict(knobs)  # as given (they key the journal); the decoder fills in defaults
         self.task_knobs = {t: dict(v) for t, v in (task_knobs or {}).items()}
@@ -248,6 +252,7 @@ class RefusionBenchLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         return {"pretrained": self.pretrained, "decoder": self.decoder_name, "knobs": self.knobs,
+                "response_extract": self.response_extract,
                 "task_knobs": self.task_knobs, "causal": self.causal, "dtype": self.dtype}
 
     # ------------------------------------------------ helpers
@@ -335,7 +340,12 @@ class RefusionBenchLM(TemplateLM):
         lm-eval's stop-sequence rule."""
         if tokens and tokens[-1] in self.eos:
             tokens = tokens[:-1]
-        return postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until, None)
+        text = postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until, None)
+        if self.response_extract == "python_fence":  # --prompts paper: the authors' wrapper does this
+            from tasks.scoring import python_fence
+
+            text = python_fence(text)
+        return text
 
     def _run_batch(self, items: list[dict]) -> list[dict]:
         prompts = [self._encode(it["context"]) for it in items]

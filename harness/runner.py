@@ -382,6 +382,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default=None, help="model the speedup is measured against "
                    "(default: the first model whose decoder is ar)")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts without the chat template")
+    p.add_argument("--prompts", choices=("stock", "paper"), default="stock",
+                   help="stock: lm-eval's prompts (default); paper: the ReFusion authors' prompt variants "
+                   "(gsm8k_cot_paper, gpqa_main_generative_paper, humaneval_instruct_noprefix, mbpp_paper) "
+                   "and the first ```python fence of every response, as their model wrapper (tasks/README.md)")
     p.add_argument("--no-task-defaults", action="store_true",
                    help="do not apply the paper's per-benchmark decoding settings (docs/design.md §5)")
     p.add_argument("--bootstrap-iters", type=int, default=0, help="lm-eval stderr bootstrap (default: 0 = off)")
@@ -435,7 +439,7 @@ def build_config(ns: argparse.Namespace) -> dict:
     limit = ns.limit
     if limit is None and ns.task == DEFAULT_TASK and ns.models is None:
         limit = DEFAULT_LIMIT
-    units = resolve_units(ns.task, tasks_dir, limit)
+    units = resolve_units(paper_tasks(ns.task) if ns.prompts == "paper" else ns.task, tasks_dir, limit)
     model_cfgs = validate_models(models, units, task_defaults)
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
@@ -449,7 +453,16 @@ def build_config(ns: argparse.Namespace) -> dict:
         "chat_template": not ns.no_chat_template, "device": device, "threads": threads,
         "num_processes": ns.num_processes, "batch_size": ns.batch_size, "bootstrap_iters": ns.bootstrap_iters,
         "task_defaults": task_defaults, "baseline": baseline, "tasks_dir": str(tasks_dir.resolve()),
+        "prompts": ns.prompts,
     }
+
+
+def paper_tasks(task_arg: str) -> str:
+    """The comma list with every task that has the authors' prompt variant replaced by it."""
+    from tasks.info import TASKS
+
+    names = [t.strip() for t in task_arg.split(",") if t.strip()]
+    return ",".join(TASKS[n].paper_variant if n in TASKS and TASKS[n].paper_variant else n for n in names)
 
 
 LOCK_NAME = ".lock"

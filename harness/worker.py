@@ -114,7 +114,8 @@ def _main(ns: argparse.Namespace) -> int:
     lm = RefusionBenchLM(
         pretrained=spec["checkpoint"], decoder=spec["decoder"], batch_size=cfg["batch_size"],
         device=cfg["device"], seed=cfg["seed"], threads=cfg["threads"], journal_dir=str(mdir / "journal"),
-        task_knobs=spec["task_knobs"], **spec["knobs"])
+        task_knobs=spec["task_knobs"],
+        response_extract="python_fence" if cfg.get("prompts") == "paper" else None, **spec["knobs"])
     tm = TaskManager(include_path=cfg["tasks_dir"], include_defaults=False)
     res = lm_eval.simple_evaluate(
         model=lm, tasks=[u["name"] for u in cfg["units"]], task_manager=tm, limit=cfg["limit"],

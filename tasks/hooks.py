@@ -14,6 +14,7 @@ import builtins
 import functools
 import os
 import random
+import re
 from typing import Any
 
 from tasks import math_equiv
@@ -69,26 +70,34 @@ def mmlu_pro_doc_to_text(doc: dict) -> str:
 
 
 # ---------------------------------------------------------------- GPQA
-def _gpqa_clean(text: str | None) -> str:
+def _gpqa_clean(text: str | None, drop_brackets: bool = False) -> str:
     if text is None:
         return " "
-    return text.strip().replace(" [title]", ". ").replace("  ", " ")
+    text = text.strip().replace(" [title]", ". ")
+    if drop_brackets:  # the ReFusion authors' cleaning also removes "[...]" spans
+        text = re.sub(r"\[.*?\]", "", text)
+    return text.replace("  ", " ")
 
 
-def gpqa_process_docs(dataset):
+def gpqa_process_docs(dataset, drop_brackets: bool = False):
     """Four shuffled choices and the gold letter "(X)", as lm-eval's gpqa generative task.
 
     lm-eval shuffles with the global `random` state; we seed a generator per
     question (its Record ID) so the order does not depend on task load order.
     """
     def one(doc: dict) -> dict:
-        correct = _gpqa_clean(doc["Correct Answer"])
-        choices = [_gpqa_clean(doc[f"Incorrect Answer {i}"]) for i in (1, 2, 3)] + [correct]
+        correct = _gpqa_clean(doc["Correct Answer"], drop_brackets)
+        choices = [_gpqa_clean(doc[f"Incorrect Answer {i}"], drop_brackets) for i in (1, 2, 3)] + [correct]
         random.Random(f"{GPQA_SHUFFLE_SEED}:{doc.get('Record ID', doc['Question'])}").shuffle(choices)
         return {"choice1": choices[0], "choice2": choices[1], "choice3": choices[2], "choice4": choices[3],
                 "choices": choices, "answer": f"({'ABCD'[choices.index(correct)]})"}
 
     return dataset.map(one)
+
+
+def gpqa_process_docs_paper(dataset):
+    """gpqa_process_docs with the ReFusion authors' text cleaning (``gpqa_main_generative_paper``)."""
+    return gpqa_process_docs(dataset, drop_brackets=True)
 
 
 # ---------------------------------------------------------------- MATH (minerva_math)
@@ -112,6 +121,36 @@ def humaneval_build_predictions_instruct(resps: list[list[str]], docs: list[dict
     """The prompt (already in the gen_prefix) plus the completion up to its closing fence."""
     return [[doc["prompt"] + (r if "```" not in r else r[:r.find("```")]) for r in resp]
             for resp, doc in zip(resps, docs)]
+
+
+def humaneval_build_predictions_noprefix(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
+    """``humaneval_instruct_noprefix``: the prompt, then the code of the answer's first fence (the answer
+    opens inside one), reduced to definitions by ``sanitize_program``."""
+    return [[sanitize_program(doc["prompt"] + "\n" + r.split("```python\n", 1)[-1].split("```")[0])
+             for r in resp] for resp, doc in zip(resps, docs)]
+
+
+def sanitize_program(code: str) -> str:
+    """Imports and top-level definitions (functions, classes, assignments) of ``code``; statements that
+    would run (tests, prints) are dropped. Code that does not parse is cut back line by line from the
+    end until it does (a generation stopped mid-statement), as the authors' sanitize step does."""
+    lines = code.splitlines()
+    while lines:
+        try:
+            tree = ast.parse("\n".join(lines))
+            break
+        except SyntaxError:
+            lines.pop()
+    else:
+        return code
+    keep = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
+            ast.AnnAssign)
+    spans = []
+    for n in tree.body:
+        if isinstance(n, keep):
+            first = min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", [])])
+            spans.append("\n".join(lines[first - 1:n.end_lineno]))
+    return "\n\n".join(spans) + "\n"
 
 
 def pass_at_k(references: list[str], predictions: list[list[str]], k: list[int] | int = 1) -> dict[str, float]:

@@ -10,7 +10,7 @@ take everything else from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -26,6 +26,8 @@ class TaskInfo:
     gen_length: int = PAPER_GEN_LENGTH  # response budget of every decoder on this task
     # ReFusion's slot settings the paper used on this benchmark (empty: none published)
     refusion: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    # The task with the ReFusion authors' prompt changes (tasks/configs/paper/), used by `--prompts paper`
+    paper_variant: str | None = None
 
     def decoding_knobs(self, decoder: str, accepted: set[str]) -> dict[str, Any]:
         """Per-task decoding defaults for ``decoder``, limited to the knobs it accepts."""
@@ -65,6 +67,15 @@ TASKS: dict[str, TaskInfo] = {
     "embedded_choice": TaskInfo(("embedded_choice",), "exact_match,extract", "embedded_choice", gen_length=32),
 }
 TASKS["gpqa_main_generative_n_shot"] = TASKS["gpqa_main_generative"]  # same documents, scoring and settings
+# The authors' prompt variants (tasks/README.md lists every change): same data, metric and settings.
+PAPER_VARIANTS = {"gsm8k_cot": "gsm8k_cot_paper", "gpqa_main_generative": "gpqa_main_generative_paper",
+                  "gpqa_main_generative_n_shot": "gpqa_main_generative_paper",
+                  "humaneval_instruct": "humaneval_instruct_noprefix", "mbpp": "mbpp_paper"}
+for _stock, _paper in PAPER_VARIANTS.items():
+    if _paper not in TASKS:
+        TASKS[_paper] = replace(TASKS[_stock], leaves=(_paper,))
+    TASKS[_stock] = replace(TASKS[_stock], paper_variant=_paper)
+PAPER_TASKS = tuple(dict.fromkeys(PAPER_VARIANTS.values()))
 BENCHMARK_TASKS = ("mmlu_pro", "arc_challenge_chat", "gsm8k_cot", "minerva_math", "gpqa_main_generative",
                    "humaneval_instruct", "mbpp")
 EMBEDDED_TASKS = ("embedded_math", "embedded_code", "embedded_choice")

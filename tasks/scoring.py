@@ -46,6 +46,13 @@ def extract_code(text: str) -> str:
     return m.group(1) if m else text
 
 
+def python_fence(text: str) -> str:
+    """The body of the first fenced ```python block of a response, else the response unchanged (what the
+    ReFusion authors' model wrapper does to every generation; applied under ``--prompts paper``)."""
+    m = re.search(r"```python\n(.*?)\n```", text, re.DOTALL)
+    return m.group(1) if m else text
+
+
 def _per_response(fn):
     def lm_eval_filter(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
         return [[fn(r) for r in resp] for resp in resps]

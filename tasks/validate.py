@@ -19,15 +19,16 @@ import sys
 import time
 
 from tasks import math_equiv
-from tasks.info import BENCHMARK_TASKS, EMBEDDED_TASKS, TASKS, UnknownTask, task_info
+from tasks.info import BENCHMARK_TASKS, EMBEDDED_TASKS, PAPER_TASKS, PAPER_VARIANTS, TASKS, UnknownTask, task_info
 from tasks.scoring import lm_eval_task, score_many
 
-ALL_TASKS = BENCHMARK_TASKS + EMBEDDED_TASKS
+ALL_TASKS = BENCHMARK_TASKS + PAPER_TASKS + EMBEDDED_TASKS
 # Reference solutions that fail under the upstream task definition itself.
 KNOWN_GOLD_FAILURES = {
     # MBPP task 367's tests use trees built in `test_setup_code`, which lm-eval's
     # mbpp task never puts into the program (NameError: root).
     ("mbpp", 367): "tests need test_setup_code, which lm-eval's mbpp omits",
+    ("mbpp_paper", 367): "tests need test_setup_code, which lm-eval's mbpp omits",
 }
 
 
@@ -38,6 +39,10 @@ def _other_letter(letter: str, n: int) -> str:
 
 def gold_and_wrong(task: str, doc: dict) -> tuple[str, str]:
     """(gold response, wrong response) for one processed doc, shaped as the prompt asks."""
+    if task == "humaneval_instruct_noprefix":  # the answer opens inside a fence: the whole function
+        return (doc["prompt"] + doc["canonical_solution"] + "\n```\n",
+                doc["prompt"] + "    raise ValueError('deliberately wrong')\n```\n")
+    task = {paper: stock for stock, paper in PAPER_VARIANTS.items()}.get(task, task)
     if task == "mmlu_pro":
         return (f"Let's think step by step. The answer is ({doc['answer']}).",
                 f"The answer is ({_other_letter(doc['answer'], len(doc['options']))}).")
@@ -74,7 +79,7 @@ def gold_and_wrong(task: str, doc: dict) -> tuple[str, str]:
 
 
 def _doc_id(task: str, doc: dict, index: int):
-    return doc.get("task_id", index) if task == "mbpp" else index
+    return doc.get("task_id", index) if task in ("mbpp", "mbpp_paper") else index
 
 
 def validate_task(task: str, limit: int | None, workers: int) -> dict:

@@ -12,7 +12,9 @@ from tasks import math_equiv, scoring, validate
 needs_data = pytest.mark.skipif(not os.environ.get("REFUSION_DATA_DIR"),
                                 reason="REFUSION_DATA_DIR not set (CI sets it to the offline benchmark copies)")
 SAMPLE = {"mmlu_pro": 60, "arc_challenge_chat": 60, "gsm8k_cot": 60, "minerva_math": 60,
-          "gpqa_main_generative": 60, "humaneval_instruct": 12, "mbpp": 12}
+          "gpqa_main_generative": 60, "humaneval_instruct": 12, "mbpp": 12,
+          # the ReFusion authors' prompt variants (--prompts paper)
+          "gsm8k_cot_paper": 30, "gpqa_main_generative_paper": 30, "humaneval_instruct_noprefix": 8, "mbpp_paper": 8}
 
 
 def _docs(task: str, n: int) -> list[dict]:
@@ -36,8 +38,14 @@ def test_task_loads_and_builds_requests_from_real_data(task):
     doc = inst.doc
     probe = {"mmlu_pro": "question", "arc_challenge_chat": "question", "gsm8k_cot": "question",
              "minerva_math": "problem", "gpqa_main_generative": "Question", "humaneval_instruct": "prompt",
-             "mbpp": "text"}[task]
+             "mbpp": "text", "gsm8k_cot_paper": "question", "gpqa_main_generative_paper": "Question",
+             "humaneval_instruct_noprefix": "prompt", "mbpp_paper": "text"}[task]
     assert doc[probe].strip()[:40] in ctx
+    if task in ("gsm8k_cot_paper", "mbpp_paper", "gpqa_main_generative_paper"):  # the authors' instructions
+        assert {"gsm8k_cot_paper": "think step-by-step", "mbpp_paper": "Directly after the '[BEGIN]' marker",
+                "gpqa_main_generative_paper": "enclosed in parentheses"}[task] in ctx
+    if task == "humaneval_instruct_noprefix":
+        assert ctx.endswith("```python\n") and gen_kwargs["until"] == ["\nassert", "\n# Test"]
 
 
 def test_group_members_and_embedded_tasks_are_indexed():
@@ -90,6 +98,26 @@ def test_gold_scores_one_and_wrong_scores_zero(task):
     assert [w[key] for w in wrong] == [0.0] * len(docs)
     for g, w in zip(gold, wrong):  # every filter of the task agrees
         assert set(g.values()) == {1.0} and set(w.values()) == {0.0}
+
+
+def test_paper_prompt_helpers():
+    """--prompts paper: the task swap, the authors' fence extraction and the HumanEval sanitiser."""
+    from harness.runner import paper_tasks
+    from tasks.hooks import sanitize_program
+
+    assert paper_tasks("gsm8k_cot,mmlu_pro,mbpp,embedded") == "gsm8k_cot_paper,mmlu_pro,mbpp_paper,embedded"
+    assert paper_tasks("humaneval_instruct,gpqa_main_generative_n_shot") == \
+        "humaneval_instruct_noprefix,gpqa_main_generative_paper"
+    text = "Here you go:\n```python\ndef f(x):\n    return x\n```\nand a second\n```python\nno\n```"
+    assert scoring.python_fence(text) == "def f(x):\n    return x"
+    assert scoring.python_fence("def f(): pass") == "def f(): pass"  # no fence: unchanged
+    prog = "import math\n@cache\ndef f(x):\n    return x\nprint(f(1))\nX = 2\nassert f(2) == 2\ndef g(y):\n    return y +"
+    assert sanitize_program(prog) == "import math\n\n@cache\ndef f(x):\n    return x\n\nX = 2\n"
+    for stock in ("gsm8k_cot", "mbpp", "humaneval_instruct", "gpqa_main_generative"):
+        info = scoring.task_info(stock)
+        variant = scoring.task_info(info.paper_variant)
+        assert (variant.primary, variant.benchmark, dict(variant.refusion)) == \
+            (info.primary, info.benchmark, dict(info.refusion))
 
 
 @pytest.mark.parametrize("task", scoring.EMBEDDED_TASKS)
