@@ -175,6 +175,7 @@ class RefusionBenchLM(TemplateLM):
         self.knobs = dict(knobs)  # as given (they key the journal); the decoder fills in defaults
         self.task_knobs = {t: dict(v) for t, v in (task_knobs or {}).items()}
         self.knob_names = set(self.decoder.knobs.names())
+        self._knob_objs: dict[str, Any] = {}  # validated knob sets by their JSON, built once each
         self.seed = int(seed)
         self.mc_num, self.mc_batch = int(mc_num), int(mc_batch)
         self.batch_size = 1 if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
@@ -299,6 +300,15 @@ class RefusionBenchLM(TemplateLM):
             k["seed"] = self.seed
         return k
 
+    def _knob_obj(self, knobs: dict[str, Any]):
+        """The decoder's knob dataclass for one knob dict (validated once, then reused)."""
+        from refusion.decoding import make_knobs
+
+        key = json.dumps(knobs, sort_keys=True)
+        if key not in self._knob_objs:
+            self._knob_objs[key] = make_knobs(self.decoder_name, knobs)
+        return self._knob_objs[key]
+
     def _record(self, rec: dict) -> None:
         self._done[rec["key"]] = rec
         if self.journal is not None:
@@ -359,7 +369,7 @@ class RefusionBenchLM(TemplateLM):
         mask = mask.to(self._device) if mask is not None else None
         attn = mask
         special = {"eos_token_id": list(self.eos), "mask_token_id": self.mask}
-        knobs = items[0]["knobs"]
+        knobs = self._knob_obj(items[0]["knobs"])
         if not self._warm:
             # Warm-up: the first real call pays for allocator growth and lazy init; excluded from timing.
             t0 = time.perf_counter()

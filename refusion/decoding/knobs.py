@@ -87,6 +87,8 @@ class Knobs:
         """``knobs`` (an instance, a dict or None = defaults) with ``overrides`` applied, validated.
 
         An unknown name raises ValueError listing the valid knobs."""
+        if isinstance(knobs, cls) and not overrides:
+            return knobs  # already validated when it was built
         given = dataclasses.asdict(knobs) if isinstance(knobs, Knobs) else dict(knobs or {})
         given.update(overrides or {})
         bad = sorted(set(given) - set(cls.names()))
