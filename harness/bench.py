@@ -108,11 +108,11 @@ def run_long_prompt(model, tokenizer, n: int) -> dict:
     res = {}
     for layout in ("packed", "replicated"):
         knobs = {**LONG_KNOBS, "kv_layout": layout}
-        decoder(model, prompts[0], knobs, eos_token_id=NO_EOS)  # warm-up, not timed
+        decoder(model, prompts[0], None, knobs, eos_token_id=NO_EOS)  # warm-up, not timed
         secs, toks, fwd, kv, slots, commits, outs = 0.0, 0, 0.0, [], 0, 0, []
         for ids in prompts:
             t0 = time.perf_counter()
-            out, stats = decoder(model, ids, knobs, eos_token_id=NO_EOS)
+            out, stats = decoder(model, ids, None, knobs, eos_token_id=NO_EOS)
             secs += time.perf_counter() - t0
             toks += stats["generated_tokens"]
             fwd += stats["timings"]["forward_s"]
