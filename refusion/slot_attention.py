@@ -41,12 +41,14 @@ def slot_visibility(prefix_len: int, slot_lens: Sequence[int], device: torch.dev
     With a single slot this is the ordinary causal pattern after a cache, so the
     plan and verify forwards use it too.
     """
-    sid = slot_ids(slot_lens, device)  # [n]
-    n = sid.numel()
-    idx = torch.arange(n, device=device)
-    inside = (sid[:, None] == sid[None, :]) & (idx[None, :] <= idx[:, None])  # [n, n]
-    prefix = torch.ones(n, prefix_len, dtype=torch.bool, device=device)
-    return torch.cat([prefix, inside], dim=1)
+    n = int(sum(slot_lens))
+    # Causal after the prefix in one op (key j visible iff j <= prefix_len + i); this runs once per
+    # decoder forward, so it is kept cheap.
+    vis = torch.ones(n, prefix_len + n, dtype=torch.bool, device=device).tril(prefix_len)
+    if len(slot_lens) > 1:  # nothing across slots
+        sid = slot_ids(slot_lens, device)  # [n]
+        vis[:, prefix_len:] &= sid[:, None] == sid[None, :]
+    return vis
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -239,7 +239,11 @@ def forward(
     ids jump (docs/design.md §8).
     """
     if visible is not None:
-        attention_mask = additive_mask(visible, model.dtype)
+        if getattr(model.config, "_attn_implementation", None) == "sdpa":
+            # SDPA takes the bool pattern as is (True = attend): no float mask to build per call.
+            attention_mask = (visible if visible.dim() == 3 else visible[None])[:, None]
+        else:  # eager adds the mask: it must be the additive float form
+            attention_mask = additive_mask(visible, model.dtype)
     meter.count(phase)
     meter._sync()
     t0 = time.perf_counter()
