@@ -1,4 +1,19 @@
+"""Shared test helpers, handed to tests as fixtures (no test module imports another one).
+
+Fixtures:
+  one_thread                          run a module's tiny models on one torch thread
+  tiny_qwen3(vocab=..., ...)          a random tiny Qwen3ForCausalLM, causal or bidirectional
+  left_pad(rows)                      -> (ids, attention_mask), rows right-aligned, pad 0
+  assert_cache_matches_fresh_forward  a refusion on_commit cache vs an independent recomputation
+  tiny_checkpoint(name)               path of the committed trained checkpoints/tiny/<name>
+  make_checkpoint(path, causal, seed) a random tiny Qwen3 saved with a small chat BPE tokenizer
+  write_task(folder, name, n, ...)    a minimal local lm-eval YAML task over a JSONL file
+"""
+
+import json
 import os
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -6,6 +21,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CHECKPOINTS = REPO / "checkpoints" / "tiny"
 
 
 @pytest.fixture(scope="module")
@@ -17,3 +35,194 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# --- tiny random Qwen3 ---------------------------------------------------------------------------
+
+def build_tiny_qwen3(*, vocab: int, seed: int = 0, causal: bool = True, layers: int = 2, impl: str | None = None,
+                     max_positions: int = 256, eos: int | None = None, pad: int | None = None,
+                     mask: int | None = None, init_range: float = 0.02, tie: bool = False):
+    """A random Qwen3ForCausalLM (hidden 32, MLP 64, 4 query / 2 KV heads of 8), seeded, in eval mode.
+
+    causal=False sets config.is_causal = False (bidirectional attention, the MDM convention).
+    impl=None leaves the attention implementation to transformers' default; otherwise it is set
+    on the config before the model is built. mask sets config.mask_token_id.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=max_positions, eos_token_id=eos,
+        pad_token_id=pad, initializer_range=init_range, tie_word_embeddings=tie,
+    )
+    if mask is not None:
+        cfg.mask_token_id = mask
+    if not causal:
+        cfg.is_causal = False
+    if impl is not None:
+        cfg._attn_implementation = impl
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    """The builder `build_tiny_qwen3(vocab=..., seed=0, causal=True, layers=2, impl=None, ...)`."""
+    return build_tiny_qwen3
+
+
+# --- left padding --------------------------------------------------------------------------------
+
+def left_pad_rows(rows, pad: int = 0):
+    """1-D token rows -> (ids [B, W], attention_mask [B, W]) with each row right-aligned."""
+    import torch
+
+    width = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
+    return ids, mask
+
+
+@pytest.fixture(scope="session")
+def left_pad():
+    """`left_pad(rows, pad=0) -> (ids, attention_mask)`."""
+    return left_pad_rows
+
+
+# --- refusion cache exactness --------------------------------------------------------------------
+
+def fresh_cache(model, info):
+    """Independent recomputation of a refusion decoder's committed cache from an on_commit `info`:
+    the committed tokens in commit order at their positions, each attending exactly the commit
+    indices recorded for it ([0, base) and [start, itself])."""
+    import torch
+    from transformers import DynamicCache
+
+    c = len(info["ids"])
+    allowed = torch.zeros(c, c, dtype=torch.bool)
+    for i in range(c):
+        for j in range(i + 1):
+            allowed[i, j] = j < info["base"][i] or j >= info["start"][i]
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([info["ids"]]), position_ids=torch.tensor([info["pos"]]), attention_mask=mask,
+              cache=cache, use_cache=True)
+    return cache
+
+
+def check_cache_matches_fresh_forward(model, info, atol: float = 1e-4):
+    """Every layer's keys and values in info["cache"] equal `fresh_cache` within atol."""
+    ref = fresh_cache(model, info)
+    assert len(info["cache"].layers) == len(ref.layers)
+    for mine, theirs in zip(info["cache"].layers, ref.layers):
+        assert mine.keys.shape == theirs.keys.shape
+        assert (mine.keys - theirs.keys).abs().max().item() <= atol
+        assert (mine.values - theirs.values).abs().max().item() <= atol
+
+
+@pytest.fixture(scope="session")
+def assert_cache_matches_fresh_forward():
+    """`assert_cache_matches_fresh_forward(model, info, atol=1e-4)`, for a refusion on_commit hook."""
+    return check_cache_matches_fresh_forward
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint():
+    """`tiny_checkpoint(name) -> Path` of the committed trained checkpoints/tiny/<name> (ar, refusion, mdm)."""
+
+    def path(name: str) -> Path:
+        p = TINY_CHECKPOINTS / name
+        assert (p / "model.safetensors").is_file(), f"checkpoint {p} is missing (run `make train-tiny`)"
+        return p
+
+    return path
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+WORDS = ("the answer is 12 . what is 3 plus 4 ? seven apples and nine pears , def add ( a , b ) : return a + b "
+         "question choose A B C D")
+
+
+def build_tokenizer():
+    """A byte-level BPE (vocab 300) trained on a few words, with the chat specials and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([WORDS] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   mask_token="<|mask|>", clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT
+    return fast
+
+
+def build_checkpoint(path: Path, causal: bool = True, seed: int = 0) -> Path:
+    """A random 2-layer Qwen3 (bidirectional when causal=False) saved with its tokenizer."""
+    tok = build_tokenizer()
+    model = build_tiny_qwen3(vocab=len(tok), seed=seed, causal=causal, max_positions=512, eos=tok.eos_token_id,
+                             pad=tok.pad_token_id, mask=tok.mask_token_id)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def build_task(folder: Path, name: str = "tiny_gen", n: int = 4, output_type: str = "generate_until") -> Path:
+    """A minimal lm-eval YAML task over a local JSONL file (no hub access)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / f"{name}.jsonl"
+    with open(data, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"q": f"what is {i} plus 4 ?", "a": str(i + 4), "choices": ["A", "B"], "gold": i % 2})
+                    + "\n")
+    if output_type == "generate_until":
+        tail = textwrap.dedent("""\
+            output_type: generate_until
+            doc_to_target: "{{a}}"
+            generation_kwargs:
+              until: ["."]
+              max_gen_toks: 6
+            metric_list:
+              - metric: exact_match
+            """)
+    else:
+        tail = textwrap.dedent("""\
+            output_type: multiple_choice
+            doc_to_choice: "{{choices}}"
+            doc_to_target: "{{gold}}"
+            metric_list:
+              - metric: acc
+            """)
+    (folder / f"{name}.yaml").write_text(textwrap.dedent(f"""\
+        task: {name}
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {data}
+        test_split: test
+        doc_to_text: "{{{{q}}}}"
+        """) + tail)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint():
+    """`make_checkpoint(path, causal=True, seed=0) -> path`: a random tiny Qwen3 + tokenizer saved there."""
+    return build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def write_task():
+    """`write_task(folder, name="tiny_gen", n=4, output_type="generate_until") -> folder`."""
+    return build_task

@@ -1,103 +1,24 @@
 """The lm-eval adapter `refusion_bench`: request round trips through lm-eval itself, knobs, journal.
 
-Checkpoints here are built on the spot (random tiny Qwen3 + a byte-level BPE with a
-chat template) so the tests do not depend on trained weights.
+Checkpoints here are built on the spot (conftest's `make_checkpoint`: random tiny Qwen3 + a
+byte-level BPE with a chat template) so the tests do not depend on trained weights.
 """
 
 from __future__ import annotations
 
-import json
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
-CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-WORDS = ("the answer is 12 . what is 3 plus 4 ? seven apples and nine pears , def add ( a , b ) : return a + b "
-         "question choose A B C D")
-
-
-def make_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([WORDS] * 4, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   mask_token="<|mask|>", clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT
-    return fast
-
-
-def make_checkpoint(path: Path, causal: bool = True, seed: int = 0) -> Path:
-    """A random 2-layer Qwen3 (bidirectional when causal=False) saved with its tokenizer."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    tok = make_tokenizer()
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg.mask_token_id = tok.mask_token_id
-    if not causal:
-        cfg.is_causal = False
-    Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-def write_task(folder: Path, name: str = "tiny_gen", n: int = 4, output_type: str = "generate_until") -> Path:
-    """A minimal lm-eval YAML task over a local JSONL file (no hub access)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    data = folder / f"{name}.jsonl"
-    with open(data, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"q": f"what is {i} plus 4 ?", "a": str(i + 4), "choices": ["A", "B"], "gold": i % 2})
-                    + "\n")
-    if output_type == "generate_until":
-        tail = textwrap.dedent("""\
-            output_type: generate_until
-            doc_to_target: "{{a}}"
-            generation_kwargs:
-              until: ["."]
-              max_gen_toks: 6
-            metric_list:
-              - metric: exact_match
-            """)
-    else:
-        tail = textwrap.dedent("""\
-            output_type: multiple_choice
-            doc_to_choice: "{{choices}}"
-            doc_to_target: "{{gold}}"
-            metric_list:
-              - metric: acc
-            """)
-    (folder / f"{name}.yaml").write_text(textwrap.dedent(f"""\
-        task: {name}
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {data}
-        test_split: test
-        doc_to_text: "{{{{q}}}}"
-        """) + tail)
-    return folder
-
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
+def ckpt(make_checkpoint, tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "ar")
 
 
 @pytest.fixture(scope="module")
-def mdm_ckpt(tmp_path_factory) -> Path:
+def mdm_ckpt(make_checkpoint, tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "mdm", causal=False)
 
 
@@ -109,7 +30,7 @@ def _evaluate(lm, task_dir: Path, task: str, **kw):
     return lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, bootstrap_iters=0, **kw)
 
 
-def test_generate_round_trip_matches_decoder_directly(ckpt, tmp_path):
+def test_generate_round_trip_matches_decoder_directly(ckpt, write_task, tmp_path):
     """lm-eval -> adapter -> decoder: the text lm-eval records is the decoder's tokens, chat-templated prompt in."""
     from harness.lm_adapter import RefusionBenchLM
     from refusion.decoding import DECODERS
@@ -140,7 +61,7 @@ def test_generate_round_trip_matches_decoder_directly(ckpt, tmp_path):
     assert [s["resps"] for s in res2["samples"]["tiny_gen"]] == [s["resps"] for s in samples]
 
 
-def test_loglikelihood_causal_is_exact(ckpt, tmp_path):
+def test_loglikelihood_causal_is_exact(ckpt, write_task, tmp_path):
     from harness.lm_adapter import RefusionBenchLM
 
     lm = RefusionBenchLM(pretrained=str(ckpt), decoder="ar")
@@ -195,7 +116,7 @@ def test_bad_knobs_and_decoder_are_clear_errors(ckpt):
         RefusionBenchLM(pretrained=str(ckpt) + "_missing", decoder="ar")
 
 
-def test_lm_eval_cli_runs_registered_model(ckpt, tmp_path):
+def test_lm_eval_cli_runs_registered_model(ckpt, write_task, tmp_path):
     """lm-eval's own command line, with the model registered, end to end."""
     import subprocess
     import sys

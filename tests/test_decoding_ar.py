@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from refusion.decoding import DECODERS, get_decoder
 
@@ -10,14 +9,10 @@ from refusion.decoding import DECODERS, get_decoder
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_causal(seed: int = 0) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        max_position_embeddings=256, eos_token_id=3, pad_token_id=0,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+@pytest.fixture(scope="module")
+def tiny_causal(tiny_qwen3):
+    """`tiny_causal(seed=0)`: a random causal tiny Qwen3, vocab 96, EOS 3, pad 0."""
+    return lambda seed=0: tiny_qwen3(vocab=96, seed=seed, eos=3, pad=0)
 
 
 class CallCounter:
@@ -31,7 +26,7 @@ class CallCounter:
         self.n += 1
 
 
-def test_ar_equals_generate_greedy_and_counts_forwards():
+def test_ar_equals_generate_greedy_and_counts_forwards(tiny_causal):
     model = tiny_causal()
     prompt = torch.randint(4, 96, (1, 9), generator=torch.Generator().manual_seed(1))
     ref = model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=3, pad_token_id=0)[0, 9:]
@@ -54,7 +49,7 @@ def test_ar_equals_generate_greedy_and_counts_forwards():
     assert torch.equal(tokens[0], ref_eos[: first + 1])
 
 
-def test_ar_batched_left_padded_equals_rows_one_by_one():
+def test_ar_batched_left_padded_equals_rows_one_by_one(tiny_causal, left_pad):
     model = tiny_causal(1)
     g = torch.Generator().manual_seed(2)
     rows = [torch.randint(4, 96, (n,), generator=g) for n in (5, 11, 8)]
@@ -62,12 +57,7 @@ def test_ar_batched_left_padded_equals_rows_one_by_one():
     # An EOS inside the row outputs: use the 4th token of row 1 so rows stop at different steps.
     eos = int(single[1][3])
     single = [DECODERS["ar"](model, r[None], gen_length=16, eos_token_id=eos)[0][0] for r in rows]
-    width = max(r.numel() for r in rows)
-    ids = torch.zeros(3, width, dtype=torch.long)
-    mask = torch.zeros(3, width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - r.numel():] = r
-        mask[i, width - r.numel():] = 1
+    ids, mask = left_pad(rows)
     tokens, stats = DECODERS["ar"](model, ids, attention_mask=mask, gen_length=16, eos_token_id=eos)
     for got, want in zip(tokens, single):
         assert torch.equal(got, want)
@@ -75,7 +65,7 @@ def test_ar_batched_left_padded_equals_rows_one_by_one():
     assert stats["generated_tokens"] == sum(t.numel() for t in single)
 
 
-def test_ar_sampling_is_seeded():
+def test_ar_sampling_is_seeded(tiny_causal):
     model = tiny_causal(2)
     prompt = torch.randint(4, 96, (2, 6), generator=torch.Generator().manual_seed(3))
     a, _ = DECODERS["ar"](model, prompt, gen_length=12, temperature=1.0, seed=7)
@@ -86,7 +76,7 @@ def test_ar_sampling_is_seeded():
 
 
 @pytest.mark.parametrize("knob,value", [("gen_length", 0), ("temperature", -0.1), ("gen_length", 2.5)])
-def test_ar_invalid_knobs(knob, value):
+def test_ar_invalid_knobs(tiny_causal, knob, value):
     model = tiny_causal()
     with pytest.raises(ValueError, match=knob):
         DECODERS["ar"](model, torch.ones(1, 3, dtype=torch.long), **{knob: value})

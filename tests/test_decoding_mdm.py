@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from refusion.decoding import DECODERS
 
@@ -21,36 +21,32 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MASK, EOS = 47, 2
 
 
-def tiny_mdm(seed: int = 0, impl: str = "sdpa", layers: int = 2) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=EOS, pad_token_id=0,
-        mask_token_id=MASK, initializer_range=0.1,
-    )
-    cfg.is_causal = False
-    cfg._attn_implementation = impl
-    return Qwen3ForCausalLM(copy.deepcopy(cfg)).eval()
+@pytest.fixture(scope="module")
+def tiny_mdm(tiny_qwen3):
+    """`tiny_mdm(seed=0, impl="sdpa", layers=2)`: a random bidirectional tiny Qwen3, vocab 48."""
+    return lambda seed=0, impl="sdpa", layers=2: tiny_qwen3(
+        vocab=48, seed=seed, causal=False, impl=impl, layers=layers, eos=EOS, pad=0, mask=MASK, init_range=0.1)
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(tiny_mdm):
     return tiny_mdm()
 
 
-def prompts(lengths=(6,), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rows = [torch.randint(3, 47, (n,), generator=g) for n in lengths]
-    width = max(lengths)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
-    return rows, ids, mask
+@pytest.fixture(scope="module")
+def prompts(left_pad):
+    """`prompts(lengths=(6,), seed=0) -> (rows, ids, mask)`: seeded random rows, left padded."""
+
+    def make(lengths=(6,), seed=0):
+        g = torch.Generator().manual_seed(seed)
+        rows = [torch.randint(3, 47, (n,), generator=g) for n in lengths]
+        return (rows, *left_pad(rows))
+
+    return make
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_is_causal_false_is_bidirectional_and_survives_save_load(impl, tmp_path):
+def test_is_causal_false_is_bidirectional_and_survives_save_load(tiny_mdm, impl, tmp_path):
     model = tiny_mdm(1, impl)
     x = torch.randint(3, 47, (1, 10), generator=torch.Generator().manual_seed(1))
     y = x.clone()
@@ -71,7 +67,7 @@ def test_is_causal_false_is_bidirectional_and_survives_save_load(impl, tmp_path)
         assert (c(x).logits[0, :8] - c(y).logits[0, :8]).abs().max().item() == 0.0  # control: causal is not
 
 
-def test_llada_one_token_per_step_equals_fast_dllm_no_cache(model):
+def test_llada_one_token_per_step_equals_fast_dllm_no_cache(model, prompts):
     _, ids, _ = prompts()
     a, sa = DECODERS["llada"](model, ids, gen_length=16, steps=16, block_length=8, stop_at_eos=False)
     b, sb = DECODERS["fast_dllm"](model, ids, gen_length=16, block_length=8, threshold=1.5, cache="none",
@@ -86,7 +82,7 @@ def test_llada_one_token_per_step_equals_fast_dllm_no_cache(model):
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
-def test_fast_dllm_cache_is_exact_for_a_one_layer_model(cache):
+def test_fast_dllm_cache_is_exact_for_a_one_layer_model(tiny_mdm, prompts, cache):
     # With one layer a token's K/V depend only on the token and its position, never on
     # what it attends to, so the block-wise caches (stale only through attention) must
     # reproduce the uncached run token for token -- a check of the cache plumbing:
@@ -110,7 +106,7 @@ def test_fast_dllm_cache_is_exact_for_a_one_layer_model(cache):
      ("fast_dllm", dict(block_length=8, threshold=0.06, cache="prefix")),
      ("fast_dllm", dict(block_length=8, threshold=0.06, cache="dual"))],
 )
-def test_batched_equals_rows_one_by_one_and_nfe_is_exact(model, name, knobs):
+def test_batched_equals_rows_one_by_one_and_nfe_is_exact(model, prompts, name, knobs):
     rows, ids, mask = prompts((6, 3, 5), seed=2)
     calls = []
     handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -125,7 +121,7 @@ def test_batched_equals_rows_one_by_one_and_nfe_is_exact(model, name, knobs):
     assert stats["generated_tokens"] == sum(t.numel() for t in batched)
 
 
-def test_random_remasking_is_seeded(model):
+def test_random_remasking_is_seeded(model, prompts):
     _, ids, _ = prompts()
     knobs = dict(gen_length=16, steps=8, block_length=8, remasking="random")
     a, _ = DECODERS["llada"](model, ids, seed=1, **knobs)
@@ -139,7 +135,7 @@ def test_random_remasking_is_seeded(model):
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
 
 
-def test_stop_at_eos_only_saves_work(model):
+def test_stop_at_eos_only_saves_work(model, prompts):
     _, ids, _ = prompts()
     free, _ = DECODERS["llada"](model, ids, gen_length=16, steps=16, block_length=4, stop_at_eos=False)
     eos = int(free[0][2])

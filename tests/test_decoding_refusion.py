@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
 from refusion.decoding import DECODERS
 from refusion.decoding.refusion import infill_seeds
@@ -26,52 +26,28 @@ MIXED = dict(gen_length=24, slot_size=4, serial_num_blocks=2, slot_threshold=0.0
 WIDE = dict(gen_length=24, slot_size=4, serial_num_blocks=1, slot_threshold=0.05, token_threshold=0.02)
 
 
-def tiny(seed: int = 0) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=2, pad_token_id=0,
-        mask_token_id=47, initializer_range=0.1,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+@pytest.fixture(scope="module")
+def model(tiny_qwen3):
+    return tiny_qwen3(vocab=48, eos=2, pad=0, mask=47, init_range=0.1)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny()
+def run_checked(assert_cache_matches_fresh_forward):
+    """`run_checked(model, **knobs) -> (tokens, stats, kinds, last_info)`: decode with an on_commit hook
+    that compares the cache to a fresh forward after every commit."""
 
+    def run(model, **knobs):
+        kinds, last = [], {}
 
-def fresh_cache(model, info):
-    """Independent recomputation: the committed tokens in commit order at their positions, each
-    attending exactly the commit indices recorded for it ([0, base) and [start, itself])."""
-    c = len(info["ids"])
-    allowed = torch.zeros(c, c, dtype=torch.bool)
-    for i in range(c):
-        for j in range(i + 1):
-            allowed[i, j] = j < info["base"][i] or j >= info["start"][i]
-    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(torch.tensor([info["ids"]]), position_ids=torch.tensor([info["pos"]]), attention_mask=mask,
-              cache=cache, use_cache=True)
-    return cache
+        def check(info):
+            kinds.append(info["kind"])
+            last.update(info)
+            assert_cache_matches_fresh_forward(model, info, atol=1e-4)
 
+        tokens, stats = DECODERS["refusion"](model, PROMPT, on_commit=check, **knobs)
+        return tokens[0], stats, kinds, last
 
-def run_checked(model, **knobs):
-    """Decode with an on_commit hook that compares the cache to a fresh forward after every commit."""
-    kinds, last = [], {}
-
-    def check(info):
-        kinds.append(info["kind"])
-        last.update(info)
-        ref = fresh_cache(model, info)
-        for mine, theirs in zip(info["cache"].layers, ref.layers):
-            assert mine.keys.shape == theirs.keys.shape
-            assert (mine.keys - theirs.keys).abs().max().item() <= 1e-4
-            assert (mine.values - theirs.values).abs().max().item() <= 1e-4
-
-    tokens, stats = DECODERS["refusion"](model, PROMPT, on_commit=check, **knobs)
-    return tokens[0], stats, kinds, last
+    return run
 
 
 def sorted_committed(info, prompt_len, eos):
@@ -90,7 +66,7 @@ SETTING_IDS = ["global", "first", "replicated"]
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
 @pytest.mark.parametrize("knobs", [MIXED, WIDE, dict(WIDE, recompute_kv=True)], ids=["mixed", "wide", "recompute"])
-def test_cache_equals_fresh_forward_after_every_commit(model, knobs, setting):
+def test_cache_equals_fresh_forward_after_every_commit(model, run_checked, knobs, setting):
     knobs = dict(knobs, **setting)
     tokens, stats, kinds, last = run_checked(model, **knobs)
     assert "verify" in kinds and "infill" in kinds  # both commit paths ran and were checked
@@ -101,7 +77,7 @@ def test_cache_equals_fresh_forward_after_every_commit(model, knobs, setting):
     assert tokens.numel() == 24
 
 
-def test_eos_drops_later_slots_and_output_is_sorted_commits(model):
+def test_eos_drops_later_slots_and_output_is_sorted_commits(model, run_checked):
     free, _, _, _ = run_checked(model, **WIDE)
     eos = int(free[8])  # a token that first shows up in the middle of the response
     tokens, stats, kinds, last = run_checked(model, **WIDE, eos_token_id=eos)
@@ -246,17 +222,8 @@ def test_infill_seed_global_keeps_verified_prefixes_of_every_slot():
     assert torch.equal(a[0], c[0]) and torch.equal(a[0], d[0])
 
 
-def left_pad(rows):
-    width = max(r.numel() for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("extra", [{}, {"kv_layout": "replicated"}], ids=["packed", "replicated"])
-def test_batch_rows_equal_one_by_one(model, extra):
+def test_batch_rows_equal_one_by_one(model, left_pad, extra):
     """4 rows of different prompt lengths that stop at different times: every row's tokens equal
     decoding it alone, with one model call per step for all rows (rows at different phases stacked)."""
     g = torch.Generator().manual_seed(11)

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from test_adapter import make_checkpoint, write_task
-
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_ROW = {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
              "answer": "3 + 4 = 7\n#### 7"}
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(make_checkpoint, write_task, tmp_path_factory):
     root = tmp_path_factory.mktemp("errors")
     return {"ckpt": make_checkpoint(root / "ckpt"), "tasks": write_task(root / "tasks", "tiny_gen", n=3)}
 
@@ -65,7 +63,7 @@ def test_broken_jsonl_line_names_file_and_line(setup, tmp_path, capsys, monkeypa
     assert not out.exists()
 
 
-def test_row_missing_answer_field_names_task_row_and_field(setup, tmp_path, capsys, monkeypatch):
+def test_row_missing_answer_field_names_task_row_and_field(setup, write_task, tmp_path, capsys, monkeypatch):
     rows = [json.dumps(GSM8K_ROW)] * 4
     rows[2] = json.dumps({"question": GSM8K_ROW["question"]})  # line 3 has no answer
     data = _gsm8k_dir(tmp_path / "data", rows)

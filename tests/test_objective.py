@@ -1,26 +1,20 @@
 """ReFusion / AR / MDM objectives (docs/design.md §2): hand-built example, finite loss, overfitting."""
 
-import copy
 import random
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from refusion import objective as obj
 
 MASK, PAD = 9, 0
 
 
-def tiny_model(causal=True, seed=0):
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                      tie_word_embeddings=True)
-    cfg.mask_token_id = MASK
-    if not causal:
-        cfg.is_causal = False
-    return Qwen3ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+@pytest.fixture(scope="module")
+def tiny_model(tiny_qwen3):
+    """`tiny_model(causal=True, seed=0)`: a random tiny Qwen3 (vocab 32, tied embeddings) in training mode."""
+    return lambda causal=True, seed=0: tiny_qwen3(
+        vocab=32, seed=seed, causal=causal, max_positions=128, mask=MASK, tie=True, impl="sdpa").train()
 
 
 def test_refusion_sequence_hand_built():
@@ -53,7 +47,7 @@ def test_collate_refusion_weights_and_mask():
     assert torch.all(m[1, 0, :3, 3:] < -1e30)
 
 
-def test_sequence_order_is_seen_causally_not_by_position():
+def test_sequence_order_is_seen_causally_not_by_position(tiny_model):
     # A clean slot placed *later* in the sequence but at *earlier* positions must still
     # see the slots before it in sequence order: the mask is causal over indices.
     model = tiny_model()
@@ -72,7 +66,7 @@ def test_sequence_order_is_seen_causally_not_by_position():
 
 
 @pytest.mark.parametrize("name", ["refusion", "ar", "mdm"])
-def test_one_step_finite_loss(name):
+def test_one_step_finite_loss(tiny_model, name):
     model = tiny_model(causal=name != "mdm")
     rng = random.Random(0)
     exs = [obj.Example([1, 2, 3], [10 + i, 11 + i, 12 + i, 13, 14, 2]) for i in range(4)]

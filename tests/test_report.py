@@ -314,10 +314,8 @@ def test_merged_runs_and_newest_default(tmp_path):
 
 
 @pytest.mark.slow
-def test_sweep_end_to_end_on_a_tiny_model(tmp_path):
+def test_sweep_end_to_end_on_a_tiny_model(make_checkpoint, write_task, tmp_path):
     """A real two-point sweep plus the two references on a random tiny checkpoint (slow-ish: 4 workers)."""
-    from test_adapter import make_checkpoint, write_task
-
     ckpt = make_checkpoint(tmp_path / "ckpt")
     tasks = write_task(tmp_path / "tasks", "tiny_gen", n=2)
     cmd = [sys.executable, "-m", "harness", "sweep", "--grid", "slot_size=2,4", "--limit", "2",

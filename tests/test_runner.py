@@ -16,14 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from test_adapter import make_checkpoint, write_task
-
 REPO = Path(__file__).resolve().parents[1]
 N_DOCS = 6
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(make_checkpoint, write_task, tmp_path_factory):
     root = tmp_path_factory.mktemp("runner")
     ckpt = make_checkpoint(root / "ckpt")
     tasks = write_task(root / "tasks", "tiny_gen", n=N_DOCS)

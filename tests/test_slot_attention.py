@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache
 
 from refusion.decoding.common import additive_mask
 from refusion.slot_attention import replicated_slot_attention, slot_attention, slot_visibility
@@ -44,14 +44,8 @@ def test_slot_attention_matches_replicated(prefix_len, slot_lens):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_packed_model_forward_matches_per_slot_cache_copies(impl):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-    )
-    cfg._attn_implementation = impl
-    model = Qwen3ForCausalLM(copy.deepcopy(cfg)).eval()
+def test_packed_model_forward_matches_per_slot_cache_copies(tiny_qwen3, impl):
+    model = tiny_qwen3(vocab=80, seed=0, max_positions=128, impl=impl)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 80, (1, 9), generator=g)
     slot_len, starts = 4, [13, 21, 9]  # true positions of 3 slots, out of order with gaps
