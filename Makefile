@@ -69,7 +69,7 @@ sweep: setup ## ReFusion quality vs tokens/s as its knobs vary: make sweep LIMIT
 validate-tasks: setup ## score every task's gold answers, one line per task
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness validate-tasks
 
-train-tiny: setup ## train the tiny models: ar from scratch, then refusion and mdm from its weights, side by side
+train-tiny: setup ## train the tiny models: ar from scratch; refusion, mdm, dream from its weights; d2f from mdm's
 	HF_HUB_OFFLINE=1 $(PY) -m harness train-tiny
 
 bench-decoders: setup ## benchmark every decoder on the embedded suite, JSON to results/

@@ -1,18 +1,20 @@
-"""Train the tiny ``ar``, ``refusion`` and ``mdm`` models on the embedded suite.
+"""Train the tiny ``ar``, ``refusion``, ``mdm``, ``dream`` and ``d2f`` models on a corpus.
 
-    python -m harness train-tiny [--models ar,refusion,mdm] [--steps N] [--out checkpoints/tiny]
+    python -m harness train-tiny [--models ar,refusion,mdm,dream,d2f] [--steps N] [--out checkpoints/tiny]
 
-All three share one Qwen3 configuration (``ModelShape``, ~3.4M parameters), one
-tokenizer, the same training rows and seed; only the objective
-(refusion/objective.py) and the recipe (``RECIPES``: steps, peak lr) differ.
-``ar`` is trained from scratch. As the released ReFusion is Qwen3-8B fine-tuned
-with the ReFusion objective, and Dream-7B starts from an AR model, ``refusion``
-and ``mdm`` both start from the trained ``ar`` weights (``--refusion-init`` /
-``--mdm-init scratch`` trains them from random weights instead; from scratch the
-ReFusion objective never trains the AR prediction of a slot's first token, see
-docs/design.md). Once ``ar`` exists, ``refusion`` and ``mdm`` train side by
-side, one process and one thread each (``--sequential`` runs them one after the
-other). Batches draw each example's kind by ``TrainConfig.kind_weights``.
+All share one Qwen3 configuration (``ModelShape``, ~3.4M parameters), one tokenizer,
+the same training rows and seed; only the objective (refusion/objective.py) and the
+recipe (``RECIPES``: steps, peak lr) differ. ``ar`` is trained from scratch. As the
+released ReFusion is Qwen3-8B fine-tuned with the ReFusion objective, Dream-7B starts
+from an AR model and D2F is distilled from a trained masked-diffusion model,
+``refusion``, ``mdm`` and ``dream`` start from the trained ``ar`` weights and ``d2f``
+from the trained ``mdm`` ones (``--<model>-init scratch`` trains from random weights
+instead; from scratch the ReFusion objective never trains the AR prediction of a slot's
+first token, see docs/design.md). Models are trained in stages (``stages``): the models
+of one stage depend only on earlier ones and train side by side, one process each with
+the threads split (``--sequential`` runs them one after the other). Batches draw each
+example's kind by ``TrainConfig.kind_weights``. The corpus (rows per kind) is an
+argument of ``main``: the harness passes the embedded suite's training split.
 
 The byte-level BPE tokenizer is trained first on the training corpus and saved
 into every model folder. Each model folder is a Hugging Face checkpoint (config,
@@ -290,8 +292,8 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
         print("error: the trainer needs a corpus: run it as `python -m harness train-tiny`", file=sys.stderr)
         return 2
     p = argparse.ArgumentParser(prog="python -m harness train-tiny", description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="ar,refusion,mdm",
-                   help=f"comma-separated subset of {','.join(MODEL_NAMES)} (default: the three of the default suite)")
+    p.add_argument("--models", default=",".join(MODEL_NAMES),
+                   help=f"comma-separated subset of {','.join(MODEL_NAMES)} (default: all)")
     p.add_argument("--out", default="checkpoints/tiny", help="output folder (one sub-folder per model)")
     p.add_argument("--steps", type=int, default=None,
                    help="steps for every model (default: each model's recipe: "
