@@ -172,6 +172,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for i in (0, 1):
             axes[i][j].set_xlabel("slots k")
             axes[i][j].set_xscale("log", base=2)
+            axes[i][j].set_xticks(sorted({r["slots"] for r in rows}), [str(k) for k in sorted({r["slots"] for r in rows})])
             axes[i][j].set_yscale("log")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Packed slot attention, Qwen3-8B shapes (32/8 heads, head_dim 128)")
