@@ -18,7 +18,8 @@ On CPU: float32, the CPU backends. On CUDA: float32 and bfloat16, triton added, 
 speed targets checked at P = 4096, k = 8 (triton and flex each >= 1.5x faster than
 replicated, triton no slower than flex); on the CPU the goal is memory, speed is judged on a GPU.
 
-Timing: one warm-up call (compiles) then `--repeats` timed calls, median and min in ms,
+Timing: one warm-up call (`first_call_s`; it includes the flex compile when it is the first
+call of its query bucket) then `--repeats` timed calls, median and min in ms,
 device-synchronised on CUDA. Memory: `extra_bytes`, what the backend builds beyond q, k, v
 and the output by construction (the dense mask, the k prefix copies, the flex block tables and
 padded query, the kernel's slot tables); on CUDA also `peak_bytes`, the measured peak of
@@ -53,6 +54,16 @@ def _ints(text: str, name: str) -> list[int]:
         raise ValueError(f"--{name} must be a comma list of {'integers >= 0' if name == 'prefixes' else 'positive integers'}, "
                          f"got {text!r}")
     return vals
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def extra_bytes(backend: str, prefix: int, k: int, length: int, elem: int) -> int:
@@ -262,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                     del ref, out
     env = {"git_commit": _git_commit(), "torch": torch.__version__, "machine": platform.machine(),
            "device": a.device, "threads": a.threads, "host": a.host,
-           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-           or platform.machine()}
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()}
     try:
         import triton
 
