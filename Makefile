@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test eval report sweep validate-tasks train-tiny bench-decoders regress regress-update clean
+.PHONY: help setup test eval report sweep validate-tasks train-tiny bench-decoders bench-kernels regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -74,6 +74,15 @@ train-tiny: setup ## train the tiny models: ar from scratch; refusion, mdm, drea
 
 bench-decoders: setup ## benchmark every decoder on the embedded suite, JSON to results/
 	HF_HUB_OFFLINE=1 $(PY) -m harness bench-decoders
+
+DEVICE ?= cpu
+BENCH_ARGS ?=
+override DEVICE := $(value DEVICE)
+override BENCH_ARGS := $(value BENCH_ARGS)
+export DEVICE BENCH_ARGS
+
+bench-kernels: setup ## slot-attention kernels (sdpa/replicated/flex, +triton and bf16 on cuda): make bench-kernels DEVICE=cuda
+	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness bench-kernels --device "$$DEVICE" $$BENCH_ARGS
 
 regress: setup ## CI regression check: default run at a fixed LIMIT vs results/baseline/embedded.json
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness regress

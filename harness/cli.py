@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate-tasks": ("tasks.validate", "score every task's gold answers (one line per task)"),
     "train-tiny": ("harness.train_tiny", "train the tiny models (ar from scratch, the others from its weights)"),
     "bench-decoders": ("harness.bench", "benchmark every decoder on the embedded suite (JSON to results/)"),
+    "bench-kernels": ("harness.bench_kernels", "time and memory of the slot-attention kernels (JSON to results/)"),
     "generate-eval": ("harness.hf_generate", "accuracy of causal checkpoints with plain model.generate (left to right)"),
     "knobs": ("harness.knobs", "every decoder's knobs: defaults, accepted values, help"),
     "data": ("tasks.data", "show where each benchmark's data is read from"),

@@ -134,7 +134,7 @@ def assert_cache_matches_fresh_forward():
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint():
-    """`tiny_checkpoint(name) -> Path` of the committed trained checkpoints/tiny/<name> (ar, refusion, mdm)."""
+    """`tiny_checkpoint(name) -> Path` of the committed trained checkpoints/tiny/<name> (ar, refusion, mdm, dream, d2f)."""
 
     def path(name: str) -> Path:
         p = TINY_CHECKPOINTS / name

@@ -224,6 +224,7 @@ def forward(
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     visible: torch.Tensor | None = None,
+    slots=None,
     cache: DynamicCache | None = None,
     kv_extra: int = 0,
 ) -> torch.Tensor:
@@ -236,7 +237,9 @@ def forward(
     Give either `attention_mask`, a 2-D padding mask [B, kv] (the model applies its
     own causal or bidirectional pattern), or `visible`, a bool [B, q, kv] / [q, kv]
     (kv = cached + q) passed as an explicit 4-D float mask -- needed whenever position
-    ids jump (docs/design.md §8).
+    ids jump (docs/design.md §8). Or `slots`, a `refusion.kernels.SlotLayout` (prefix length and
+    packed slot lengths): no mask is built, the model's attention (a refusion_* implementation,
+    see `kernels.attention_backend`) receives the slot structure as the keyword `slot_layout`.
     """
     if visible is not None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
@@ -244,6 +247,7 @@ def forward(
             attention_mask = (visible if visible.dim() == 3 else visible[None])[:, None]
         else:  # eager adds the mask: it must be the additive float form
             attention_mask = additive_mask(visible, model.dtype)
+    extra = {} if slots is None else {"slot_layout": slots}
     meter.count(phase)
     meter._sync()
     t0 = time.perf_counter()
@@ -253,6 +257,7 @@ def forward(
         attention_mask=attention_mask,
         cache=cache,
         use_cache=cache is not None,
+        **extra,
     )
     meter._sync()
     meter.forward_s += time.perf_counter() - t0

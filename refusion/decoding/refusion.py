@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from ..kernels import BACKENDS as ATTN_BACKENDS
+from ..kernels import SlotLayout, attention_backend, require
 from ..slot_attention import slot_visibility
 from .common import (
     Meter,
@@ -134,6 +136,9 @@ class RefusionKnobs(Knobs):
                             choices=INFILL_SEEDS)
     kv_layout: str = knob("packed", "parallel-infill KV: one shared prefix (packed) or one copy per slot "
                           "(replicated, the reference's layout; same tokens)", choices=KV_LAYOUTS)
+    attn: str = knob("sdpa", "attention of the decoder's forwards: the model's own with a dense mask (sdpa), or "
+                     "the fused slot-attention kernels of refusion/kernels.py given the slot layout (flex, "
+                     "triton; same tokens)", choices=ATTN_BACKENDS)
     seed: int = seed()
 
     @property
@@ -141,6 +146,7 @@ class RefusionKnobs(Knobs):
         return -(-self.gen_length // self.slot_size)
 
     def check(self) -> None:
+        require(self.attn)  # one line naming what is missing (triton, CUDA) before any model is touched
         if self.serial_num_blocks > self.n_slots or self.n_slots % self.serial_num_blocks:
             raise ValueError(
                 f"serial_num_blocks must divide the slot count {self.n_slots} (gen_length {self.gen_length} / "
@@ -161,6 +167,7 @@ class _Run:
     no_cache: bool
     infill_seed: str
     kv_layout: str
+    attn: str
     mask: int
     eos: tuple[int, ...]
     on_commit: Callable[[dict], None] | None
@@ -171,17 +178,26 @@ class _Req:
     """One row's share of a model call: `ids` [U, q] at `pos` [U, q] after the row's cache.
 
     U is 1, or the number of slots decoded in their own rows (replicated layout). `vis`
-    is bool [q, T + q] (T = cached length), the same for every unit. `rows` picks units
-    of a replicated cache (None: all of them). `extra`: KV bytes the row holds aside.
+    is bool [q, T + q] (T = cached length), the same for every unit; None when `layout`
+    describes it (prefix T, packed slot lengths; see `_vis`). `rows` picks units of a
+    replicated cache (None: all of them). `extra`: KV bytes the row holds aside.
     """
 
     phase: str
     cache: DynamicCache | None
     ids: torch.Tensor
     pos: torch.Tensor
-    vis: torch.Tensor
+    vis: torch.Tensor | None
     rows: list[int] | None = None
     extra: int = 0
+    layout: SlotLayout | None = None
+
+
+def _vis(r: _Req) -> torch.Tensor:
+    """The request's visibility [q, T + q], built from its layout when it has one."""
+    if r.vis is not None:
+        return r.vis
+    return slot_visibility(r.layout.prefix_len, r.layout.slot_lens, r.ids.device)
 
 
 Answer = tuple[torch.Tensor, KV | None]  # logits [U, q, V] and the query's KV (None without cache)
@@ -240,13 +256,15 @@ class _State:
 # ---------------------------------------------------------------- model calls
 
 
-def _call(model, meter: Meter, reqs: list[_Req]) -> list[Answer]:
+def _call(model, meter: Meter, reqs: list[_Req], attn: str = "sdpa") -> list[Answer]:
     """One model call for every pending request; returns (logits [U, q, V], KV of the query) each.
 
     A single request runs on its own cache, which is cropped straight back to the
     committed tokens (the one place the cache is trimmed; keeping KV is the commit's
-    job). Several requests are stacked: caches left-padded to the longest, queries
-    right-padded, padding never visible (a padded query sees only itself).
+    job); with attn "flex" / "triton" and a slot layout, the model gets the layout instead
+    of a dense mask. Several requests are stacked: caches left-padded to the longest,
+    queries right-padded, padding never visible (a padded query sees only itself); they
+    always take the dense mask (rows with different layouts).
     """
     phases = tuple(dict.fromkeys(r.phase for r in reqs))
     if len(reqs) == 1:
@@ -256,8 +274,12 @@ def _call(model, meter: Meter, reqs: list[_Req]) -> list[Answer]:
             idx = torch.tensor(r.rows, device=r.ids.device)
             cache = cache_from(model, [(lay.keys[idx], lay.values[idx]) for lay in cache.layers])
         q = r.ids.shape[1]
-        logits = forward(model, meter, phases, r.ids, position_ids=r.pos, visible=r.vis.expand(r.ids.shape[0], -1, -1),
-                         cache=cache, kv_extra=r.extra)
+        if attn != "sdpa" and r.layout is not None:  # the fused slot-attention kernels
+            logits = forward(model, meter, phases, r.ids, position_ids=r.pos, slots=r.layout, cache=cache,
+                             kv_extra=r.extra)
+        else:
+            logits = forward(model, meter, phases, r.ids, position_ids=r.pos,
+                             visible=_vis(r).expand(r.ids.shape[0], -1, -1), cache=cache, kv_extra=r.extra)
         if cache is None:
             return [(logits, None)]
         kv = [(lay.keys[:, :, -q:], lay.values[:, :, -q:]) for lay in cache.layers]
@@ -282,8 +304,9 @@ def _call(model, meter: Meter, reqs: list[_Req]) -> list[Answer]:
     u0 = 0
     for r, t, q, u in zip(reqs, lens, qs, us):
         ids[u0:u0 + u, :q], pos[u0:u0 + u, :q] = r.ids, r.pos
-        vis[u0:u0 + u, :q, tm - t:tm] = r.vis[:, :t]
-        vis[u0:u0 + u, :q, tm:tm + q] = r.vis[:, t:]
+        rv = _vis(r)
+        vis[u0:u0 + u, :q, tm - t:tm] = rv[:, :t]
+        vis[u0:u0 + u, :q, tm:tm + q] = rv[:, t:]
         if parts is not None and t:
             idx = slice(None) if r.rows is None else torch.tensor(r.rows, device=device)
             for (k, v), lay in zip(parts, r.cache.layers):
@@ -311,21 +334,31 @@ def _ask(st: _State, phase: str, ids: torch.Tensor, pos: torch.Tensor, slot_lens
     first round, everything under no_cache) are re-encoded in the same call under their
     recorded pattern; their KV is committed here. Returns (logits [U, q, V], the new
     tokens' KV [U, h, q, d] per layer, or None without cache).
+
+    The pattern goes with the request as a slot layout (prefix = the cached tokens) when it
+    is one: always with every committed token cached, and with uncached ones when they and
+    the new tokens form one causal run (the first round; no_cache until slots infilled
+    together are committed). Otherwise as a dense bool visibility.
     """
     device = ids.device
     c, cached = len(st.row.ids), cache_len(st.cache)
-    vis = slot_visibility(c, slot_lens, device)  # [q, c + q]
     pre = c - cached
+    layout, vis = None, None
+    if not pre:
+        layout = SlotLayout(c, tuple(slot_lens))  # = slot_visibility(c, slot_lens)
+    elif len(slot_lens) == 1 and all(s <= b for s, b in zip(st.row.start[cached:], st.row.base[cached:])):
+        layout = SlotLayout(cached, (pre + slot_lens[0],))  # one causal run after the cache
     if pre:
         q = ids.shape[1]
-        full = torch.zeros(c + q, c + q, dtype=torch.bool, device=device)
-        full[:c, :c] = st.row.visibility(device)
-        full[c:] = vis
-        vis = full[cached:]  # rows of the uncached committed tokens and the new ones
+        if layout is None:
+            full = torch.zeros(c + q, c + q, dtype=torch.bool, device=device)
+            full[:c, :c] = st.row.visibility(device)
+            full[c:] = slot_visibility(c, slot_lens, device)
+            vis = full[cached:]  # rows of the uncached committed tokens and the new ones
         u = ids.shape[0]
         ids = torch.cat([torch.tensor(st.row.ids[cached:], device=device).expand(u, -1), ids], 1)
         pos = torch.cat([torch.tensor(st.row.pos[cached:], device=device).expand(u, -1), pos], 1)
-    logits, kv = yield _Req(phase, st.cache, ids, pos, vis, rows, extra)
+    logits, kv = yield _Req(phase, st.cache, ids, pos, vis, rows, extra, layout)
     if pre and st.cache is not None:
         cache_append(st.cache, [[(k[:1, :, :pre], v[:1, :, :pre]) for k, v in kv]])
     if kv is not None and pre:
@@ -568,10 +601,11 @@ def refusion(
         slot_size=slot_size, n_slots=n_slots, per_block=n_slots // k.serial_num_blocks,
         slot_threshold=k.slot_threshold, token_threshold=k.token_threshold, temperature=k.temperature,
         left_to_right=k.left_to_right, recompute_kv=k.recompute_kv, no_cache=k.no_cache,
-        infill_seed=k.infill_seed, kv_layout=k.kv_layout,
+        infill_seed=k.infill_seed, kv_layout=k.kv_layout, attn=k.attn,
         mask=mask_id(model, mask_token_id), eos=eos_ids(model, eos_token_id), on_commit=on_commit,
     )
     pad = left_padding_mask(input_ids, attention_mask)
+    require(kn.attn, input_ids.device)
     meter = Meter(model, PHASES)
     device = input_ids.device
     counts = {"rounds": 0, "verify_commits": 0, "infill_rounds": 0, "infill_commits": 0, "slots_parallel_max": 0,
@@ -591,14 +625,15 @@ def refusion(
     # Every pending row's next request is answered by one model call.
     responses: list[torch.Tensor | None] = [None] * len(rows)
     pending = {b: next(g) for b, g in enumerate(rows)}
-    while pending:
-        order = list(pending)
-        answers = _call(model, meter, [pending[b] for b in order])
-        for b, ans in zip(order, answers):
-            try:
-                pending[b] = rows[b].send(ans)
-            except StopIteration as stop:
-                responses[b] = stop.value
-                del pending[b]
+    with attention_backend(model, kn.attn):
+        while pending:
+            order = list(pending)
+            answers = _call(model, meter, [pending[b] for b in order], kn.attn)
+            for b, ans in zip(order, answers):
+                try:
+                    pending[b] = rows[b].send(ans)
+                except StopIteration as stop:
+                    responses[b] = stop.value
+                    del pending[b]
     counts["slots_parallel_mean"] = counts["infill_slots"] / counts["infill_commits"] if counts["infill_commits"] else 0.0
     return responses, meter.finish(responses, **counts)
