@@ -2,7 +2,8 @@
 decoding settings the ReFusion paper used (docs/design.md §5).
 
 Both are plain dicts; the runner looks names up here and lists the valid ones when
-a name is unknown.
+a name is unknown. ``MODEL_GROUPS`` names lists of presets: ``MODELS=all`` (or ``all`` inside
+a comma list) runs every preset, the default suite's and the others (dream, dream_fast_dllm, d2f).
 """
 
 from __future__ import annotations
@@ -36,11 +37,20 @@ PRESETS: dict[str, ModelSpec] = {
     "llada": ModelSpec("llada", f"{TINY}/mdm", "llada", {"block_length": 32, "remasking": "low_confidence"}),
     "fast_dllm": ModelSpec("fast_dllm", f"{TINY}/mdm", "fast_dllm",
                            {"block_length": 32, "threshold": 0.9, "cache": "dual"}),
+    # The rest of the paper's Table 1: Dream (shifted MDM, checkpoint trained with collate_mdm(shift=True)),
+    # Fast-dLLM on Dream, and D2F (block-causal MDM, collate_d2f with block_size 8).
+    "dream": ModelSpec("dream", f"{TINY}/dream", "dream", {"alg": "entropy"}),
+    "dream_fast_dllm": ModelSpec("dream_fast_dllm", f"{TINY}/dream", "fast_dllm",
+                                 {"block_length": 32, "threshold": 0.9, "cache": "dual", "shift": True}),
+    "d2f": ModelSpec("d2f", f"{TINY}/d2f", "d2f", {"block_size": 8, "block_add_threshold": 0.1,
+                                                   "decoded_token_threshold": 0.95, "skip_threshold": 0.9}),
 }
 # Response budget of the embedded tasks (their longest gold responses: math 80, code 27, choice
 # 19 tokens), as harness/bench.py uses; the YAMLs' max_gen_toks (512) would only add padding work.
 EMBEDDED_GEN_LENGTH = {"embedded_math": 96, "embedded_code": 32, "embedded_choice": 32}
 DEFAULT_MODELS = ("ar", "refusion", "llada", "fast_dllm")
+# Names that stand for several presets in MODELS (harness.runner.parse_models expands them).
+MODEL_GROUPS: dict[str, tuple[str, ...]] = {"all": tuple(PRESETS)}
 
 # docs/design.md §5: zero-shot, chat template, gen_length 512, batch 1, greedy; ReFusion's slot settings
 # per benchmark. Applied to the knobs a decoder accepts; anything given in MODELS wins.
