@@ -18,7 +18,7 @@ Requests
   is the knob when given, else the request's ``max_gen_toks``; the text is cut
   at the first stop string. Rows are batched (left padding) when
   ``batch_size`` > 1 (every decoder takes batches: ``ar``, ``refusion``,
-  ``llada``, ``fast_dllm``); the default is 1, as in the paper.
+  ``llada``, ``fast_dllm``, ``dream``, ``d2f``); the default is 1, as in the paper.
 - ``loglikelihood``: exact for causal checkpoints (one forward, sum of token
   log-probs). For bidirectional (``config.is_causal = False``) checkpoints it is
   the Monte-Carlo estimate LLaDA uses: mask a random subset of the continuation

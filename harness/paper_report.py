@@ -35,7 +35,7 @@ from harness.store import atomic_dir, read_json
 REPO = Path(__file__).resolve().parents[1]
 NOT_MEASURED = "n/m"  # the run has no such (model, task)
 MISSING = "missing"  # the run should have it, but its metrics file is absent (--allow-partial)
-MDM_DECODERS = ("llada", "fast_dllm")
+MDM_DECODERS = ("llada", "fast_dllm", "dream", "d2f")
 # Settings that must agree when two runs measured the same model / (model, task).
 MODEL_KEYS = ("checkpoint", "decoder", "knobs")
 TASK_KEYS = ("limit", "seed", "chat_template", "device", "batch_size", "task_defaults")

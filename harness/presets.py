@@ -2,7 +2,8 @@
 settings (the paper's, docs/design.md §5) live in the task table, tasks/info.py.
 
 PRESETS is a plain dict; the runner looks names up here and lists the valid ones when a name
-is unknown.
+is unknown. ``MODEL_GROUPS`` names lists of presets: ``MODELS=all`` (or ``all`` inside a comma list)
+runs every preset, the default suite's and the others (ablations, dream, dream_fast_dllm, d2f).
 """
 
 from __future__ import annotations
@@ -44,11 +45,20 @@ PRESETS: dict[str, ModelSpec] = {
     "llada": ModelSpec("llada", f"{TINY}/mdm", "llada", {"block_length": 32, "remasking": "low_confidence"}),
     "fast_dllm": ModelSpec("fast_dllm", f"{TINY}/mdm", "fast_dllm",
                            {"block_length": 32, "threshold": 0.9, "cache": "dual"}),
+    # The rest of the paper's Table 1: Dream (shifted MDM, checkpoint trained with collate_mdm(shift=True)),
+    # Fast-dLLM on Dream, and D2F (block-causal MDM, collate_d2f with block_size 8).
+    "dream": ModelSpec("dream", f"{TINY}/dream", "dream", {"alg": "entropy"}),
+    "dream_fast_dllm": ModelSpec("dream_fast_dllm", f"{TINY}/dream", "fast_dllm",
+                                 {"block_length": 32, "threshold": 0.9, "cache": "dual", "shift": True}),
+    "d2f": ModelSpec("d2f", f"{TINY}/d2f", "d2f", {"block_size": 8, "block_add_threshold": 0.1,
+                                                   "decoded_token_threshold": 0.95, "skip_threshold": 0.9}),
 }
 DEFAULT_MODELS = ("ar", "refusion", "llada", "fast_dllm")
 # make bench-decoders: every decoder and ReFusion ablation.
 BENCH_MODELS = ("ar", "refusion", "refusion_left_to_right", "refusion_recompute_kv", "refusion_no_cache",
-                "refusion_replicated", "llada", "fast_dllm")
+                "refusion_replicated", "llada", "fast_dllm", "dream", "dream_fast_dllm", "d2f")
+# Names that stand for several presets in MODELS (harness.runner.parse_models expands them).
+MODEL_GROUPS: dict[str, tuple[str, ...]] = {"all": tuple(PRESETS)}
 
 
 def paper_knobs(unit: str, decoder: str, accepted: set[str]) -> dict[str, Any]:

@@ -7,7 +7,8 @@ record quality, latency, tokens/s, NFE/TPF, memory and speedup (docs/design.md Â
 
 MODELS is a comma-separated list of ``name=checkpoint:decoder[:knob=value,...]``
 (knobs continue after commas until the next ``name=...:``) or preset names
-(``ar``, ``refusion``, ``llada``, ``fast_dllm``, optionally ``preset:knob=value``).
+(``ar``, ``refusion``, ``llada``, ``fast_dllm``, ``dream``, ``d2f``, ..., optionally
+``preset:knob=value``) or ``all`` (every preset; harness/presets.py MODEL_GROUPS).
 
 Everything is validated before anything is written (exit 2 with one line naming
 the problem and the valid choices; ``--debug`` shows the full traceback instead).
@@ -42,7 +43,7 @@ from typing import Any
 
 from harness import report
 from harness.metrics import speedup
-from harness.presets import DEFAULT_MODELS, PRESETS, ModelSpec, paper_knobs
+from harness.presets import DEFAULT_MODELS, MODEL_GROUPS, PRESETS, ModelSpec, paper_knobs
 from harness.store import atomic_write_json, read_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,7 +82,9 @@ _NEW_MODEL = re.compile(r"^[A-Za-z0-9_.\-]+=[^=]*:")
 def parse_models(spec: str) -> list[ModelSpec]:
     """``name=ckpt:decoder[:k=v,...],...`` and preset names -> ModelSpecs (no I/O)."""
     groups: list[list[str]] = []
-    for piece in [p.strip() for p in spec.split(",") if p.strip()]:
+    pieces = [p.strip() for p in spec.split(",") if p.strip()]
+    pieces = [name for p in pieces for name in MODEL_GROUPS.get(p, (p,))]  # "all" -> every preset
+    for piece in pieces:
         starts_model = bool(_NEW_MODEL.match(piece)) or "=" not in piece.split(":")[0]
         if starts_model or not groups:
             groups.append([piece])
@@ -365,10 +368,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default=DEFAULT_TASK, help="task, group or comma list (default: %(default)s)")
-    p.add_argument("--models", default=None, help="name=checkpoint:decoder[:knob=v,...],... or preset names "
-                   f"(default: {','.join(DEFAULT_MODELS)} on the tiny checkpoints)")
+    p.add_argument("--models", default=None, help="name=checkpoint:decoder[:knob=v,...],... or preset names, or "
+                   f"'all' (every preset) (default: {','.join(DEFAULT_MODELS)} on the tiny checkpoints)")
     p.add_argument("--limit", type=int, default=None,
-                   help=f"documents per leaf task (default: {DEFAULT_LIMIT} for the default suite, else all)")
+                   help=f"documents per leaf task (default: {DEFAULT_LIMIT} for the default suite, with the default "
+                   "models or 'all', else all)")
     p.add_argument("--out", default="results/runs", help="output folder (default: %(default)s)")
     p.add_argument("--run-id", default=None,
                    help="run folder name; an existing one is resumed (default: a timestamp and random suffix)")
@@ -437,7 +441,7 @@ def build_config(ns: argparse.Namespace) -> dict:
     task_defaults = not ns.no_task_defaults
     validate_models(models, [], task_defaults)  # cheap checks first: decoders, checkpoints, model knobs
     limit = ns.limit
-    if limit is None and ns.task == DEFAULT_TASK and ns.models is None:
+    if limit is None and ns.task == DEFAULT_TASK and (ns.models is None or ns.models.strip() in MODEL_GROUPS):
         limit = DEFAULT_LIMIT
     units = resolve_units(paper_tasks(ns.task) if ns.prompts == "paper" else ns.task, tasks_dir, limit)
     model_cfgs = validate_models(models, units, task_defaults)

@@ -226,3 +226,30 @@ def make_checkpoint():
 def write_task():
     """`write_task(folder, name="tiny_gen", n=4, output_type="generate_until") -> folder`."""
     return build_task
+
+
+# ---------------------------------------------------------------- random bidirectional models (MDM decoders)
+MDM_MASK, MDM_EOS = 47, 2  # special ids of the random vocab-48 bidirectional models below
+
+
+@pytest.fixture(scope="session")
+def tiny_mdm(tiny_qwen3):
+    """`tiny_mdm(seed=0, impl="sdpa", layers=2)`: a random bidirectional tiny Qwen3, vocab 48, mask id 47."""
+    return lambda seed=0, impl="sdpa", layers=2: tiny_qwen3(
+        vocab=48, seed=seed, causal=False, impl=impl, layers=layers, eos=MDM_EOS, pad=0, mask=MDM_MASK,
+        init_range=0.1)
+
+
+@pytest.fixture(scope="session")
+def mdm_prompts(left_pad):
+    """`mdm_prompts(lengths=(6,), seed=0) -> (rows, ids, mask)`: seeded random rows of the vocab-48 models,
+    left padded."""
+
+    import torch
+
+    def make(lengths=(6,), seed=0):
+        g = torch.Generator().manual_seed(seed)
+        rows = [torch.randint(3, 47, (n,), generator=g) for n in lengths]
+        return (rows, *left_pad(rows))
+
+    return make

@@ -1,7 +1,8 @@
-"""The decoders on the committed trained tiny checkpoints (checkpoints/tiny/{ar,refusion,mdm})."""
+"""The decoders on the committed trained tiny checkpoints (checkpoints/tiny/{ar,refusion,mdm,dream,d2f})."""
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from refusion.decoding import DECODERS
 
@@ -52,3 +53,39 @@ def test_mdm_checkpoint_llada_equals_fast_dllm_without_cache(tiny_checkpoint):
     a, _ = DECODERS["llada"](model, ids, gen_length=32, steps=32, block_length=16)
     b, _ = DECODERS["fast_dllm"](model, ids, gen_length=32, block_length=16, threshold=2.0, cache="none")
     assert torch.equal(a[0], b[0])
+
+
+def test_dream_checkpoint_dream_equals_fast_dllm_shift_without_cache(tiny_checkpoint):
+    model, ids = load(tiny_checkpoint("dream"))
+    assert model.config.is_causal is False
+    a, _ = DECODERS["dream"](model, ids, gen_length=32, alg="maskgit_plus")
+    b, _ = DECODERS["fast_dllm"](model, ids, gen_length=32, block_length=32, threshold=2.0, cache="none", shift=True)
+    assert torch.equal(a[0], b[0])
+    c, sc = DECODERS["fast_dllm"](model, ids, gen_length=32, block_length=32, threshold=0.9, shift=True)
+    assert sc["tpf"] > 1.0  # trained: the dual-cache threshold decoder commits several tokens per forward
+
+
+def test_d2f_checkpoint_cache_exact_and_no_cache_identical(tiny_checkpoint):
+    from refusion.objective import block_causal_mask
+
+    model, ids = load(tiny_checkpoint("d2f"))
+    n_prompt = ids.shape[1]
+
+    def check(info):  # the cached KV of finished blocks == a fresh forward under the block-causal mask
+        x = info["ids"]
+        block = torch.cat([torch.zeros(n_prompt, dtype=torch.long), 1 + torch.arange(x.numel() - n_prompt) // 8])
+        fresh = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=x[None], position_ids=torch.arange(x.numel())[None], cache=fresh, use_cache=True,
+                  attention_mask=block_causal_mask(torch.ones(1, x.numel(), dtype=torch.bool), block[None]))
+        for mine, theirs in zip(info["cache"].layers, fresh.layers):
+            assert (mine.keys - theirs.keys).abs().max().item() <= 1e-4
+            assert (mine.values - theirs.values).abs().max().item() <= 1e-4
+
+    depth = []
+    for skip in (0.9, 0.999):  # the preset's threshold; a stricter one, so that blocks overlap in the pipeline
+        a, sa = DECODERS["d2f"](model, ids, gen_length=32, block_size=8, skip_threshold=skip, on_cache=check)
+        b, sb = DECODERS["d2f"](model, ids, gen_length=32, block_size=8, skip_threshold=skip, no_cache=True)
+        assert torch.equal(a[0], b[0]) and sa["nfe"] == sb["nfe"] and sa["tpf"] > 1.0
+        depth.append(sa["pipeline_max"])
+    assert max(depth) >= 2

@@ -18,14 +18,7 @@ from refusion.decoding import DECODERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MASK, EOS = 47, 2
-
-
-@pytest.fixture(scope="module")
-def tiny_mdm(tiny_qwen3):
-    """`tiny_mdm(seed=0, impl="sdpa", layers=2)`: a random bidirectional tiny Qwen3, vocab 48."""
-    return lambda seed=0, impl="sdpa", layers=2: tiny_qwen3(
-        vocab=48, seed=seed, causal=False, impl=impl, layers=layers, eos=EOS, pad=0, mask=MASK, init_range=0.1)
+MASK, EOS = 47, 2  # conftest's MDM_MASK, MDM_EOS: the ids of its tiny_mdm models
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +27,8 @@ def model(tiny_mdm):
 
 
 @pytest.fixture(scope="module")
-def prompts(left_pad):
-    """`prompts(lengths=(6,), seed=0) -> (rows, ids, mask)`: seeded random rows, left padded."""
-
-    def make(lengths=(6,), seed=0):
-        g = torch.Generator().manual_seed(seed)
-        rows = [torch.randint(3, 47, (n,), generator=g) for n in lengths]
-        return (rows, *left_pad(rows))
-
-    return make
+def prompts(mdm_prompts):
+    return mdm_prompts
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

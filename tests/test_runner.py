@@ -187,6 +187,17 @@ def test_models_spec_parsing():
         parse_models("a=onlypath")
 
 
+def test_models_all_is_every_preset():
+    from harness.presets import PRESETS
+    from harness.runner import InputError, parse_models
+
+    assert [m.name for m in parse_models("all")] == list(PRESETS)
+    assert {"dream", "dream_fast_dllm", "d2f"} <= set(PRESETS)
+    assert [m.name for m in parse_models(" all ")] == list(PRESETS)
+    with pytest.raises(InputError, match="used twice"):
+        parse_models("all,ar")
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for task in Path(f"/proc/{pid}/task").iterdir():

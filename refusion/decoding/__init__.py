@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .ar import ArKnobs, ar
+from .d2f import D2fKnobs, d2f
 from .knobs import Knobs
-from .mdm import FastDllmKnobs, LladaKnobs, fast_dllm, llada
+from .mdm import DreamKnobs, FastDllmKnobs, LladaKnobs, dream, fast_dllm, llada
 from .refusion import RefusionKnobs, refusion
 
 
@@ -34,6 +35,8 @@ DECODERS: dict[str, Decoder] = {
     "refusion": Decoder(refusion, RefusionKnobs),
     "llada": Decoder(llada, LladaKnobs),
     "fast_dllm": Decoder(fast_dllm, FastDllmKnobs),
+    "dream": Decoder(dream, DreamKnobs),
+    "d2f": Decoder(d2f, D2fKnobs),
 }
 
 

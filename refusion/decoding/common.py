@@ -16,33 +16,6 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-# ---------------------------------------------------------------- knob validation
-
-
-def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    """Return `value` as int or raise ValueError naming the knob and its range."""
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if ok and value >= low and (high is None or value <= high):
-        return int(value)
-    rng = f"[{low}, {high}]" if high is not None else f">= {low}"
-    raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
-
-
-def check_float(name: str, value: object, low: float, high: float | None = None) -> float:
-    """Return `value` as float or raise ValueError naming the knob and its range."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok and value == value and value >= low and (high is None or value <= high):
-        return float(value)
-    rng = f"[{low}, {high}]" if high is not None else f">= {low}"
-    raise ValueError(f"{name} must be a number in {rng}, got {value!r}")
-
-
-def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return str(value)
-
-
 # ---------------------------------------------------------------- special ids
 
 
@@ -267,22 +240,41 @@ def forward(
 
 
 def pick(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None, exclude: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] -> (token [...], its probability [...]).
 
     Greedy (temperature 0): argmax and its softmax probability. Otherwise a sample
     from softmax(logits / temperature) and the sampled token's tempered probability.
+    `exclude`: see `choose`.
     """
-    if temperature <= 0:
-        probs = torch.softmax(logits, dim=-1)
-        conf, tok = probs.max(dim=-1)
-        return tok, conf
-    probs = torch.softmax(logits / temperature, dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    tok = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-    conf = probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-    return tok, conf
+    probs = torch.softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+    return choose(probs, temperature > 0, generator, exclude)
+
+
+def choose(
+    probs: torch.Tensor, sample: bool, generator: torch.Generator | None, exclude: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [..., V] -> (token [...], its probability [...]): the most likely token, or a sample.
+
+    `exclude`: a token id never returned -- the mask id, for the masked-diffusion decoders: a
+    position "unmasked" to the mask id would stay masked and be decoded again forever (a
+    random test model does propose it). Its probability still counts in the others'
+    (the returned probability is unchanged), so greedy decoding of a model that never ranks
+    it first is exactly as without the exclusion; sampling draws from the other tokens.
+    """
+    if not sample:
+        if exclude is None:
+            conf, tok = probs.max(dim=-1)
+            return tok, conf
+        idx = torch.tensor([exclude], device=probs.device)
+        tok = probs.index_fill(-1, idx, -1.0).argmax(-1)
+    else:
+        flat = probs.reshape(-1, probs.shape[-1])
+        if exclude is not None:
+            flat = flat.index_fill(-1, torch.tensor([exclude], device=probs.device), 0.0)
+        tok = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
 def token_prob(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -1,9 +1,13 @@
 """Masked-diffusion baselines on a bidirectional model (docs/design.md §4): LLaDA-style
-semi-autoregressive low-confidence / random remasking, and Fast-dLLM (block-wise prefix
-or dual KV cache + confidence-threshold parallel decoding).
+semi-autoregressive low-confidence / random remasking, Dream's diffusion generation, and
+Fast-dLLM (block-wise prefix or dual KV cache + confidence-threshold parallel decoding) on
+either kind of model.
 
 The model is a Qwen3ForCausalLM whose config has is_causal=False (bidirectional) and a
-mask_token_id; the logit at position i predicts the token at position i (no shift).
+mask_token_id. LLaDA-style models: the logit at position i predicts the token at position
+i (no shift). Dream-style models (``dream``, ``fast_dllm`` with ``shift``): the logit at
+position i - 1 predicts token i, so an AR model's next-token head carries over; the
+response's first token is predicted by the prompt's last position.
 Batches are left-padded; the padding mask travels as a 2-D mask, so the model's own
 bidirectional mask hides pads. Response region: gen_length mask tokens after the prompt.
 """
@@ -18,6 +22,7 @@ from transformers import DynamicCache
 from .common import (
     Meter,
     cache_keep,
+    choose,
     cut_after_eos,
     eos_ids,
     forward,
@@ -76,12 +81,39 @@ class FastDllmKnobs(Knobs):
                             "step); >= 1 means one token per step", low=0.0)
     cache: str = knob("dual", "KV reuse inside a block: none, prefix, or prefix and suffix (dual)",
                       choices=("none", "prefix", "dual"))
+    shift: bool = knob(False, "Dream-style model (Fast-dLLM on Dream): the logit at i - 1 predicts token i")
     temperature: float = temperature()
     stop_at_eos: bool = _stop_at_eos()
     seed: int = seed()
 
     def check(self) -> None:
         _check_blocks(self)
+
+
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+
+
+@dataclass(frozen=True)
+class DreamKnobs(Knobs):
+    """Knobs of ``dream`` (docs/design.md §4); names as in Dream's ``diffusion_generate``."""
+    gen_length: int = gen_length(128)
+    steps: int = knob(None, "forwards in all (default gen_length: one token per step), at most gen_length",
+                      low=1, optional=True)
+    alg: str = knob("entropy", "which masked tokens a step unmasks: origin (each at random, with the schedule's "
+                    "probability), else the most confident by maskgit_plus (top probability), topk_margin (top-1 "
+                    "minus top-2 probability) or entropy (negative entropy)", choices=DREAM_ALGS)
+    alg_temp: float = knob(0.0, "0: unmask the most confident positions; > 0: draw them from softmax(confidence / "
+                           "alg_temp)", low=0.0)
+    temperature: float = temperature()
+    top_p: float = knob(None, "nucleus filter applied before sampling and before the confidence is measured; none = "
+                        "off", low=0.0, high=1.0, optional=True)
+    stop_at_eos: bool = knob(True, "stop once every row holds an EOS with nothing masked before it (same tokens, "
+                             "fewer forwards)")
+    seed: int = seed()
+
+    def check(self) -> None:
+        if self.steps is not None and self.steps > self.gen_length:
+            raise ValueError(f"steps must be in [1, gen_length {self.gen_length}], got {self.steps}")
 
 
 def _start(model, input_ids, attention_mask, gen_length, mask):
@@ -105,13 +137,67 @@ def _commit_topk(x, x0, conf, k) -> None:
     x[chosen] = x0[chosen]
 
 
-def _propose(logits, temperature, gen):
+def _propose(logits, temperature, gen, mask):
     """Proposed token per position and its confidence, the *untempered* softmax probability
-    (as in LLaDA: sampling noise picks the token, the model's own probability ranks it)."""
-    x0, prob = pick(logits, temperature, gen)
+    (as in LLaDA: sampling noise picks the token, the model's own probability ranks it).
+    Never the mask id (common.choose)."""
+    x0, prob = pick(logits, temperature, gen, exclude=mask)
     if temperature > 0:
         prob = token_prob(logits, x0, 0.0)
     return x0, prob
+
+
+def _top_p(logits, top_p):
+    """Nucleus filter on logits [..., V]: keep the smallest set of most likely tokens whose
+    probability reaches top_p (the most likely always stays); the rest get the lowest logit."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    mass = sorted_logits.softmax(-1).cumsum(-1)
+    drop = mass > top_p
+    drop[..., 1:] = drop[..., :-1].clone()  # keep the token that crosses top_p
+    drop[..., 0] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), torch.finfo(logits.dtype).min)
+
+
+def _dream_propose(logits, alg, temperature, top_p, gen, mask):
+    """Dream's token proposal: logits [B, n, V] -> (token [B, n], confidence [B, n]).
+
+    As in Dream's sampler, temperature and top_p shape the distribution first and every
+    confidence is measured on it: maskgit_plus the proposed token's probability,
+    topk_margin top-1 minus top-2 probability, entropy the negative entropy (higher =
+    surer); origin ignores it. The token is never the mask id (common.choose)."""
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None and top_p < 1:
+        logits = _top_p(logits, top_p)
+    probs = logits.softmax(-1)
+    x0, conf = choose(probs, temperature > 0, gen, exclude=mask)
+    if alg == "topk_margin":
+        top2 = probs.topk(2, dim=-1).values
+        conf = top2[..., 0] - top2[..., 1]
+    elif alg == "entropy":
+        conf = (probs * torch.log(probs + 1e-10)).sum(-1)
+    return x0, conf
+
+
+def _commit_sampled(x, x0, scores, k, gen) -> None:
+    """Write x0 into x at k[b] positions of row b drawn without replacement from softmax(scores[b])
+    (scores -inf = not eligible). x, x0, scores: [B, n]; k: [B] long."""
+    probs = scores.softmax(-1)
+    # Floor eligible weights above 0: an underflowed softmax must not leave too few to draw from.
+    probs = torch.where(torch.isfinite(scores), probs.clamp_min(torch.finfo(probs.dtype).tiny), 0.0)
+    for b in range(x.shape[0]):
+        if int(k[b]):
+            idx = torch.multinomial(probs[b], int(k[b]), replacement=False, generator=gen)
+            x[b, idx] = x0[b, idx]
+
+
+def _settled(resp, mask, eos) -> bool:
+    """True when every row of resp [B, n] holds an EOS with no mask before its first one: the
+    response cut after that EOS can no longer change (no decoder here re-masks a token)."""
+    hit = is_eos(resp, eos) & (resp != mask)
+    first = torch.where(hit.any(-1), hit.long().argmax(-1), resp.shape[1])  # [B]
+    before = torch.arange(resp.shape[1], device=resp.device)[None] < first[:, None]
+    return bool(hit.any(-1).all()) and not bool(((resp == mask) & before).any())
 
 
 def _finished(x, prompt_len, end, eos) -> bool:
@@ -154,7 +240,7 @@ def llada(
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
         for n_unmask in schedule:
             logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, lo:hi]
-            x0, prob = _propose(logits, temperature, gen)  # [B, block]
+            x0, prob = _propose(logits, temperature, gen, mask)  # [B, block]
             if remasking == "random":
                 prob = torch.rand(prob.shape, generator=gen, device=prob.device)
             block = x[:, lo:hi]
@@ -177,14 +263,23 @@ def fast_dllm(
     eos_token_id: int | list[int] | None = None,
     **overrides,
 ) -> tuple[list[torch.Tensor], dict]:
-    """Fast-dLLM: per block, unmask every masked token whose confidence > threshold (at
-    least the single most confident one per row per step) until the block is full.
+    """Fast-dLLM (Wu et al. 2025, arXiv 2505.22618): per block, unmask every masked token whose
+    confidence > threshold (at least the single most confident one per row per step) until
+    the block is full.
 
     cache="none": every step is a full forward. "prefix": the first step of a block is
     a full forward whose KV of everything before the block is kept (approximate: it is
     refreshed only at block boundaries); later steps forward block + suffix after it.
     "dual": the full forward's KV of prefix and suffix are both kept and later steps
     forward the block alone. threshold >= 1 means exactly one token per step.
+
+    shift (Fast-dLLM on Dream): the logit at i - 1 predicts token i, so the block's
+    predictions come from positions [lo - 1, hi - 1) and every cached step forwards one
+    position more, the one before the block (its KV is recomputed, not kept). The
+    authors' Dream code instead always unmasks the block's first token in the full
+    forward and forwards the block alone; here the threshold rule is the same with and
+    without shift, so shift with threshold >= 1 and cache="none" is ``dream`` with one
+    token per step on a single block.
     Phases: full (whole-sequence forwards) and cached (steps reusing the block cache).
     """
     k = FastDllmKnobs.of(knobs, overrides, "fast_dllm")
@@ -197,25 +292,29 @@ def fast_dllm(
     p0, total = input_ids.shape[1], x.shape[1]
     for b in range(gen_length // block_length):
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
+        # The block's predictions are the logits at [a, a + block_length): a = lo, or lo - 1 with shift.
+        # Cached steps forward from a, so the window [a, hi) is never served from the stale cache.
+        a = lo - int(k.shift)
         kv = None
         while bool((x[:, lo:hi] == mask).any()):
             if kv is None:
                 kv = None if cache_mode == "none" else DynamicCache(config=model.config)
-                logits = forward(model, meter, "full", x, position_ids=pos, attention_mask=attn, cache=kv)[:, lo:hi]
+                logits = forward(model, meter, "full", x, position_ids=pos, attention_mask=attn, cache=kv)
+                logits = logits[:, a:a + hi - lo]
                 if cache_mode == "prefix":
-                    cache_keep(kv, lo)  # keep positions < lo (x is in position order)
+                    cache_keep(kv, a)  # keep positions < a (x is in position order)
                 elif cache_mode == "dual":
-                    cache_keep(kv, lo, torch.arange(hi - lo, total - lo, device=x.device))  # prefix + suffix
+                    cache_keep(kv, a, torch.arange(hi - a, total - a, device=x.device))  # prefix + suffix
             elif cache_mode == "prefix":
-                logits = forward(model, meter, "cached", x[:, lo:], position_ids=pos[:, lo:], attention_mask=attn,
+                logits = forward(model, meter, "cached", x[:, a:], position_ids=pos[:, a:], attention_mask=attn,
                                  cache=kv)[:, : hi - lo]
-                cache_keep(kv, lo)
-            else:  # dual: cache order is prefix, suffix, then the block just forwarded
-                order = torch.cat([attn[:, :lo], attn[:, hi:], attn[:, lo:hi]], 1)
-                logits = forward(model, meter, "cached", x[:, lo:hi], position_ids=pos[:, lo:hi], attention_mask=order,
-                                 cache=kv)
-                cache_keep(kv, lo + total - hi)
-            x0, prob = _propose(logits, temperature, gen)  # [B, block]
+                cache_keep(kv, a)
+            else:  # dual: cache order is prefix, suffix, then the window just forwarded
+                order = torch.cat([attn[:, :a], attn[:, hi:], attn[:, a:hi]], 1)
+                logits = forward(model, meter, "cached", x[:, a:hi], position_ids=pos[:, a:hi], attention_mask=order,
+                                 cache=kv)[:, : hi - lo]
+                cache_keep(kv, a + total - hi)
+            x0, prob = _propose(logits, temperature, gen, mask)  # [B, block]
             block = x[:, lo:hi]
             masked = block == mask
             conf = torch.where(masked, prob, torch.full_like(prob, -torch.inf))
@@ -225,4 +324,65 @@ def fast_dllm(
         if k.stop_at_eos and _finished(x, p0, hi, eos):
             break
     responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
+    return responses, meter.finish(responses)
+
+
+@torch.no_grad()
+def dream(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    knobs: DreamKnobs | dict | None = None,
+    *,
+    mask_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    **overrides,
+) -> tuple[list[torch.Tensor], dict]:
+    """Dream's ``diffusion_generate`` (Ye et al. 2025, "Dream 7B", arXiv 2508.15487): the whole
+    response is one masked window; each of ``steps`` full forwards (no cache) shifts the
+    logits (the logit at i - 1 predicts token i) and unmasks part of the window.
+
+    Schedule: with m masks left before step i (0-based), Dream unmasks m (1 - s/t) tokens,
+    t and s the step's two times on the linear schedule from 1 to eps. Taken at eps -> 0
+    that is m // (steps - i): steps = gen_length unmasks exactly one token per step, and the
+    last step unmasks whatever is left. (The reference keeps eps = 1e-3 and rounds down,
+    so with steps = gen_length its first step unmasks nothing and its last one two; not
+    reproduced.) ``origin`` instead unmasks each masked token with probability
+    1 / (steps - i) (the same limit), its token from ``_dream_propose``; the other algs unmask the
+    top-k masked positions by their confidence (see ``_dream_propose``), or with alg_temp
+    > 0 positions drawn from softmax(confidence / alg_temp). Rows share one generator
+    (seeded), so under sampling a row's tokens depend on its batch.
+
+    stop_at_eos ends as soon as every row holds an EOS with nothing masked before it (the
+    reference runs all steps; the returned tokens are the same). Phase: step.
+    """
+    k = DreamKnobs.of(knobs, overrides, "dream")
+    steps = k.gen_length if k.steps is None else k.steps
+    mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
+    gen = make_generator(input_ids.device, k.seed)
+    meter = Meter(model, ("step",))
+    x, attn, pos = _start(model, input_ids, attention_mask, k.gen_length, mask)
+    p0 = input_ids.shape[1]
+    resp = x[:, p0:]  # [B, G] view: writes land in x
+    for i in range(steps):
+        masked = resp == mask  # [B, G]
+        if not bool(masked.any()):
+            break  # origin can finish early; the remaining steps would change nothing
+        # Shift: position p0 - 1 + j predicts response token j. [B, G, V]
+        logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, p0 - 1:-1]
+        x0, conf = _dream_propose(logits, k.alg, k.temperature, k.top_p, gen, mask)  # [B, G] each
+        left = steps - i
+        if k.alg == "origin":
+            take = masked & (torch.rand(masked.shape, generator=gen, device=x.device) < 1.0 / left)
+            resp[take] = x0[take]
+        else:
+            conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
+            n = masked.sum(-1) // left  # [B]
+            if k.alg_temp > 0:
+                _commit_sampled(resp, x0, conf / k.alg_temp, n, gen)
+            else:
+                _commit_topk(resp, x0, conf, n)
+        if k.stop_at_eos and _settled(resp, mask, eos):
+            break
+    responses = [cut_after_eos(row, eos) for row in resp]
     return responses, meter.finish(responses)

@@ -1,0 +1,232 @@
+"""D2F, discrete diffusion forcing (Wang et al. 2025, "Diffusion LLMs Can Do Faster-Than-AR
+Inference via Discrete Diffusion Forcing", arXiv 2508.09192): pipelined block decoding of a
+block-causal masked-diffusion model with a KV cache of finished blocks (docs/design.md §4).
+
+The model: a Qwen3ForCausalLM with config.is_causal=False, trained (refusion/objective.py
+``collate_d2f``) under an explicit block-causal mask -- the prompt is block 0, the response is
+cut into blocks of ``block_size`` from the prompt's end, a query sees every key of its own
+block and of all earlier blocks. Later blocks were trained noisier than earlier ones, which
+is what lets a block start before its predecessor is done. The logit at i predicts token i
+(LLaDA-based D2F); ``shift`` is for Dream-based D2F (the logit at i - 1 predicts token i).
+
+One row's loop, one forward per step (as the authors' ``_generate_block_single``):
+  grow      while fewer than gen_length / block_size blocks exist and no EOS has been
+            committed, append a block of masks once the last block's decoded fraction
+            reaches ``block_add_threshold`` (at most one per step; the first block joins at
+            once, the prompt counting as decoded);
+  activate  a block whose predecessor's decoded fraction reached
+            ``decoded_token_threshold`` becomes fully active (for good);
+  forward   every token not in the cache (blocks finished last step, then the active
+            ones) under the block-causal mask, after the cache;
+  cache     the finished blocks just forwarded append their KV: they saw only the
+            prompt, earlier finished blocks and themselves, all final, so their KV is what
+            a fresh forward of the committed sequence gives (exact, not approximate);
+  commit    in each active block, every masked token whose probability passes
+            ``skip_threshold``; a fully active block that has none commits its single most
+            confident token, a semi-active one commits nothing;
+  retire    a block with no mask left stops being active once every earlier block has
+            (so finished blocks reach the cache in order).
+The loop ends when no block is active (or, with stop_at_eos, once the row holds an EOS
+with nothing masked before it: no later step can change that prefix).
+
+Deliberate differences from the authors' code: it decodes one row at a time (batch 1);
+here rows of a left-padded batch each run their own pipeline and every pending row's
+forward is stacked into one model call (caches left-padded, queries right-padded, as
+ReFusion's rows), with positions counted from each row's first real token and a sampling
+generator per row, so a row's tokens do not depend on its batch. The mask id is never
+proposed (common.choose; the authors' loop would re-decode such a position until its
+10,000-step guard). And stop_at_eos.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from .common import (
+    Meter,
+    cache_append,
+    cut_after_eos,
+    eos_ids,
+    is_eos,
+    left_padding_mask,
+    make_generator,
+    mask_id,
+    pick,
+)
+from .knobs import Knobs, gen_length, knob, seed, temperature
+from .mdm import _settled
+from .refusion import Steps, _call, _Req  # the stacked model call of per-row requests
+
+ACTIVE, TO_CACHE, CACHED = "active", "to_cache", "cached"
+
+
+@dataclass(frozen=True)
+class D2fKnobs(Knobs):
+    """Knobs of ``d2f`` (docs/design.md §4). Defaults: the D2F evaluation scripts' most common
+    setting (block 32, add 0.1, fully active 0.95, skip 0.9)."""
+    gen_length: int = gen_length(256)
+    block_size: int = knob(32, "tokens per block (must divide gen_length); attention is bidirectional inside a "
+                           "block and causal across blocks, as the model was trained", low=1)
+    block_add_threshold: float = knob(0.1, "a new block joins the pipeline once the last block's decoded fraction "
+                                      "reaches this", low=0.0, high=1.0)
+    decoded_token_threshold: float = knob(0.95, "a block becomes fully active (at least one token per step) once "
+                                          "its predecessor's decoded fraction reaches this; before that it commits "
+                                          "only tokens above skip_threshold", low=0.0, high=1.0)
+    skip_threshold: float = knob(0.9, "every masked token of an active block whose probability passes this is "
+                                 "committed in parallel; >= 1: one token per step per fully active block", low=0.0)
+    temperature: float = temperature()
+    shift: bool = knob(False, "Dream-based D2F: the logit at i - 1 predicts token i")
+    no_cache: bool = knob(False, "no KV reuse: every forward re-encodes the whole row under the block-causal mask "
+                          "(same tokens; ablation)")
+    stop_at_eos: bool = knob(True, "stop a row once it holds an EOS with nothing masked before it (same tokens, "
+                             "fewer forwards)")
+    seed: int = seed()
+
+    def check(self) -> None:
+        if self.block_size > self.gen_length or self.gen_length % self.block_size:
+            raise ValueError(f"block_size must divide gen_length {self.gen_length}, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Constants of one decode call."""
+    knobs: D2fKnobs
+    n_blocks: int
+    mask: int
+    eos: tuple[int, ...]
+    on_cache: Callable[[dict], None] | None
+
+
+def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | None,
+                gen: torch.Generator | None, counts: dict) -> Steps:
+    """One row's pipeline (module doc); yields its model requests, returns its response."""
+    k, mask, device = kn.knobs, kn.mask, prompt.device
+    size, n_prompt = k.block_size, prompt.numel()
+    ids = prompt.clone()  # [L]: the prompt, then every block added so far (mask where undecoded)
+    blk = torch.zeros(n_prompt, dtype=torch.long, device=device)  # [L] block index; prompt = 0
+    state = [TO_CACHE]  # per block; the prompt is encoded (and cached) by the first forward
+    full = [True]  # per block: fully active
+    cached = 0  # positions [0, cached) hold KV in the cache: prompt, then finished blocks in order
+    last = None  # shift: logit [V] at position cached - 1, which predicts position `cached`
+    eos_seen = False
+
+    def span(j: int) -> tuple[int, int]:
+        return (0, n_prompt) if j == 0 else (n_prompt + (j - 1) * size, n_prompt + j * size)
+
+    def decoded(j: int) -> float:
+        lo, hi = span(j)
+        return float((ids[lo:hi] != mask).float().mean()) if j else 1.0
+
+    while True:
+        n = len(state) - 1  # response blocks so far
+        if n < kn.n_blocks and not eos_seen and decoded(n) >= k.block_add_threshold:
+            ids = torch.cat([ids, torch.full((size,), mask, dtype=torch.long, device=device)])
+            blk = torch.cat([blk, torch.full((size,), n + 1, dtype=torch.long, device=device)])
+            state.append(ACTIVE)
+            full.append(False)
+        for j in range(1, len(state)):
+            full[j] = full[j] or decoded(j - 1) >= k.decoded_token_threshold
+        active = [j for j, s in enumerate(state) if s == ACTIVE]
+        if not active or (k.stop_at_eos and _settled(ids[None, n_prompt:], mask, kn.eos)):
+            break
+
+        # Forward every position not in the cache; with no_cache, the whole row.
+        start = 0 if cache is None else cached
+        vis = blk[None, :] <= blk[start:, None]  # [q, L]: key block <= query block (cache keys are earlier blocks)
+        pos = torch.arange(start, ids.numel(), device=device)
+        logits, kv = yield _Req("step", cache, ids[None, start:], pos[None], vis)
+        logits = logits[0]  # [q, V]; row j is position start + j
+        if k.shift:  # the prediction for position p is the logit at p - 1; `last` serves p = start
+            head = logits[:1] if last is None else last[None]
+            pred = torch.cat([head, logits[:-1]])
+        else:
+            pred = logits
+
+        new = [j for j in range(len(state)) if state[j] == TO_CACHE]
+        if new:  # finished blocks are contiguous from `cached` (module doc: retire)
+            end = span(new[-1])[1]
+            if cache is not None:
+                n_new = end - cached
+                cache_append(cache, [[(kk[:, :, :n_new], vv[:, :, :n_new]) for kk, vv in kv]])
+                if kn.on_cache is not None:
+                    kn.on_cache({"row": b, "ids": ids[:end].clone(), "cache": cache})
+            last = logits[end - start - 1]
+            cached = end
+            for j in new:
+                state[j] = CACHED
+
+        counts["row_steps"] += 1
+        counts["active_blocks"] += len(active)
+        counts["pipeline_max"] = max(counts["pipeline_max"], len(active))
+        for j in active:
+            lo, hi = span(j)
+            masked = ids[lo:hi] == mask  # [size]
+            if not bool(masked.any()):
+                continue
+            tok, prob = pick(pred[lo - start:hi - start], k.temperature, gen, exclude=mask)  # [size] each
+            prob = torch.where(masked, prob, torch.full_like(prob, -1.0))
+            take = prob > k.skip_threshold
+            if full[j] and not bool(take.any()):
+                take[prob.argmax()] = True
+            ids[lo:hi] = torch.where(take, tok, ids[lo:hi])
+            eos_seen = eos_seen or bool(is_eos(tok[take], kn.eos).any())
+        for j in active:  # in order, so a block retires right after its predecessor
+            lo, hi = span(j)
+            if state[j - 1] != ACTIVE and not bool((ids[lo:hi] == mask).any()):
+                state[j] = TO_CACHE
+    return cut_after_eos(ids[n_prompt:], kn.eos)
+
+
+@torch.no_grad()
+def d2f(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    knobs: D2fKnobs | dict | None = None,
+    *,
+    mask_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    on_cache: Callable[[dict], None] | None = None,
+    **overrides,
+) -> tuple[list[torch.Tensor], dict]:
+    """D2F pipelined block decoding (module doc), every row of the batch together.
+
+    input_ids [B, P] left-padded, attention_mask [B, P] (1 = real token). on_cache(info) is
+    called (tests) after every cache append with the row index, the ids whose KV the
+    row's cache now holds and the cache. Phase: step (one model call serves every pending
+    row). Extra stats: pipeline_max (most blocks active in one row's step) and
+    pipeline_mean (active blocks per row step).
+    """
+    k = D2fKnobs.of(knobs, overrides, "d2f")
+    kn = _Run(k, k.gen_length // k.block_size, mask_id(model, mask_token_id), eos_ids(model, eos_token_id), on_cache)
+    pad = left_padding_mask(input_ids, attention_mask)
+    meter = Meter(model, ("step",))
+    counts = {"row_steps": 0, "active_blocks": 0, "pipeline_max": 0}
+    rows = [
+        _decode_row(b, row[m.bool()], kn, None if k.no_cache else DynamicCache(config=model.config),
+                    make_generator(input_ids.device, k.seed), counts)
+        for b, (row, m) in enumerate(zip(input_ids, pad))
+    ]
+    responses: list[torch.Tensor | None] = [None] * len(rows)
+    pending = {}
+    for b, g in enumerate(rows):
+        try:
+            pending[b] = next(g)
+        except StopIteration as stop:  # nothing to decode (cannot happen with gen_length >= 1)
+            responses[b] = stop.value
+    while pending:
+        order = list(pending)
+        answers = _call(model, meter, [pending[b] for b in order])
+        for b, ans in zip(order, answers):
+            try:
+                pending[b] = rows[b].send(ans)
+            except StopIteration as stop:
+                responses[b] = stop.value
+                del pending[b]
+    extra = {"pipeline_max": counts["pipeline_max"],
+             "pipeline_mean": counts["active_blocks"] / counts["row_steps"] if counts["row_steps"] else 0.0}
+    return responses, meter.finish(responses, **extra)
