@@ -59,7 +59,7 @@ from .common import (
 )
 from .knobs import Knobs, gen_length, knob, seed, temperature
 from .mdm import _settled
-from .refusion import Steps, _call, _Req  # the stacked model call of per-row requests
+from .refusion import Req, Steps, drive_rows  # per-row generators answered by one stacked model call
 
 ACTIVE, TO_CACHE, CACHED = "active", "to_cache", "cached"
 
@@ -138,7 +138,7 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
         start = 0 if cache is None else cached
         vis = blk[None, :] <= blk[start:, None]  # [q, L]: key block <= query block (cache keys are earlier blocks)
         pos = torch.arange(start, ids.numel(), device=device)
-        logits, kv = yield _Req("step", cache, ids[None, start:], pos[None], vis)
+        logits, kv = yield Req("step", cache, ids[None, start:], pos[None], vis)
         logits = logits[0]  # [q, V]; row j is position start + j
         if k.shift:  # the prediction for position p is the logit at p - 1; `last` serves p = start
             head = logits[:1] if last is None else last[None]
@@ -211,22 +211,7 @@ def d2f(
                     make_generator(input_ids.device, k.seed), counts)
         for b, (row, m) in enumerate(zip(input_ids, pad))
     ]
-    responses: list[torch.Tensor | None] = [None] * len(rows)
-    pending = {}
-    for b, g in enumerate(rows):
-        try:
-            pending[b] = next(g)
-        except StopIteration as stop:  # nothing to decode (cannot happen with gen_length >= 1)
-            responses[b] = stop.value
-    while pending:
-        order = list(pending)
-        answers = _call(model, meter, [pending[b] for b in order])
-        for b, ans in zip(order, answers):
-            try:
-                pending[b] = rows[b].send(ans)
-            except StopIteration as stop:
-                responses[b] = stop.value
-                del pending[b]
+    responses = drive_rows(model, meter, rows)
     extra = {"pipeline_max": counts["pipeline_max"],
              "pipeline_mean": counts["active_blocks"] / counts["row_steps"] if counts["row_steps"] else 0.0}
     return responses, meter.finish(responses, **extra)

@@ -17,7 +17,7 @@ was computed: commit indices [0, base) plus [start, itself]. Prompt and global-v
 tokens are causal (base = start = 0); a slot infilled in parallel saw the cache as it
 stood at the start of its round (base = that length) plus its own earlier tokens (start =
 its first commit index). The row's KV cache holds exactly those tokens' KV in commit order
-between model calls: a call appends the query's KV, the caller of the model (`_call`) crops
+between model calls: a call appends the query's KV, the caller of the model (`stacked_call`) crops
 it back at once, and only commits append kept KV. `no_cache` keeps the same state but no
 cache: every forward re-encodes the committed sequence under that recorded pattern, so
 tokens are unchanged and only the cost differs.
@@ -174,7 +174,7 @@ class _Run:
 
 
 @dataclass
-class _Req:
+class Req:
     """One row's share of a model call: `ids` [U, q] at `pos` [U, q] after the row's cache.
 
     U is 1, or the number of slots decoded in their own rows (replicated layout). `vis`
@@ -193,7 +193,7 @@ class _Req:
     layout: SlotLayout | None = None
 
 
-def _vis(r: _Req) -> torch.Tensor:
+def _vis(r: Req) -> torch.Tensor:
     """The request's visibility [q, T + q], built from its layout when it has one."""
     if r.vis is not None:
         return r.vis
@@ -201,7 +201,7 @@ def _vis(r: _Req) -> torch.Tensor:
 
 
 Answer = tuple[torch.Tensor, KV | None]  # logits [U, q, V] and the query's KV (None without cache)
-Steps = Generator[_Req, Answer, object]
+Steps = Generator[Req, Answer, object]
 
 
 @dataclass
@@ -256,7 +256,7 @@ class _State:
 # ---------------------------------------------------------------- model calls
 
 
-def _call(model, meter: Meter, reqs: list[_Req], attn: str = "sdpa") -> list[Answer]:
+def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa") -> list[Answer]:
     """One model call for every pending request; returns (logits [U, q, V], KV of the query) each.
 
     A single request runs on its own cache, which is cropped straight back to the
@@ -325,6 +325,28 @@ def _call(model, meter: Meter, reqs: list[_Req], attn: str = "sdpa") -> list[Ans
     return out
 
 
+def drive_rows(model, meter: Meter, rows: list[Generator], attn: str = "sdpa") -> list[torch.Tensor]:
+    """Run per-row decoding generators to completion, answering every pending row's next request
+    with one model call (``stacked_call``); returns each generator's return value (its response)."""
+    responses: list[torch.Tensor | None] = [None] * len(rows)
+    pending: dict[int, Req] = {}
+    for b, g in enumerate(rows):
+        try:
+            pending[b] = next(g)
+        except StopIteration as stop:  # a row with nothing to decode
+            responses[b] = stop.value
+    while pending:
+        order = list(pending)
+        answers = stacked_call(model, meter, [pending[b] for b in order], attn)
+        for b, ans in zip(order, answers):
+            try:
+                pending[b] = rows[b].send(ans)
+            except StopIteration as stop:
+                responses[b] = stop.value
+                del pending[b]
+    return responses
+
+
 def _ask(st: _State, phase: str, ids: torch.Tensor, pos: torch.Tensor, slot_lens: list[int],
          rows: list[int] | None = None, extra: int = 0) -> Steps:
     """Forward new tokens `ids` [U, q] at `pos` [U, q] after the committed row.
@@ -358,7 +380,7 @@ def _ask(st: _State, phase: str, ids: torch.Tensor, pos: torch.Tensor, slot_lens
         u = ids.shape[0]
         ids = torch.cat([torch.tensor(st.row.ids[cached:], device=device).expand(u, -1), ids], 1)
         pos = torch.cat([torch.tensor(st.row.pos[cached:], device=device).expand(u, -1), pos], 1)
-    logits, kv = yield _Req(phase, st.cache, ids, pos, vis, rows, extra, layout)
+    logits, kv = yield Req(phase, st.cache, ids, pos, vis, rows, extra, layout)
     if pre and st.cache is not None:
         cache_append(st.cache, [[(k[:1, :, :pre], v[:1, :, :pre]) for k, v in kv]])
     if kv is not None and pre:
@@ -622,18 +644,7 @@ def refusion(
         )
         rows.append(_decode_row(st, kn))
 
-    # Every pending row's next request is answered by one model call.
-    responses: list[torch.Tensor | None] = [None] * len(rows)
-    pending = {b: next(g) for b, g in enumerate(rows)}
     with attention_backend(model, kn.attn):
-        while pending:
-            order = list(pending)
-            answers = _call(model, meter, [pending[b] for b in order], kn.attn)
-            for b, ans in zip(order, answers):
-                try:
-                    pending[b] = rows[b].send(ans)
-                except StopIteration as stop:
-                    responses[b] = stop.value
-                    del pending[b]
+        responses = drive_rows(model, meter, rows, kn.attn)
     counts["slots_parallel_mean"] = counts["infill_slots"] / counts["infill_commits"] if counts["infill_commits"] else 0.0
     return responses, meter.finish(responses, **counts)
