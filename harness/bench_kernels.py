@@ -177,11 +177,9 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Packed slot attention, Qwen3-8B shapes (32/8 heads, head_dim 128)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, path)
+    from harness.store import atomic_save_figure
+
+    atomic_save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -264,7 +264,6 @@ class RefusionBenchLM(TemplateLM):
         # Special tokens are already in the (chat-templated) text; never add a second BOS.
         return list(self.tokenizer(string, add_special_tokens=bool(add_special_tokens))["input_ids"])
 
-    _encode = tok_encode
 
     @property
     def eot_token_id(self) -> int:
@@ -358,7 +357,7 @@ class RefusionBenchLM(TemplateLM):
         return text
 
     def _run_batch(self, items: list[dict]) -> list[dict]:
-        prompts = [self._encode(it["context"]) for it in items]
+        prompts = [self.tok_encode(it["context"]) for it in items]
         if len(prompts) == 1:
             ids, mask = torch.tensor(prompts, dtype=torch.long), None
         else:  # left padding by the tokenizer (its pad id; the mask tells the decoders what is real)
@@ -553,7 +552,7 @@ class RefusionBenchLM(TemplateLM):
             (text,) = req.args
             total = 0.0
             for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    self._encode(text), prefix, max_len, 1)):
+                    self.tok_encode(text), prefix, max_len, 1)):
                 total += self._ll_causal(list(ctx), list(cont))[0]
             out.append(total)
         return out

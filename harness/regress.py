@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from harness.presets import DEFAULT_MODELS, PRESETS
-from harness.store import atomic_write_json, atomic_write_text, read_json
+from harness.store import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = REPO / "results" / "baseline" / "embedded.json"
@@ -237,11 +237,7 @@ def trend(history_path: Path, out: Path) -> None:
     if handles:
         axes[2].legend(fontsize=6, loc="best")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, out)
+    atomic_save_figure(fig, out)
 
 
 def _parser(update: bool) -> argparse.ArgumentParser:

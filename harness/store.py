@@ -63,6 +63,18 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, default=_default, ensure_ascii=False) + "\n"
 
 
+def atomic_save_figure(fig, path: str | os.PathLike, dpi: int = 90) -> None:
+    """A matplotlib figure written as PNG beside ``path`` and moved into place, then closed."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, dumps(obj))
 
