@@ -34,9 +34,11 @@ import fcntl
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -618,13 +620,19 @@ def main(argv: list[str] | None = None) -> int:
         cmd = worker_command(run_dir, m["name"], cfg["num_processes"], 29500 + (os.getpid() % 1000), ns.debug)
         err_file = worker_error_file(run_dir, m["name"])
         err_file.unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        # The worker's temporary files (torchelastic_* of a multi-process launch, the sandbox's
+        # folders) go to a folder of its own, removed when it ends however it ends.
+        tmp = tempfile.mkdtemp(prefix="refusion-worker-")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               "TMPDIR": tmp}
         try:
             rc = _run_worker(cmd, env)
         except _Stopped as stop:
             print(f"stopped by {signal.Signals(stop.signum).name}; rerun with --run-id {run_dir.name} to resume",
                   file=sys.stderr)
             return 128 + stop.signum
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         if rc != 0 and err_file.exists():
             # The worker stopped on bad data or files and said why in one line: pass it on as ours.
             msg = " ".join(err_file.read_text(encoding="utf-8").split())

@@ -218,7 +218,8 @@ def test_d2f_pipeline_nfe_by_hand(prompts, model, add, act, skip, nfe, depth):
 
 
 @pytest.mark.parametrize("shift", [False, True])
-def test_d2f_cached_kv_equals_a_fresh_block_causal_forward_and_no_cache_is_identical(prompts, model, shift):
+def test_d2f_cached_kv_equals_a_fresh_block_causal_forward_and_no_cache_is_identical(prompts, model, shift,
+                                                                                     assert_close):
     _, ids, mask = prompts((6, 3), seed=5)
     knobs = dict(gen_length=16, block_size=4, block_add_threshold=0.25, decoded_token_threshold=0.5,
                  skip_threshold=0.05, shift=shift, eos_token_id=MASK, stop_at_eos=False)  # every block
@@ -234,8 +235,8 @@ def test_d2f_cached_kv_equals_a_fresh_block_causal_forward_and_no_cache_is_ident
                   attention_mask=block_causal_mask(torch.ones(1, x.numel(), dtype=torch.bool), block[None]))
         for mine, theirs in zip(info["cache"].layers, fresh.layers):
             assert mine.keys.shape == theirs.keys.shape
-            assert (mine.keys - theirs.keys).abs().max().item() <= 1e-5
-            assert (mine.values - theirs.values).abs().max().item() <= 1e-5
+            assert_close(mine.keys, theirs.keys)
+            assert_close(mine.values, theirs.values)
         checked.append(x.numel())
 
     a, sa = DECODERS["d2f"](model, ids, attention_mask=mask, on_cache=check, **knobs)

@@ -47,7 +47,7 @@ def test_collate_refusion_weights_and_mask():
     assert torch.all(m[1, 0, :3, 3:] < -1e30)
 
 
-def test_sequence_order_is_seen_causally_not_by_position(tiny_model):
+def test_sequence_order_is_seen_causally_not_by_position(tiny_model, assert_close):
     # A clean slot placed *later* in the sequence but at *earlier* positions must still
     # see the slots before it in sequence order: the mask is causal over indices.
     model = tiny_model()
@@ -62,7 +62,7 @@ def test_sequence_order_is_seen_causally_not_by_position(tiny_model):
     for i in range(ids.shape[1]):
         part = model(input_ids=ids[:, : i + 1], position_ids=pos[:, : i + 1],
                      attention_mask=obj.additive_mask(torch.ones(1, i + 1, dtype=torch.bool), causal=True)).logits
-        assert torch.allclose(part[0, -1], full[0, i], atol=1e-5)
+        assert_close(part[0, -1], full[0, i], msg=f"index {i}")
 
 
 @pytest.mark.parametrize("name", ["refusion", "ar", "mdm"])

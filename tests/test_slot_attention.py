@@ -26,7 +26,7 @@ def test_visibility_pattern_by_hand():
 
 
 @pytest.mark.parametrize("prefix_len,slot_lens", [(7, [4, 4, 4]), (0, [3, 5]), (11, [1]), (5, [2, 6, 1])])
-def test_slot_attention_matches_replicated(prefix_len, slot_lens):
+def test_slot_attention_matches_replicated(prefix_len, slot_lens, assert_close):
     g = torch.Generator().manual_seed(0)
     n = sum(slot_lens)
     q = torch.randn(2, 4, n, 8, generator=g)
@@ -34,17 +34,17 @@ def test_slot_attention_matches_replicated(prefix_len, slot_lens):
     v = torch.randn(2, 2, prefix_len + n, 8, generator=g)
     ref = replicated_slot_attention(q, k, v, prefix_len, slot_lens)
     out = slot_attention(q, k, v, prefix_len, slot_lens)
-    assert (out - ref).abs().max().item() <= 1e-5
+    assert_close(out, ref)
     # The same pattern as an SDPA mask gives the same result (what the decoders run through the model).
     mask = additive_mask(slot_visibility(prefix_len, slot_lens), torch.float32)
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask
     )
-    assert (sdpa - ref).abs().max().item() <= 1e-5
+    assert_close(sdpa, ref)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_packed_model_forward_matches_per_slot_cache_copies(tiny_qwen3, impl):
+def test_packed_model_forward_matches_per_slot_cache_copies(tiny_qwen3, impl, assert_close):
     model = tiny_qwen3(vocab=80, seed=0, max_positions=128, impl=impl)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 80, (1, 9), generator=g)
@@ -67,4 +67,4 @@ def test_packed_model_forward_matches_per_slot_cache_copies(tiny_qwen3, impl):
         vis = slot_visibility(9, [slot_len] * 3)
         packed = model(slots.flatten()[None], position_ids=pos, attention_mask=additive_mask(vis, torch.float32),
                        cache=cache, use_cache=True).logits[0]
-    assert (packed - ref).abs().max().item() <= 1e-5
+    assert_close(packed, ref)
