@@ -14,6 +14,8 @@ MODELS ?=
 LIMIT ?=
 OUT ?= results/runs
 EVAL_ARGS ?=
+DTYPE ?=
+CHAT_TEMPLATE_ARGS ?=
 PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
@@ -42,6 +44,8 @@ override MODELS := $(value MODELS)
 override LIMIT := $(value LIMIT)
 override OUT := $(value OUT)
 override EVAL_ARGS := $(value EVAL_ARGS)
+override DTYPE := $(value DTYPE)
+override CHAT_TEMPLATE_ARGS := $(value CHAT_TEMPLATE_ARGS)
 RUN ?=
 NAME ?=
 REPORT_ARGS ?=
@@ -52,11 +56,12 @@ override NAME := $(value NAME)
 override REPORT_ARGS := $(value REPORT_ARGS)
 override GRID := $(value GRID)
 override SWEEP_ARGS := $(value SWEEP_ARGS)
-export TASK MODELS LIMIT OUT EVAL_ARGS RUN NAME REPORT_ARGS GRID SWEEP_ARGS
+export TASK MODELS LIMIT OUT EVAL_ARGS DTYPE CHAT_TEMPLATE_ARGS RUN NAME REPORT_ARGS GRID SWEEP_ARGS
 
-eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... OUT=...
+eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... DTYPE=... CHAT_TEMPLATE_ARGS=... OUT=...
 	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness eval --task "$$TASK" \
-		$${MODELS:+--models "$$MODELS"} $${LIMIT:+--limit "$$LIMIT"} --out "$$OUT" $$EVAL_ARGS
+		$${MODELS:+--models "$$MODELS"} $${LIMIT:+--limit "$$LIMIT"} $${DTYPE:+--dtype "$$DTYPE"} \
+		$${CHAT_TEMPLATE_ARGS:+--chat-template-args "$$CHAT_TEMPLATE_ARGS"} --out "$$OUT" $$EVAL_ARGS
 
 report: setup ## Table 1, speedups and figures of a run: make report RUN=<run dir or id>[,<run>...] NAME=...
 	@set -f; exec $(PY) -m harness report $${RUN:+--run "$$RUN"} $${NAME:+--name "$$NAME"} --runs-root "$$OUT" \
@@ -64,7 +69,8 @@ report: setup ## Table 1, speedups and figures of a run: make report RUN=<run di
 
 sweep: setup ## ReFusion quality vs tokens/s as its knobs vary: make sweep LIMIT=... GRID='slot_size=2,4,8;...'
 	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness sweep \
-		--task "$$TASK" $${LIMIT:+--limit "$$LIMIT"} $${GRID:+--grid "$$GRID"} --out "$$OUT" $$SWEEP_ARGS
+		--task "$$TASK" $${LIMIT:+--limit "$$LIMIT"} $${GRID:+--grid "$$GRID"} --out "$$OUT" \
+		$${DTYPE:+--dtype "$$DTYPE"} $${CHAT_TEMPLATE_ARGS:+--chat-template-args "$$CHAT_TEMPLATE_ARGS"} $$SWEEP_ARGS
 
 validate-tasks: setup ## score every task's gold answers, one line per task
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness validate-tasks

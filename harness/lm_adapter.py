@@ -56,81 +56,34 @@ from lm_eval.models.utils import postprocess_generated_text
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from harness.checkpoints import CheckpointError, inspect_checkpoint, load_model, resolve_dtype
 from harness.store import Journal, request_key
 
 MODEL_NAME = "refusion_bench"
 PAUSE_ENV = "REFUSION_BENCH_PAUSE_AFTER"  # test hook: see RefusionBenchLM._maybe_pause
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that does not exist or cannot be loaded."""
-
-
-# ---------------------------------------------------------------- checkpoint + knobs
-
-
-def check_checkpoint(path: str | os.PathLike) -> Path:
-    """The folder, or CheckpointError saying what is missing (no model is loaded)."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(p)!r} does not exist")
-    if not (p / "config.json").is_file():
-        raise CheckpointError(f"checkpoint directory {str(p)!r} has no config.json")
-    if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise CheckpointError(f"checkpoint directory {str(p)!r} has no tokenizer files")
-    for f in sorted(p.glob("*.safetensors")):
-        check_safetensors(f)
-    return p
-
-
-def check_safetensors(path: Path) -> None:
-    """CheckpointError naming the file when its header is unreadable or its data is cut short.
-
-    Reads the header only (a few KiB): a copy that stopped half-way is caught here, in
-    validation, instead of as a loader traceback inside the model's worker process.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            # safetensors caps the header at 100 MB; a bigger length means the first bytes are not a header.
-            header = json.loads(f.read(n)) if 0 < n <= min(size - 8, 100_000_000) else None
-    except OSError as e:
-        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        header = None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: truncated or corrupt "
-                              f"(no valid safetensors header in its {size} bytes)")
-    end = max((int(t["data_offsets"][1]) for k, t in header.items()
-               if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t), default=0)
-    if size < 8 + n + end:
-        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: truncated ({size} bytes, "
-                              f"its header needs {8 + n + end})")
-
-
-def load_checkpoint(path: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
-                    trust_remote_code: bool = False):
-    """(model in eval mode, tokenizer) from a Hugging Face folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    p = check_checkpoint(path)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
-    if torch_dtype is None:
-        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype!r}")
-    try:
-        config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(str(p), config=config, dtype=torch_dtype,
-                                                     trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"cannot load checkpoint {str(p)!r}: {e}") from e
-    return model.to(device).eval(), tokenizer
-
-
 def is_causal_model(model) -> bool:
     return bool(getattr(model.config, "is_causal", True))
+
+
+def parse_chat_template_args(value: str | dict | None) -> dict[str, Any]:
+    """``enable_thinking=false;x=1`` (or a dict) -> keyword arguments of ``apply_chat_template``."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    from lm_eval.utils import handle_arg_string
+
+    out: dict[str, Any] = {}
+    for part in str(value).replace(";", ",").split(","):
+        k, eq, v = part.strip().partition("=")
+        if not part.strip():
+            continue
+        if not eq or not k.strip():
+            raise ValueError(f"chat template argument {part.strip()!r}: expected name=value")
+        out[k.strip()] = handle_arg_string(v.strip())
+    return out
 
 
 # ---------------------------------------------------------------- the lm-eval model
@@ -144,7 +97,7 @@ class RefusionBenchLM(TemplateLM):
         decoder: str = "ar",
         batch_size: int | str | None = 1,
         device: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         seed: int = 1234,
         threads: int | None = None,
         journal_dir: str | None = None,
@@ -154,10 +107,13 @@ class RefusionBenchLM(TemplateLM):
         warmup: bool = True,
         trust_remote_code: bool = False,
         response_extract: str | None = None,
+        base: str | None = None,
+        chat_template_args: str | dict | None = None,
         max_batch_size: int | None = None,  # lm-eval passes it; batches are fixed-size here
         **knobs: Any,
     ) -> None:
         super().__init__()
+        from refusion.decoding import check_attention as get_decoder_check_attention
         from refusion.decoding import get_decoder, make_knobs
 
         self.decoder = get_decoder(decoder)  # unknown name: ValueError listing the valid ones
@@ -199,9 +155,16 @@ class RefusionBenchLM(TemplateLM):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
         self.pretrained = str(pretrained)
-        self.model, self.tokenizer = load_checkpoint(pretrained, str(self._device), dtype, bool(trust_remote_code))
-        self.causal = is_causal_model(self.model)
-        self.dtype = dtype
+        if trust_remote_code:
+            raise ValueError("trust_remote_code: this harness runs no checkpoint's own code; released folders "
+                             "load onto transformers' classes by their family (harness/families.py)")
+        self.chat_template_args = parse_chat_template_args(chat_template_args)
+        self.dtype = resolve_dtype(dtype, str(self._device))
+        info = inspect_checkpoint(pretrained, base)
+        get_decoder_check_attention(decoder, info.causal)  # before the weights are read
+        loaded = load_model(pretrained, device=str(self._device), dtype=self.dtype, base=base, info=info)
+        self.model, self.tokenizer, self.family = loaded.model, loaded.tokenizer, loaded.family
+        self.causal = info.causal
         self._special_ids()
 
         self.journal = Journal(journal_dir, self.rank) if journal_dir else None
@@ -249,12 +212,14 @@ class RefusionBenchLM(TemplateLM):
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"checkpoint {self.pretrained!r} has no chat template; run without one")
         return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **self.chat_template_args)
 
     def get_model_info(self) -> dict:
         return {"pretrained": self.pretrained, "decoder": self.decoder_name, "knobs": self.knobs,
                 "response_extract": self.response_extract,
-                "task_knobs": self.task_knobs, "causal": self.causal, "dtype": self.dtype}
+                "task_knobs": self.task_knobs, "causal": self.causal, "dtype": self.dtype,
+                "family": self.family.name, "chat_template_args": self.chat_template_args}
 
     # ------------------------------------------------ helpers
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import fcntl
+import json
 import os
 import re
 import secrets
@@ -54,7 +55,9 @@ DEFAULT_TASK = "embedded"
 DEFAULT_LIMIT = 20
 # Settings that must match for a run id to be resumed.
 RESUME_KEYS = ("task", "units", "models", "limit", "seed", "chat_template", "device", "batch_size",
-               "bootstrap_iters", "task_defaults", "baseline")
+               "bootstrap_iters", "task_defaults", "baseline", "dtype", "chat_template_args")
+# Model options that choose how a checkpoint loads, not how it decodes: taken out of the knob list.
+LOAD_OPTIONS = ("base",)
 
 
 class InputError(Exception):
@@ -276,36 +279,61 @@ def _leaves(name: str, gmap: dict) -> list[str]:
     return [leaf for c in gmap[name] for leaf in _leaves(c, gmap)]
 
 
-def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: bool) -> list[dict]:
-    """Check decoders, checkpoints and knobs; return each model with its per-leaf knobs."""
-    from harness.lm_adapter import CheckpointError, check_checkpoint
-    from refusion.decoding import DECODERS, make_knobs
+def _local_path(path: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        p = (Path.cwd() / p) if (Path.cwd() / p).exists() else (REPO / p)
+    return p
 
+
+def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: bool,
+                    inspected: dict[str, Any] | None = None, seed: int | None = None) -> list[dict]:
+    """Check decoders, checkpoints (completely: harness/checkpoints.inspect_checkpoint), the attention each
+    decoder needs, and knobs; return each model with its per-leaf task knobs and the knob values each
+    leaf will really use (``resolved_knobs``: decoder defaults < the task's settings < the model's knobs).
+    ``inspected`` caches checkpoint checks by model name across calls."""
+    from harness.checkpoints import CheckpointError, inspect_checkpoint
+    from refusion.decoding import DECODERS, check_attention, make_knobs
+
+    inspected = {} if inspected is None else inspected
     out = []
     for m in models:
         if m.decoder not in DECODERS:
             raise InputError(f"model {m.name!r}: unknown decoder {m.decoder!r}; valid decoders: "
                              f"{', '.join(sorted(DECODERS))}")
-        ckpt = Path(m.checkpoint)
-        if not ckpt.is_absolute():
-            ckpt = (Path.cwd() / ckpt) if (Path.cwd() / ckpt).exists() else (REPO / ckpt)
+        knobs = {k: v for k, v in m.knobs.items() if k not in LOAD_OPTIONS}
+        load = {k: str(_local_path(str(v)).resolve()) for k, v in m.knobs.items() if k in LOAD_OPTIONS}
+        ckpt = _local_path(m.checkpoint)
         try:
-            check_checkpoint(ckpt)
+            if m.name not in inspected:
+                inspected[m.name] = inspect_checkpoint(ckpt, load.get("base"))
+            info = inspected[m.name]
+            check_attention(m.decoder, info.causal)
         except CheckpointError as e:
             raise InputError(f"model {m.name!r}: {e}") from None
+        except ValueError as e:
+            raise InputError(f"model {m.name!r} ({ckpt}): {e}") from None
         accepted = set(DECODERS[m.decoder].knobs.names())
         task_knobs: dict[str, dict] = {}
+        resolved: dict[str, dict] = {}
         try:
-            make_knobs(m.decoder, m.knobs)
+            make_knobs(m.decoder, knobs)
             for u in units:
                 tk = paper_knobs(u["name"], m.decoder, accepted) if task_defaults else {}
-                make_knobs(m.decoder, {**tk, **m.knobs})
-                if tk:
-                    for leaf in u["leaves"]:
+                values = make_knobs(m.decoder, {**tk, **knobs}).to_dict()
+                if "gen_length" in accepted and "gen_length" not in {**tk, **knobs}:
+                    values["gen_length"] = "max_gen_toks"  # the adapter takes the request's budget
+                if "seed" in accepted and "seed" not in knobs and seed is not None:
+                    values["seed"] = seed  # the adapter passes the run's seed
+                for leaf in u["leaves"]:
+                    resolved[leaf] = values
+                    if tk:
                         task_knobs[leaf] = tk
         except ValueError as e:
             raise InputError(f"model {m.name!r}: {e}") from None
-        out.append({**m.to_dict(), "checkpoint": str(ckpt.resolve()), "task_knobs": task_knobs})
+        out.append({**m.to_dict(), "knobs": knobs, **load, "checkpoint": str(ckpt.resolve()),
+                    "family": info.family.name, "causal": info.causal, "task_knobs": task_knobs,
+                    "resolved_knobs": resolved})
     return out
 
 
@@ -388,6 +416,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default=None, help="model the speedup is measured against "
                    "(default: the first model whose decoder is ar)")
     p.add_argument("--no-chat-template", action="store_true", help="send prompts without the chat template")
+    p.add_argument("--chat-template-args", default="",
+                   help="keyword arguments of the tokenizer's chat template, name=value[,name=value]: e.g. "
+                   "enable_thinking=false for Qwen3 and ReFusion (default: none, the template's own defaults)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="weights and activations (default: auto = bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check everything, print the knob values each (model, task) will use, and exit "
+                   "(nothing is written)")
     p.add_argument("--prompts", choices=("stock", "paper"), default="stock",
                    help="stock: lm-eval's prompts (default); paper: the ReFusion authors' prompt variants "
                    "(gsm8k_cot_paper, gpqa_main_generative_paper, humaneval_instruct_noprefix, mbpp_paper) "
@@ -440,13 +476,22 @@ def build_config(ns: argparse.Namespace) -> dict:
     tasks_dir = Path(ns.tasks_dir)
     if not tasks_dir.is_dir():
         raise InputError(f"--tasks-dir {str(tasks_dir)!r} does not exist")
+    from harness.checkpoints import resolve_dtype
+    from harness.lm_adapter import parse_chat_template_args
+
+    try:
+        template_args = parse_chat_template_args(ns.chat_template_args)
+    except ValueError as e:
+        raise InputError(f"--chat-template-args: {e}") from None
     task_defaults = not ns.no_task_defaults
-    validate_models(models, [], task_defaults)  # cheap checks first: decoders, checkpoints, model knobs
+    inspected: dict[str, Any] = {}
+    # Cheap checks first (decoders, every checkpoint completely, attention, model knobs), before tasks load.
+    validate_models(models, [], task_defaults, inspected)
     limit = ns.limit
     if limit is None and ns.task == DEFAULT_TASK and (ns.models is None or ns.models.strip() in MODEL_GROUPS):
         limit = DEFAULT_LIMIT
     units = resolve_units(paper_tasks(ns.task) if ns.prompts == "paper" else ns.task, tasks_dir, limit)
-    model_cfgs = validate_models(models, units, task_defaults)
+    model_cfgs = validate_models(models, units, task_defaults, inspected, ns.seed)
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
         raise InputError(f"--baseline {baseline!r} is not a model of this run; valid: "
@@ -459,8 +504,29 @@ def build_config(ns: argparse.Namespace) -> dict:
         "chat_template": not ns.no_chat_template, "device": device, "threads": threads,
         "num_processes": ns.num_processes, "batch_size": ns.batch_size, "bootstrap_iters": ns.bootstrap_iters,
         "task_defaults": task_defaults, "baseline": baseline, "tasks_dir": str(tasks_dir.resolve()),
-        "prompts": ns.prompts,
+        "prompts": ns.prompts, "dtype": resolve_dtype(ns.dtype, device), "dtype_requested": ns.dtype,
+        "chat_template_args": template_args,
     }
+
+
+def describe_resolved(cfg: dict) -> str:
+    """What a run will do, per model and task: the knob values each leaf task will use (``--dry-run``)."""
+    lines = [f"task {cfg['task']}, limit {cfg['limit'] or 'all'}, device {cfg['device']}, dtype {cfg['dtype']}, "
+             f"chat template {'on' if cfg['chat_template'] else 'off'}"
+             + (f" with {cfg['chat_template_args']}" if cfg["chat_template_args"] else "")]
+    for m in cfg["models"]:
+        attn = "causal" if m["causal"] else "bidirectional"
+        lines.append(f"{m['name']}: decoder {m['decoder']} on {m['checkpoint']} ({m['family']} family, {attn}"
+                     + (f", LoRA on base {m['base']}" if m.get("base") else "") + ")")
+        for u in cfg["units"]:
+            groups: dict[str, list[str]] = {}
+            for leaf in u["leaves"]:
+                groups.setdefault(json.dumps(m["resolved_knobs"][leaf], sort_keys=True), []).append(leaf)
+            for values, leaves in groups.items():
+                where = u["name"] if len(groups) == 1 else ",".join(leaves)
+                knobs = ", ".join(f"{k}={v}" for k, v in json.loads(values).items())
+                lines.append(f"  {where}: {knobs}")
+    return "\n".join(lines)
 
 
 def paper_tasks(task_arg: str) -> str:
@@ -600,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         cfg = build_config(ns)
+        if ns.dry_run:
+            print(describe_resolved(cfg))
+            return 0
         run_dir = _prepare_run_dir(Path(ns.out), ns.run_id, cfg)
     except KnobHelp as h:
         from harness.knobs import describe

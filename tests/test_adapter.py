@@ -83,7 +83,7 @@ def test_loglikelihood_mdm_monte_carlo_is_deterministic_and_unbiased_shape(mdm_c
 
     from harness.lm_adapter import RefusionBenchLM
 
-    lm = RefusionBenchLM(pretrained=str(mdm_ckpt), decoder="ar", mc_num=32, mc_batch=8)
+    lm = RefusionBenchLM(pretrained=str(mdm_ckpt), decoder="llada", mc_num=32, mc_batch=8)
     assert not lm.causal
     req = Instance("loglikelihood", {}, ("what is 3 plus 4 ?", " seven"), 0, ("t", 0, 1))
     (a, ga), = lm.loglikelihood([req])

@@ -1,0 +1,368 @@
+"""Checkpoint folders as published: checked completely before any model runs, then loaded onto a stock
+``transformers`` class by the family table (harness/families.py), with no remote code.
+
+    info = inspect_checkpoint("/ckpt/LLaDA-8B-Instruct")          # reads headers only; CheckpointError
+    loaded = load_model("/ckpt/LLaDA-8B-Instruct", dtype="bfloat16")
+    loaded.model, loaded.tokenizer, loaded.family, loaded.mask_id, loaded.eos_ids
+
+A PEFT LoRA adapter folder (``adapter_config.json``, as the D2F releases) is checked and loaded with its
+base: ``base=DIR``, else the adapter's ``base_model_name_or_path`` when it is a local folder, else a
+folder of the same name beside the adapter (``/ckpt/LLaDA-8B-Instruct`` next to
+``/ckpt/D2F_LLaDA_Instruct_8B_Lora``). The LoRA is merged into the base weights with ``peft``.
+
+``inspect_checkpoint`` is what the runner calls for every model before the first sample: config and
+family, tokenizer files, every weight file (safetensors headers, shard index, truncation) and the
+tensor names against the class the family maps to (built on the meta device: no memory, no time),
+and for an adapter its files and its base, recursively.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.families import FAMILIES, Family, family_of, model_is_causal
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+ADAPTER_CONFIG = "adapter_config.json"
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that does not exist, is incomplete or cannot be loaded (one line)."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    family: Family
+    causal: bool
+    config: dict                      # the published config.json
+    base: CheckpointInfo | None = None  # for a LoRA adapter: its base model
+    adapter: dict | None = None       # adapter_config.json
+
+
+@dataclass
+class Loaded:
+    model: Any
+    tokenizer: Any
+    info: CheckpointInfo
+    mask_id: int | None
+    eos_ids: tuple[int, ...]
+
+    @property
+    def family(self) -> Family:
+        return self.info.family
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto``: bfloat16 on CUDA (as the paper's figures), float32 on the CPU."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        return "bfloat16" if str(device).startswith("cuda") else "float32"
+    return dtype
+
+
+# ---------------------------------------------------------------- checks (headers only)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{str(path)!r} cannot be read: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{str(path)!r} is not a JSON object")
+    return data
+
+
+def safetensors_names(path: Path) -> list[str]:
+    """The tensor names of a safetensors file, read from its header; CheckpointError naming the file when
+    the header is unreadable or the data is cut short (a copy that stopped half-way)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            # safetensors caps the header at 100 MB; a bigger length means the first bytes are not a header.
+            header = json.loads(f.read(n)) if 0 < n <= min(size - 8, 100_000_000) else None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: truncated or corrupt "
+                              f"(no valid safetensors header in its {size} bytes)")
+    end = max((int(t["data_offsets"][1]) for k, t in header.items()
+               if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t), default=0)
+    if size < 8 + n + end:
+        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: truncated ({size} bytes, "
+                              f"its header needs {8 + n + end})")
+    return [k for k in header if k != "__metadata__"]
+
+
+def check_safetensors(path: Path) -> None:
+    safetensors_names(path)
+
+
+def _weight_names(p: Path) -> list[str]:
+    """Every tensor name of the folder's weights (index and shards checked); CheckpointError if none."""
+    index = p / INDEX
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{str(index)!r} has no weight_map")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (p / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{str(index)!r} lists shard(s) that are not in the folder: {', '.join(missing)}")
+        names = []
+        for s in shards:
+            got = set(safetensors_names(p / s))
+            want = {k for k, v in weight_map.items() if v == s}
+            if want - got:
+                raise CheckpointError(f"shard {str(p / s)!r} lacks {len(want - got)} tensor(s) its index names, "
+                                      f"e.g. {sorted(want - got)[0]!r}")
+            names += sorted(got)
+        return names
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.glob("pytorch_model*.bin"))
+        if bins:
+            raise CheckpointError(f"checkpoint directory {str(p)!r} has only PyTorch .bin weights; "
+                                  "convert them to safetensors (this harness loads no pickles)")
+        raise CheckpointError(f"checkpoint directory {str(p)!r} has no weights (no *.safetensors)")
+    return [n for f in files for n in safetensors_names(f)]
+
+
+def _expected_names(fam: Family, cfg) -> tuple[set[str], set[str]]:
+    """(parameter names, names that may be absent) of the family's class for ``cfg``, built on the meta device."""
+    import torch
+    import transformers
+
+    cls = getattr(transformers, fam.model_class)
+    with torch.device("meta"):
+        model = cls(cfg)
+    names = set(model.state_dict())
+    optional = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
+    optional |= {n for n in names if n.endswith("rotary_emb.inv_freq")}
+    return names, optional
+
+
+def _map_name(name: str, mapping) -> str:
+    for pattern, repl in mapping.items():
+        new, n = re.subn(pattern, repl, name)
+        if n:
+            return new
+    return name
+
+
+def build_config(fam: Family, raw: dict):
+    """The stock transformers config of ``fam`` for a published config.json (attention fixed here)."""
+    import transformers
+
+    cls = getattr(transformers, fam.model_class)
+    cfg = cls.config_class(**(fam.to_config(raw) if fam.to_config else raw))
+    cfg.is_causal = model_is_causal(fam, raw)
+    if raw.get("mask_token_id") is not None:
+        cfg.mask_token_id = int(raw["mask_token_id"])
+    cfg.architectures = [fam.model_class]
+    return cfg
+
+
+def _tokenizer_files(p: Path) -> None:
+    if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                                           "vocab.json")):
+        raise CheckpointError(f"checkpoint directory {str(p)!r} has no tokenizer files")
+
+
+def inspect_checkpoint(path: str | os.PathLike, base: str | os.PathLike | None = None,
+                       _seen: tuple[Path, ...] = ()) -> CheckpointInfo:
+    """Everything about a folder that can go wrong before its weights are read (see the module doc)."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(p)!r} does not exist")
+    if (p / ADAPTER_CONFIG).is_file():
+        return _inspect_adapter(p, base, _seen)
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"checkpoint directory {str(p)!r} has no config.json (nor {ADAPTER_CONFIG})")
+    raw = _read_json(p / "config.json")
+    try:
+        fam = family_of(raw, str(p / "config.json"))
+        cfg = build_config(fam, raw)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{str(p / 'config.json')!r}: {e}") from None
+    _tokenizer_files(p)
+    names = _weight_names(p)
+    want, optional = _expected_names(fam, cfg)
+    have = {_map_name(n, fam.key_mapping) for n in names}
+    missing, extra = sorted(want - have - optional), sorted(have - want)
+    if missing or extra:
+        what = (f"lacks {len(missing)} tensor(s) of {fam.model_class}, e.g. {missing[0]!r}" if missing
+                else f"has {len(extra)} tensor(s) {fam.model_class} does not take, e.g. {extra[0]!r}")
+        raise CheckpointError(f"weights of {str(p)!r} ({fam.name} family) {what}")
+    return CheckpointInfo(p.resolve(), fam, model_is_causal(fam, raw), raw)
+
+
+def _base_candidates(p: Path, adapter: dict, base: str | os.PathLike | None) -> list[Path]:
+    if base is not None:
+        return [Path(base).expanduser()]
+    name = str(adapter.get("base_model_name_or_path") or "")
+    if not name:
+        return []
+    given = Path(name).expanduser()
+    return [given if given.is_absolute() else p / given, p.parent / given.name]
+
+
+def _inspect_adapter(p: Path, base, seen: tuple[Path, ...]) -> CheckpointInfo:
+    adapter = _read_json(p / ADAPTER_CONFIG)
+    if str(adapter.get("peft_type", "")).upper() != "LORA":
+        raise CheckpointError(f"{str(p / ADAPTER_CONFIG)!r}: peft_type {adapter.get('peft_type')!r} is not "
+                              "supported (LoRA adapters only)")
+    weights = p / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"adapter {str(p)!r} has no adapter_model.safetensors")
+    safetensors_names(weights)
+    found = next((c for c in _base_candidates(p, adapter, base) if c.is_dir()), None)
+    if found is None:
+        said = f"base={base}" if base is not None else \
+            f"base_model_name_or_path {adapter.get('base_model_name_or_path')!r} in {ADAPTER_CONFIG}"
+        raise CheckpointError(f"adapter {str(p)!r}: its base model ({said}) is not a local folder; download it "
+                              "and give its folder with the knob base=DIR (or put it beside the adapter)")
+    if found.resolve() in seen or found.resolve() == p.resolve():
+        raise CheckpointError(f"adapter {str(p)!r}: its base {str(found)!r} is an adapter of itself")
+    base_info = inspect_checkpoint(found, _seen=(*seen, p.resolve()))
+    if base_info.adapter is not None:
+        raise CheckpointError(f"adapter {str(p)!r}: its base {str(found)!r} is itself an adapter")
+    return CheckpointInfo(p.resolve(), base_info.family, base_info.causal, base_info.config, base_info, adapter)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_tokenizer(info: CheckpointInfo):
+    import transformers
+
+    folder = info.base.path if info.base is not None and not _has_tokenizer(info.path) else info.path
+    fam = info.family
+    if fam.tokenizer_class:  # the release names a remote-code class (Dream): its stock equivalent instead
+        return getattr(transformers, fam.tokenizer_class).from_pretrained(str(folder))
+    # The stock config, so that AutoTokenizer neither reads the published one (an unknown model_type) nor
+    # asks about remote code; never trust it.
+    return transformers.AutoTokenizer.from_pretrained(str(folder), config=build_config(fam, info.config),
+                                                      trust_remote_code=False)
+
+
+def _has_tokenizer(p: Path) -> bool:
+    return any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+
+
+def _load_weights(info: CheckpointInfo, device: str, dtype: str):
+    import transformers
+
+    fam = info.family
+    cls = getattr(transformers, fam.model_class)
+    cfg = build_config(fam, info.config)
+    kw: dict[str, Any] = {"config": cfg, "dtype": _torch_dtype(dtype)}
+    if fam.key_mapping:
+        kw["key_mapping"] = dict(fam.key_mapping)
+    model = cls.from_pretrained(str(info.path), **kw)
+    return model.to(device)
+
+
+def merge_lora(model, info: CheckpointInfo):
+    """The adapter's LoRA merged into ``model`` (the base) with peft; published module names mapped by the
+    family table (LLaDA's attn_out -> o_proj ...)."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    fam, adapter = info.family, dict(info.adapter or {})
+    renames = dict(fam.module_renames)
+    targets = adapter.get("target_modules")
+    if isinstance(targets, list):
+        adapter["target_modules"] = [renames.get(t, t) for t in targets]
+    keep = set(LoraConfig.__dataclass_fields__)
+    config = LoraConfig(**{k: v for k, v in adapter.items() if k in keep and k not in ("base_model_name_or_path",
+                                                                                       "revision")})
+    state = load_file(str(info.path / "adapter_model.safetensors"))
+    prefix = "base_model.model."
+    mapped = {}
+    for k, v in state.items():
+        inner = k[len(prefix):] if k.startswith(prefix) else k
+        # The family's key mapping works on weight names: map the module path of the LoRA tensor.
+        m = re.match(r"(.*)\.(lora_[AB](?:\.[^.]+)?\.weight|lora_embedding_[AB](?:\.[^.]+)?)$", inner)
+        if m:
+            inner = _map_name(m.group(1) + ".weight", fam.key_mapping)[: -len(".weight")] + "." + m.group(2)
+        mapped[prefix + inner] = v
+    peft_model = get_peft_model(model, config)
+    result = set_peft_model_state_dict(peft_model, mapped)
+    unexpected = getattr(result, "unexpected_keys", None) or []
+    if unexpected:
+        raise CheckpointError(f"adapter {str(info.path)!r}: {len(unexpected)} LoRA tensor(s) match no module of "
+                              f"the base, e.g. {unexpected[0]!r}")
+    lora_missing = [k for k in (getattr(result, "missing_keys", None) or []) if "lora_" in k]
+    if lora_missing:
+        raise CheckpointError(f"adapter {str(info.path)!r}: no tensor for {len(lora_missing)} LoRA module(s), "
+                              f"e.g. {lora_missing[0]!r}")
+    return peft_model.merge_and_unload()
+
+
+def special_ids(model, tokenizer, fam: Family) -> tuple[int | None, tuple[int, ...]]:
+    """(mask id, EOS ids): the folder's own (config, generation config, tokenizer), else the family table's."""
+    cfg = model.config
+    mask = getattr(cfg, "mask_token_id", None)
+    if mask is None and fam.mask_token:
+        tid = tokenizer.convert_tokens_to_ids(fam.mask_token)
+        mask = tid if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None else None
+    if mask is None:
+        tok_mask = getattr(tokenizer, "mask_token_id", None)
+        mask = tok_mask if tok_mask is not None else (fam.mask_id if fam.mask_id is not None and
+                                                      fam.mask_id < cfg.vocab_size else None)
+    eos: list[int] = []
+    # The union: a chat turn may end with another id than the config's EOS (Llama-3's <|eot_id|>, Dream's
+    # <|im_end|>, LLaDA's <|eot_id|>); the family's released ids count where the vocabulary has them.
+    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), cfg.eos_token_id,
+                tokenizer.eos_token_id, [i for i in fam.eos_ids if i < cfg.vocab_size]):
+        for i in ([src] if isinstance(src, int) else list(src or [])):
+            if int(i) not in eos:
+                eos.append(int(i))
+    return (None if mask is None else int(mask)), tuple(eos)
+
+
+def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: str = "float32",
+               base: str | os.PathLike | None = None, info: CheckpointInfo | None = None) -> Loaded:
+    """Check, then load a folder (or adapter + base) in eval mode; see the module doc."""
+    info = info or inspect_checkpoint(path, base)
+    dtype = resolve_dtype(dtype, device)
+    target = info.base if info.base is not None else info
+    try:
+        model = _load_weights(target, device, dtype)
+        if info.adapter is not None:
+            model = merge_lora(model, info)
+        tokenizer = load_tokenizer(info)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"cannot load checkpoint {str(info.path)!r}: {' '.join(str(e).split())[:400]}") from e
+    mask, eos = special_ids(model, tokenizer, info.family)
+    if mask is not None:
+        model.config.mask_token_id = mask  # the decoders read it from the config (refusion/decoding/common.py)
+    model.generation_config.eos_token_id = list(eos)
+    return Loaded(model.eval(), tokenizer, info, mask, eos)
+
+
+def family_names() -> list[str]:
+    return sorted(FAMILIES)
