@@ -63,6 +63,17 @@ MODEL_NAME = "refusion_bench"
 PAUSE_ENV = "REFUSION_BENCH_PAUSE_AFTER"  # test hook: see RefusionBenchLM._maybe_pause
 
 
+def checkpoint_knobs(path: str | os.PathLike, decoder: str) -> dict[str, Any]:
+    """Decoder knobs a checkpoint folder sets for itself: for ``dream``, the DreamGenerationConfig fields of
+    its generation_config.json (refusion.decoding.mdm.dream_generation_defaults); {} for other decoders.
+    Reads JSON only, so it runs before the model is loaded; a bad value raises ValueError naming the file."""
+    if decoder != "dream":
+        return {}
+    from refusion.decoding.mdm import dream_generation_defaults
+
+    return dream_generation_defaults(Path(path).expanduser())
+
+
 def is_causal_model(model) -> bool:
     return bool(getattr(model.config, "is_causal", True))
 
@@ -121,9 +132,11 @@ class RefusionBenchLM(TemplateLM):
             # lm-eval's own CLI may add these; they are not knobs
             if k in ("parallelize", "trust_remote_code", "max_length"):
                 knobs.pop(k)
-        make_knobs(decoder, knobs)  # bad knobs fail here, before the model is loaded
+        # The checkpoint's own decoding defaults (checkpoint_knobs): below task defaults and model_args.
+        self.checkpoint_knobs = checkpoint_knobs(pretrained, decoder)
+        make_knobs(decoder, {**self.checkpoint_knobs, **knobs})  # bad knobs fail here, before the model is loaded
         for tk in (task_knobs or {}).values():
-            make_knobs(decoder, {**tk, **knobs})
+            make_knobs(decoder, {**self.checkpoint_knobs, **tk, **knobs})
         if response_extract not in (None, "python_fence"):
             raise ValueError(f"response_extract must be python_fence or unset, got {response_extract!r}")
         self.response_extract = response_extract
@@ -217,7 +230,7 @@ class RefusionBenchLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         return {"pretrained": self.pretrained, "decoder": self.decoder_name, "knobs": self.knobs,
-                "response_extract": self.response_extract,
+                "checkpoint_knobs": self.checkpoint_knobs, "response_extract": self.response_extract,
                 "task_knobs": self.task_knobs, "causal": self.causal, "dtype": self.dtype,
                 "family": self.family.name, "chat_template_args": self.chat_template_args}
 
@@ -256,8 +269,9 @@ class RefusionBenchLM(TemplateLM):
             self.mask = int(tok_mask) if tok_mask is not None else None
 
     def knobs_for(self, task: str | None, gen_kwargs: dict) -> dict[str, Any]:
-        """Effective knobs of one request: task defaults < model_args; gen_length falls back to max_gen_toks."""
-        k = {**self.task_knobs.get(task or "", {}), **self.knobs}
+        """Effective knobs of one request: the checkpoint's defaults < task defaults < model_args; gen_length
+        falls back to max_gen_toks."""
+        k = {**self.checkpoint_knobs, **self.task_knobs.get(task or "", {}), **self.knobs}
         if "gen_length" in self.knob_names and "gen_length" not in k:
             k["gen_length"] = int(gen_kwargs.get("max_gen_toks", 256))
         if "seed" in self.knob_names and "seed" not in k:

@@ -290,9 +290,11 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
                     inspected: dict[str, Any] | None = None, seed: int | None = None) -> list[dict]:
     """Check decoders, checkpoints (completely: harness/checkpoints.inspect_checkpoint), the attention each
     decoder needs, and knobs; return each model with its per-leaf task knobs and the knob values each
-    leaf will really use (``resolved_knobs``: decoder defaults < the task's settings < the model's knobs).
+    leaf will really use (``resolved_knobs``: decoder defaults < the checkpoint's own decoding settings
+    (Dream's generation_config.json) < the task's settings < the model's knobs).
     ``inspected`` caches checkpoint checks by model name across calls."""
     from harness.checkpoints import CheckpointError, inspect_checkpoint
+    from harness.lm_adapter import checkpoint_knobs
     from refusion.decoding import DECODERS, check_attention, make_knobs
 
     inspected = {} if inspected is None else inspected
@@ -309,6 +311,7 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
                 inspected[m.name] = inspect_checkpoint(ckpt, load.get("base"))
             info = inspected[m.name]
             check_attention(m.decoder, info.causal)
+            own = checkpoint_knobs(ckpt, m.decoder)  # e.g. Dream's generation_config.json
         except CheckpointError as e:
             raise InputError(f"model {m.name!r}: {e}") from None
         except ValueError as e:
@@ -317,11 +320,11 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
         task_knobs: dict[str, dict] = {}
         resolved: dict[str, dict] = {}
         try:
-            make_knobs(m.decoder, knobs)
+            make_knobs(m.decoder, {**own, **knobs})
             for u in units:
                 tk = paper_knobs(u["name"], m.decoder, accepted) if task_defaults else {}
-                values = make_knobs(m.decoder, {**tk, **knobs}).to_dict()
-                if "gen_length" in accepted and "gen_length" not in {**tk, **knobs}:
+                values = make_knobs(m.decoder, {**own, **tk, **knobs}).to_dict()
+                if "gen_length" in accepted and "gen_length" not in {**own, **tk, **knobs}:
                     values["gen_length"] = "max_gen_toks"  # the adapter takes the request's budget
                 if "seed" in accepted and "seed" not in knobs and seed is not None:
                     values["seed"] = seed  # the adapter passes the run's seed

@@ -58,8 +58,10 @@ def test_mdm_checkpoint_llada_equals_fast_dllm_without_cache(tiny_checkpoint):
 def test_dream_checkpoint_dream_equals_fast_dllm_shift_without_cache(tiny_checkpoint):
     model, ids = load(tiny_checkpoint("dream"))
     assert model.config.is_causal is False
-    a, _ = DECODERS["dream"](model, ids, gen_length=32, alg="maskgit_plus")
-    b, _ = DECODERS["fast_dllm"](model, ids, gen_length=32, block_length=32, threshold=2.0, cache="none", shift=True)
+    # the old rules' knob values: Dream's schedule at eps -> 0, the LLaDA rule on shifted logits
+    a, _ = DECODERS["dream"](model, ids, gen_length=32, alg="maskgit_plus", transfer_schedule="limit")
+    b, _ = DECODERS["fast_dllm"](model, ids, gen_length=32, block_length=32, threshold=2.0, cache="none", shift=True,
+                                 commit_first=False)
     assert torch.equal(a[0], b[0])
     c, sc = DECODERS["fast_dllm"](model, ids, gen_length=32, block_length=32, threshold=0.9, shift=True)
     assert sc["tpf"] > 1.0  # trained: the dual-cache threshold decoder commits several tokens per forward

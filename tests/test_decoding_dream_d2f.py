@@ -3,19 +3,33 @@ Qwen3 models: the logit shift itself, one-token-per-step settings reducing to th
 Dream's step schedule, exact caches (a one-layer model for Fast-dLLM's approximate cache; D2F's
 cached KV against a fresh block-causal forward, and its no-cache ablation), hand-counted NFE of
 the D2F pipeline, batched rows == rows one by one, EOS handling and knob errors.
+
+The authors' rules on a scripted stand-in model (logits fixed per position): Dream's
+transfer schedule step by step against hand-computed counts, the Fast-dLLM-on-Dream block loop
+(first token from the full forward, >= threshold) commit by commit, top_p / top_k reordering
+the confidences; the generation_config.json reader and its use by the lm-eval adapter; and
+both rule sets on the trained tiny Dream checkpoint.
 """
+
+import json
+import math
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, Qwen3Config
 
 from refusion.decoding import DECODERS
-from refusion.decoding.mdm import _top_p
+from refusion.decoding.mdm import _dream_propose, _top_p, dream_generation_defaults
 from refusion.objective import block_causal_mask
 
 MASK = 47  # conftest's MDM_MASK: the mask id of its tiny_mdm models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUERY = ("Ana has 85 apples. Ana uses 22 apples. Then Ana gives 45 apples to Lily. How many apples does Ana "
+         "have now?")
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +78,12 @@ def test_dream_first_token_comes_from_the_prompts_last_logit(prompts, model):
 
 
 def test_dream_one_token_per_step_equals_fast_dllm_shift_without_cache(prompts, model):
+    # The eps -> 0 schedule and the LLaDA rule on shifted logits (the knob values that keep the old rules).
     _, ids, _ = prompts()
-    a, sa = DECODERS["dream"](model, ids, gen_length=16, alg="maskgit_plus", stop_at_eos=False)
+    a, sa = DECODERS["dream"](model, ids, gen_length=16, alg="maskgit_plus", transfer_schedule="limit",
+                              stop_at_eos=False)
     b, sb = DECODERS["fast_dllm"](model, ids, gen_length=16, block_length=16, threshold=1.5, cache="none",
-                                  shift=True, stop_at_eos=False)
+                                  shift=True, commit_first=False, stop_at_eos=False)
     assert torch.equal(a[0], b[0]) and sa["nfe"] == sb["nfe"] == 16
     # shift matters: the unshifted decoder reads other logits and gives other tokens
     c, _ = DECODERS["fast_dllm"](model, ids, gen_length=16, block_length=16, threshold=1.5, cache="none",
@@ -77,7 +93,7 @@ def test_dream_one_token_per_step_equals_fast_dllm_shift_without_cache(prompts, 
 
 @pytest.mark.parametrize("alg", ["maskgit_plus", "topk_margin", "entropy", "origin"])
 def test_dream_schedule(prompts, model, alg):
-    # m masks left before step i of `steps` -> m // (steps - i) unmasked: 16 over 5 steps is 3, 3, 3, 3, 4.
+    # 16 over 5 steps: 3, 3, 3, 3, 4 by both schedules (Dream's 16 (1 - s/t) = 3.197, 3.246, 3.328, 3.491).
     _, ids, _ = prompts()
     seen, handle = counted(model)
     try:
@@ -157,6 +173,249 @@ def test_dream_stop_at_eos_only_saves_work(prompts, model):
     b, sb = DECODERS["dream"](model, ids, eos_token_id=eos, stop_at_eos=False, **knobs)
     assert a[0].tolist() == b[0].tolist() == free[: free.index(eos) + 1]
     assert sa["nfe"] == cost(eos) < sb["nfe"] == 16
+
+
+# ---------------------------------------------------------------- the authors' rules on a scripted model
+
+
+class Scripted(torch.nn.Module):
+    """A stand-in bidirectional model whose logit rows are fixed per position id: the logit at
+    position p is table[p] whatever the tokens, mask or cache (the rules under test read only
+    logits). Records every call's input ids and position ids."""
+
+    def __init__(self, table, mask, eos):
+        super().__init__()
+        self.table = table  # [T, V]
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the decoders read the device from the parameters
+        self.config = Qwen3Config(vocab_size=table.shape[1], hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                  num_attention_heads=1, num_key_value_heads=1, head_dim=8, eos_token_id=eos)
+        self.config.mask_token_id = mask
+        self.calls = []
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cache=None, use_cache=False):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1])[None]
+        self.calls.append((input_ids.clone(), position_ids.clone()))
+        return SimpleNamespace(logits=self.table[position_ids])
+
+    def masks_at(self, lo, hi, mask):
+        """Per call: which of positions [lo, hi) held the mask in the call's input (None = not forwarded)."""
+        out = []
+        for ids, pos in self.calls:
+            row = {int(p): int(t) == mask for p, t in zip(pos[0], ids[0])}
+            out.append([row.get(p) for p in range(lo, hi)])
+        return out
+
+
+V, S_MASK, S_EOS = 16, 15, 14  # the scripted models' vocab and special ids (never proposed: tokens 1..10 win)
+
+
+def peaked_table(n_pos, height=lambda p: 10.0 - 0.5 * p):
+    """Logit rows [n_pos, V]: row p has one peak, on token 1 + p % 10, lower for later p, so the
+    confidence (probability, margin, negative entropy) falls from left to right."""
+    table = torch.zeros(n_pos, V)
+    for p in range(n_pos):
+        table[p, 1 + p % 10] = height(p)
+    return table
+
+
+@pytest.mark.parametrize("alg", ["maskgit_plus", "entropy"])
+@pytest.mark.parametrize("gen,steps,schedule,counts", [
+    # Dream: int(m (1 - s/t)) on linspace(1, 1e-3, steps + 1), all that is left at the last step;
+    # worked by hand: 8 steps for 8 tokens, 8 (1 - 0.875125 / 1) = 0.999 -> 0 first, 2 last.
+    (8, 8, "dream", [0, 1, 1, 1, 1, 1, 1, 2]),
+    (8, 8, "limit", [1, 1, 1, 1, 1, 1, 1, 1]),
+    (8, 4, "dream", [1, 2, 2, 3]),  # 8 * 0.24975 = 1.998, 7 * 0.33289 = 2.330, 5 * 0.49900 = 2.495, 3 left
+    (8, 4, "limit", [2, 2, 2, 2]),
+    (8, 12, "dream", [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 2]),  # more steps than tokens, as Dream allows
+])
+def test_dream_transfer_schedule_counts_step_by_step(alg, gen, steps, schedule, counts):
+    p0 = 3
+    model = Scripted(peaked_table(p0 + gen), S_MASK, S_EOS)
+    ids = torch.tensor([[4, 5, 6]])
+    out, stats = DECODERS["dream"](model, ids, gen_length=gen, steps=steps, alg=alg, transfer_schedule=schedule,
+                                   stop_at_eos=False)
+    assert stats["nfe"] == steps == len(model.calls)
+    masks_before = [int((c[0, p0:] == S_MASK).sum()) for c, _ in model.calls]
+    left = [gen - sum(counts[:i]) for i in range(steps)]
+    assert masks_before == left
+    # confidence falls left to right: each step takes the leftmost masked positions
+    for (ids_in, _), n_done in zip(model.calls, [gen - m for m in left]):
+        assert (ids_in[0, p0:p0 + n_done] != S_MASK).all() and (ids_in[0, p0 + n_done:] == S_MASK).all()
+    # each response token j is the peak of the logit at p0 - 1 + j (Dream's shift)
+    assert out[0].tolist() == [1 + (p0 - 1 + j) % 10 for j in range(gen)]
+
+
+def probs_row(top, p, spread=8):
+    """Logits whose softmax gives token `top` probability p and `spread` other tokens (1-p)/spread each."""
+    row = torch.full((V,), -math.inf)
+    others = [t for t in range(1, 1 + spread + 1) if t != top][:spread]
+    row[top] = math.log(p)
+    row[others] = math.log((1 - p) / spread)
+    return row
+
+
+def half_row(top):
+    """Logits giving `top` (and the token after it) probability exactly 0.5 each."""
+    row = torch.full((V,), -math.inf)
+    row[top] = row[top + 1] = 0.0
+    return row
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_fast_dllm_on_dream_first_token_rule(cache):
+    # Two blocks of 4; block token j's probability is 0.2, 0.3, exactly 0.5 (= threshold), 0.9.
+    # Authors' Dream loop: the full forward commits token 0 alone, whatever its confidence; then
+    # 0.5 and 0.9 pass (>= threshold), then 0.3 as the most confident one left: 3 forwards a block.
+    # LLaDA rule on shifted logits (commit_first=false): 0.9 (> 0.5) first, then one by one: 4 forwards.
+    p0, block = 3, 4
+    table = torch.zeros(p0 + 2 * block, V)
+    for b in range(2):
+        for j, row in enumerate([probs_row(1, 0.2), probs_row(2, 0.3), half_row(3), probs_row(5, 0.9)]):
+            table[p0 - 1 + b * block + j] = row  # shift: the logit at p0 - 1 + t predicts response token t
+    M, T = True, False  # masked, decoded
+    for commit_first, per_block in [(None, [[M, M, M, M], [T, M, M, M], [T, M, T, T]]),
+                                    (False, [[M, M, M, M], [M, M, M, T], [M, M, T, T], [M, T, T, T]])]:
+        model = Scripted(table, S_MASK, S_EOS)
+        out, stats = DECODERS["fast_dllm"](model, torch.tensor([[4, 5, 6]]), gen_length=8, block_length=block,
+                                           threshold=0.5, cache=cache, shift=True, commit_first=commit_first,
+                                           stop_at_eos=False)
+        n = len(per_block)
+        assert stats["nfe"] == len(model.calls) == 2 * n and stats["nfe_full"] == (2 * n if cache == "none" else 2)
+        assert model.masks_at(p0, p0 + block, S_MASK)[:n] == per_block
+        assert model.masks_at(p0 + block, p0 + 2 * block, S_MASK)[n:] == per_block
+        assert out[0].tolist() == [1, 2, 3, 5] * 2
+        if cache != "none":
+            # cached windows start at the block in the authors' loop, one position earlier otherwise
+            starts = [int(pos[0, 0]) for _, pos in model.calls[1:n]]
+            assert starts == [p0 - (commit_first is False)] * (n - 1)
+
+
+# Next-token distributions over tokens 0..7 (the rest of the vocabulary has probability 0).
+NUCLEUS_A = [0, 0.4] + [0.11] * 5 + [0.05]  # less sure than B by its top probability, surer after top_p = 0.5
+NUCLEUS_B = [0, 0.45, 0.3, 0.25]
+ENTROPY_A = [0, 0.5, 0.3, 0.2]  # surer than B by entropy, less sure after top_k = 2
+ENTROPY_B = [0, 0.6, 0.25, 0.05, 0.05, 0.05]
+
+
+def log_probs(dist):
+    return torch.log(torch.tensor(dist + [0] * (V - len(dist))))
+
+
+def test_top_p_and_top_k_reorder_the_confidences():
+    # maskgit_plus: top_p = 0.5 keeps A's 0.4 + 0.11 (A -> 0.4 / 0.51 = 0.784) but B's 0.45 + 0.3
+    # (B -> 0.45 / 0.75 = 0.6): A overtakes B.
+    logits = torch.stack([log_probs(NUCLEUS_A), log_probs(NUCLEUS_B)])[None]  # [1, 2, V]
+    _, plain = _dream_propose(logits, "maskgit_plus", 0.0, None, None, None, S_MASK)
+    _, nucleus = _dream_propose(logits, "maskgit_plus", 0.0, 0.5, None, None, S_MASK)
+    assert plain[0].tolist() == pytest.approx([0.4, 0.45], abs=1e-5)
+    assert nucleus[0].tolist() == pytest.approx([0.4 / 0.51, 0.45 / 0.75], abs=1e-5)
+    # entropy: top_k = 2 renormalises both to two tokens, and B's (0.706, 0.294) is surer than A's (0.625, 0.375).
+    logits = torch.stack([log_probs(ENTROPY_A), log_probs(ENTROPY_B)])[None]
+
+    def neg_entropy(ps):
+        ps = [p / sum(ps) for p in ps]
+        return sum(p * math.log(p) for p in ps)
+
+    _, plain = _dream_propose(logits, "entropy", 0.0, None, None, None, S_MASK)
+    _, top2 = _dream_propose(logits, "entropy", 0.0, None, 2, None, S_MASK)
+    assert plain[0].tolist() == pytest.approx([neg_entropy([.5, .3, .2]), neg_entropy([.6, .25, .05, .05, .05])],
+                                              abs=1e-5)
+    assert top2[0].tolist() == pytest.approx([neg_entropy([.5, .3]), neg_entropy([.6, .25])], abs=1e-5)
+    assert plain[0, 0] > plain[0, 1] and top2[0, 0] < top2[0, 1]
+    # The decoder, greedy, one token in its first step: which of the two positions it takes moves with the filter.
+    p0 = 2
+    for alg, knobs, (a, b), first in [("maskgit_plus", {}, (NUCLEUS_A, NUCLEUS_B), 1),
+                                      ("maskgit_plus", {"top_p": 0.5}, (NUCLEUS_A, NUCLEUS_B), 0),
+                                      ("entropy", {}, (ENTROPY_A, ENTROPY_B), 0),
+                                      ("entropy", {"top_k": 2}, (ENTROPY_A, ENTROPY_B), 1)]:
+        # positions 0..3: the logit at p0 - 1 = 1 predicts response token 0, at 2 token 1
+        table = torch.stack([torch.zeros(V), log_probs(a), log_probs(b), torch.zeros(V)])
+        model = Scripted(table, S_MASK, S_EOS)
+        DECODERS["dream"](model, torch.tensor([[4, 5]]), gen_length=2, steps=2, alg=alg, transfer_schedule="limit",
+                          stop_at_eos=False, **knobs)
+        second = model.calls[1][0][0, p0:]
+        assert (second != S_MASK).tolist() == [first == 0, first == 1], (alg, knobs)
+
+
+def test_fast_dllm_top_p_needs_the_dream_loop(model, prompts):
+    _, ids, _ = prompts()
+    DECODERS["fast_dllm"](model, ids, gen_length=8, block_length=4, shift=True, top_p=0.9, top_k=5)
+    with pytest.raises(ValueError, match="top_p"):
+        DECODERS["fast_dllm"](model, ids, gen_length=8, block_length=4, shift=True, commit_first=False, top_p=0.9)
+
+
+# ---------------------------------------------------------------- generation_config.json
+
+
+def test_generation_config_reader(tmp_path):
+    assert dream_generation_defaults(tmp_path) == {}  # no file: nothing implied
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": 1, "eos_token_id": 2, "mask_token_id": 3, "max_new_tokens": 256, "steps": 256,
+        "alg": "entropy", "alg_temp": None, "eps": 0.001, "top_p": 0.95, "top_k": None, "temperature": 0.2,
+        "do_sample": True}))
+    assert dream_generation_defaults(tmp_path) == {"steps": 256, "alg": "entropy", "eps": 0.001, "top_p": 0.95,
+                                                   "temperature": 0.2}
+    for bad, field in [({"alg": "confidence_threshold"}, "alg"), ({"top_p": 2}, "top_p"), ({"steps": "many"}, "steps"),
+                       ({"eps": 1.0}, "eps")]:
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"generation_config.json: field {field}"):
+            dream_generation_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json: not a readable JSON file"):
+        dream_generation_defaults(tmp_path)
+
+
+def test_adapter_applies_the_checkpoints_generation_config(tmp_path, tiny_checkpoint):
+    from harness.lm_adapter import RefusionBenchLM
+
+    ckpt = tmp_path / "dream"
+    shutil.copytree(tiny_checkpoint("dream"), ckpt)
+    cfg = json.loads((ckpt / "generation_config.json").read_text())
+    (ckpt / "generation_config.json").write_text(json.dumps({**cfg, "steps": 16, "alg": "maskgit_plus", "top_k": 5}))
+    lm = RefusionBenchLM(pretrained=str(ckpt), decoder="dream", steps=8, warmup=False,
+                         task_knobs={"t": {"gen_length": 24, "alg": "topk_margin"}})
+    assert lm.checkpoint_knobs == {"steps": 16, "alg": "maskgit_plus", "top_k": 5}
+    assert lm.get_model_info()["checkpoint_knobs"] == lm.checkpoint_knobs
+    # file < task defaults < model_args; the result is what the adapter records per request
+    assert lm.knobs_for("t", {"max_gen_toks": 32}) == {"steps": 8, "alg": "topk_margin", "top_k": 5,
+                                                       "gen_length": 24, "seed": 1234}
+    assert lm.knobs_for("other", {"max_gen_toks": 32}) == {"steps": 8, "alg": "maskgit_plus", "top_k": 5,
+                                                           "gen_length": 32, "seed": 1234}
+    # another decoder on the same folder: the file says nothing about its knobs
+    assert RefusionBenchLM(pretrained=str(ckpt), decoder="fast_dllm", shift=True, warmup=False).checkpoint_knobs == {}
+    (ckpt / "generation_config.json").write_text(json.dumps({"alg": "confidence_threshold"}))
+    with pytest.raises(ValueError, match="field alg"):
+        RefusionBenchLM(pretrained=str(ckpt), decoder="dream", warmup=False)
+
+
+# ---------------------------------------------------------------- the trained tiny Dream checkpoint
+
+
+def test_tiny_dream_checkpoint_authors_rules_and_old_rules(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from refusion.tokenizer import encode_chat
+
+    path = tiny_checkpoint("dream")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    ids = torch.tensor([encode_chat(tok, QUERY)])
+    runs = {}
+    for name, decoder, knobs in [
+        ("dream", "dream", dict(gen_length=32, alg="entropy")),
+        ("dream_limit", "dream", dict(gen_length=32, alg="entropy", transfer_schedule="limit")),
+        ("fd", "fast_dllm", dict(gen_length=32, block_length=16, shift=True)),
+        ("fd_old", "fast_dllm", dict(gen_length=32, block_length=16, shift=True, commit_first=False)),
+    ]:
+        a, sa = DECODERS[decoder](model, ids, **knobs)
+        b, sb = DECODERS[decoder](model, ids, **knobs)
+        assert torch.equal(a[0], b[0]) and sa["nfe"] == sb["nfe"]  # deterministic under greedy decoding
+        runs[name] = a[0].tolist(), sa["nfe"]
+    # steps = gen_length: Dream's first step unmasks nothing, the eps -> 0 limit one token; other tokens here
+    assert runs["dream"][0] != runs["dream_limit"][0]
+    # the first token of each block alone in its full forward: here the same tokens, not the same forwards
+    assert runs["fd"] != runs["fd_old"]
 
 
 # ---------------------------------------------------------------- d2f
@@ -270,8 +529,10 @@ def test_d2f_stop_at_eos_only_saves_work(prompts, model):
 
 @pytest.mark.parametrize(
     "name,knob,value",
-    [("dream", "steps", 0), ("dream", "steps", 17), ("dream", "alg", "random"), ("dream", "top_p", 1.5),
-     ("dream", "alg_temp", -1.0), ("dream", "temperature", -0.1), ("fast_dllm", "shift", "yes"),
+    [("dream", "steps", 0), ("dream", "alg", "random"), ("dream", "top_p", 1.5), ("dream", "top_k", 0),
+     ("dream", "alg_temp", -1.0), ("dream", "temperature", -0.1), ("dream", "eps", 1.0), ("dream", "eps", -0.1),
+     ("dream", "transfer_schedule", "cosine"), ("fast_dllm", "shift", "yes"), ("fast_dllm", "commit_first", 1),
+     ("fast_dllm", "commit_first", True), ("fast_dllm", "top_p", 0.9), ("fast_dllm", "top_k", 3),
      ("d2f", "block_size", 5), ("d2f", "block_size", 0), ("d2f", "skip_threshold", -0.1),
      ("d2f", "block_add_threshold", 1.5), ("d2f", "decoded_token_threshold", -0.1), ("d2f", "no_cache", 1)],
 )

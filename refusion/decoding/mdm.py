@@ -14,7 +14,9 @@ bidirectional mask hides pads. Response region: gen_length mask tokens after the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -78,16 +80,36 @@ class FastDllmKnobs(Knobs):
     gen_length: int = gen_length(128)
     block_length: int = _block_length()
     threshold: float = knob(0.9, "unmask every masked token whose confidence passes this (at least one per "
-                            "step); >= 1 means one token per step", low=0.0)
+                            "step); > 1 means one token per step", low=0.0)
     cache: str = knob("dual", "KV reuse inside a block: none, prefix, or prefix and suffix (dual)",
                       choices=("none", "prefix", "dual"))
     shift: bool = knob(False, "Dream-style model (Fast-dLLM on Dream): the logit at i - 1 predicts token i")
+    commit_first: bool = knob(None, "the Fast-dLLM authors' Dream loop: a block's full forward commits only its "
+                              "first token, unconditionally; later steps forward from the block's start and keep "
+                              "tokens with confidence >= threshold, read from Dream's sampler (temperature, top_p, "
+                              "top_k). false: every token waits for the threshold (> threshold), cached windows "
+                              "start one position before the block. none = true with shift, false without",
+                              optional=True)
+    top_p: float = knob(None, "nucleus filter of Dream's sampler (commit_first only); none = off", low=0.0, high=1.0,
+                        optional=True)
+    top_k: int = knob(None, "keep the top_k most likely tokens in Dream's sampler (commit_first only); none = off",
+                      low=1, optional=True)
     temperature: float = temperature()
     stop_at_eos: bool = _stop_at_eos()
     seed: int = seed()
 
     def check(self) -> None:
+        if self.commit_first and not self.shift:
+            raise ValueError("commit_first is the Fast-dLLM authors' rule for Dream (shift=true); got shift=false")
+        if (self.top_p is not None or self.top_k is not None) and not self.dream_loop:
+            raise ValueError("top_p and top_k shape Dream's sampler, used with shift=true and commit_first not "
+                             "false only")
         _check_blocks(self)
+
+    @property
+    def dream_loop(self) -> bool:
+        """True when the authors' Dream block loop runs (commit_first, resolved)."""
+        return self.shift if self.commit_first is None else self.commit_first
 
 
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -97,23 +119,58 @@ DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 class DreamKnobs(Knobs):
     """Knobs of ``dream`` (docs/design.md §4); names as in Dream's ``diffusion_generate``."""
     gen_length: int = gen_length(128)
-    steps: int = knob(None, "forwards in all (default gen_length: one token per step), at most gen_length",
-                      low=1, optional=True)
+    steps: int = knob(None, "forwards in all (default gen_length); more than gen_length is allowed, as in Dream "
+                      "(steps that unmask nothing)", low=1, optional=True)
     alg: str = knob("entropy", "which masked tokens a step unmasks: origin (each at random, with the schedule's "
                     "probability), else the most confident by maskgit_plus (top probability), topk_margin (top-1 "
                     "minus top-2 probability) or entropy (negative entropy)", choices=DREAM_ALGS)
     alg_temp: float = knob(0.0, "0: unmask the most confident positions; > 0: draw them from softmax(confidence / "
                            "alg_temp)", low=0.0)
+    transfer_schedule: str = knob("dream", "tokens unmasked per step, m masks left before step i: dream = "
+                                  "int(m (1 - s/t)) on float32 linspace(1, eps, steps + 1), all at the last step "
+                                  "(Dream's _sample); limit = m // (steps - i), its eps -> 0 limit (exactly one "
+                                  "per step when steps = gen_length)", choices=("dream", "limit"))
+    eps: float = knob(1e-3, "the schedule's last time (transfer_schedule=dream), in [0, 1)", low=0.0)
     temperature: float = temperature()
     top_p: float = knob(None, "nucleus filter applied before sampling and before the confidence is measured; none = "
                         "off", low=0.0, high=1.0, optional=True)
+    top_k: int = knob(None, "keep the top_k most likely tokens (after top_p) before sampling and before the "
+                      "confidence is measured; none = off", low=1, optional=True)
     stop_at_eos: bool = knob(True, "stop once every row holds an EOS with nothing masked before it (same tokens, "
                              "fewer forwards)")
     seed: int = seed()
 
     def check(self) -> None:
-        if self.steps is not None and self.steps > self.gen_length:
-            raise ValueError(f"steps must be in [1, gen_length {self.gen_length}], got {self.steps}")
+        if not self.eps < 1:
+            raise ValueError(f"eps must be in [0, 1), got {self.eps}")
+
+
+# DreamGenerationConfig fields that are DreamKnobs of the same name and meaning. max_new_tokens is not
+# among them: an lm-eval request carries its own budget (gen_length), as Dream's own eval passes it.
+DREAM_GENERATION_FIELDS = ("steps", "alg", "alg_temp", "eps", "temperature", "top_p", "top_k")
+
+
+def dream_generation_defaults(folder: str | Path) -> dict:
+    """The ``dream`` knobs a checkpoint folder's generation_config.json sets: its DreamGenerationConfig
+    fields (Dream's ``from_pretrained`` loads that file into ``model.generation_config``). Fields absent
+    or null are left out (null means off for alg_temp / top_p / top_k, as the knob defaults do); {} when
+    the folder has no such file. A value the knob rejects raises ValueError naming the file and field."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    found = {k: data[k] for k in DREAM_GENERATION_FIELDS if data.get(k) is not None}
+    for name, value in found.items():
+        try:
+            DreamKnobs(**{name: value})
+        except ValueError as e:
+            raise ValueError(f"{path}: field {e}") from None
+    return found
 
 
 def _start(model, input_ids, attention_mask, gen_length, mask):
@@ -158,10 +215,17 @@ def _top_p(logits, top_p):
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), torch.finfo(logits.dtype).min)
 
 
-def _dream_propose(logits, alg, temperature, top_p, gen, mask):
-    """Dream's token proposal: logits [B, n, V] -> (token [B, n], confidence [B, n]).
+def _top_k(logits, top_k):
+    """Keep the top_k largest logits of [..., V] (ties with the k-th all stay); the rest get the lowest logit."""
+    kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
 
-    As in Dream's sampler, temperature and top_p shape the distribution first and every
+
+def _dream_propose(logits, alg, temperature, top_p, top_k, gen, mask):
+    """Dream's token proposal (its ``sample_tokens``): logits [B, n, V] -> (token [B, n], confidence [B, n]).
+
+    Temperature, then top_p, then top_k shape the distribution first -- also under greedy
+    decoding, where they change no token but do change the confidences -- and every
     confidence is measured on it: maskgit_plus the proposed token's probability,
     topk_margin top-1 minus top-2 probability, entropy the negative entropy (higher =
     surer); origin ignores it. The token is never the mask id (common.choose)."""
@@ -169,6 +233,8 @@ def _dream_propose(logits, alg, temperature, top_p, gen, mask):
         logits = logits / temperature
     if top_p is not None and top_p < 1:
         logits = _top_p(logits, top_p)
+    if top_k is not None:
+        logits = _top_k(logits, top_k)
     probs = logits.softmax(-1)
     x0, conf = choose(probs, temperature > 0, gen, exclude=mask)
     if alg == "topk_margin":
@@ -264,27 +330,33 @@ def fast_dllm(
     **overrides,
 ) -> tuple[list[torch.Tensor], dict]:
     """Fast-dLLM (Wu et al. 2025, arXiv 2505.22618): per block, unmask every masked token whose
-    confidence > threshold (at least the single most confident one per row per step) until
-    the block is full.
+    confidence passes threshold (at least the single most confident one per row per step)
+    until the block is full.
 
     cache="none": every step is a full forward. "prefix": the first step of a block is
     a full forward whose KV of everything before the block is kept (approximate: it is
     refreshed only at block boundaries); later steps forward block + suffix after it.
     "dual": the full forward's KV of prefix and suffix are both kept and later steps
-    forward the block alone. threshold >= 1 means exactly one token per step.
+    forward the block alone. Without shift (LLaDA, the authors' llada/generate.py): the
+    confidence is the untempered probability of the proposed token and a token passes at
+    confidence > threshold, so threshold > 1 means exactly one token per step.
 
-    shift (Fast-dLLM on Dream): the logit at i - 1 predicts token i, so the block's
-    predictions come from positions [lo - 1, hi - 1) and every cached step forwards one
-    position more, the one before the block (its KV is recomputed, not kept). The
-    authors' Dream code instead always unmasks the block's first token in the full
-    forward and forwards the block alone; here the threshold rule is the same with and
-    without shift, so shift with threshold >= 1 and cache="none" is ``dream`` with one
-    token per step on a single block.
+    shift (Fast-dLLM on Dream): the logit at i - 1 predicts token i. commit_first (default
+    with shift) is the authors' Dream block loop (dream/model/generation_utils_block.py):
+    the block's full forward commits its first token, predicted by the position before the
+    block, unconditionally and nothing else; later steps forward windows that start at the
+    block (the token before it is no longer needed), propose by Dream's sampler
+    (``_dream_propose``: temperature, top_p, top_k shape the distribution the confidence is
+    read from) and keep the most confident token plus every one with confidence >=
+    threshold. commit_first=false keeps the LLaDA rule on shifted logits: the block's
+    predictions come from positions [lo - 1, hi - 1), every cached step forwards that one
+    position more (its KV recomputed, not kept), so shift with threshold > 1 and
+    cache="none" is ``dream`` with transfer_schedule=limit and one token per step.
     Phases: full (whole-sequence forwards) and cached (steps reusing the block cache).
     """
     k = FastDllmKnobs.of(knobs, overrides, "fast_dllm")
     gen_length, block_length, threshold, temperature = k.gen_length, k.block_length, k.threshold, k.temperature
-    cache_mode = k.cache
+    cache_mode, shift, dream_loop = k.cache, int(k.shift), k.dream_loop
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
     meter = Meter(model, ("full", "cached"))
@@ -292,35 +364,46 @@ def fast_dllm(
     p0, total = input_ids.shape[1], x.shape[1]
     for b in range(gen_length // block_length):
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
-        # The block's predictions are the logits at [a, a + block_length): a = lo, or lo - 1 with shift.
-        # Cached steps forward from a, so the window [a, hi) is never served from the stale cache.
-        a = lo - int(k.shift)
-        kv = None
+        # Block token j is predicted by the logit at j - shift. Cached steps forward the window [a, ...):
+        # from lo - 1 when that logit is needed there, from lo in the Dream loop (token lo is already
+        # committed by then; its slot gets a stand-in logit, never read) and without shift.
+        a = lo - int(shift and not dream_loop)
+        window_idx = (torch.arange(lo, hi, device=x.device) - shift - a).clamp_min(0)  # [block]
+        kv, first = None, True
         while bool((x[:, lo:hi] == mask).any()):
-            if kv is None:
-                kv = None if cache_mode == "none" else DynamicCache(config=model.config)
+            if first or cache_mode == "none":
+                if first:
+                    kv = None if cache_mode == "none" else DynamicCache(config=model.config)
                 logits = forward(model, meter, "full", x, position_ids=pos, attention_mask=attn, cache=kv)
-                logits = logits[:, a:a + hi - lo]
-                if cache_mode == "prefix":
+                logits = logits[:, lo - shift:hi - shift]
+                if first and cache_mode == "prefix":
                     cache_keep(kv, a)  # keep positions < a (x is in position order)
-                elif cache_mode == "dual":
+                elif first and cache_mode == "dual":
                     cache_keep(kv, a, torch.arange(hi - a, total - a, device=x.device))  # prefix + suffix
             elif cache_mode == "prefix":
                 logits = forward(model, meter, "cached", x[:, a:], position_ids=pos[:, a:], attention_mask=attn,
-                                 cache=kv)[:, : hi - lo]
+                                 cache=kv)[:, window_idx]
                 cache_keep(kv, a)
             else:  # dual: cache order is prefix, suffix, then the window just forwarded
                 order = torch.cat([attn[:, :a], attn[:, hi:], attn[:, a:hi]], 1)
                 logits = forward(model, meter, "cached", x[:, a:hi], position_ids=pos[:, a:hi], attention_mask=order,
-                                 cache=kv)[:, : hi - lo]
+                                 cache=kv)[:, window_idx]
                 cache_keep(kv, a + total - hi)
-            x0, prob = _propose(logits, temperature, gen, mask)  # [B, block]
+            if dream_loop:
+                x0, prob = _dream_propose(logits, "maskgit_plus", temperature, k.top_p, k.top_k, gen, mask)
+            else:
+                x0, prob = _propose(logits, temperature, gen, mask)  # [B, block]
             block = x[:, lo:hi]
-            masked = block == mask
-            conf = torch.where(masked, prob, torch.full_like(prob, -torch.inf))
-            # Count per row: all above threshold, at least one while the row has masks left.
-            n_unmask = torch.maximum((conf > threshold).sum(-1), masked.any(-1).long())
-            _commit_topk(block, x0, conf, n_unmask)
+            if dream_loop and first:
+                block[:, 0] = x0[:, 0]  # the authors' rule: the full forward fixes the block's first token only
+            else:
+                masked = block == mask
+                conf = torch.where(masked, prob, torch.full_like(prob, -torch.inf))
+                passed = conf >= threshold if dream_loop else conf > threshold
+                # Count per row: all that pass, at least one while the row has masks left.
+                n_unmask = torch.maximum(passed.sum(-1), masked.any(-1).long())
+                _commit_topk(block, x0, conf, n_unmask)
+            first = False
         if k.stop_at_eos and _finished(x, p0, hi, eos):
             break
     responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
@@ -342,16 +425,17 @@ def dream(
     response is one masked window; each of ``steps`` full forwards (no cache) shifts the
     logits (the logit at i - 1 predicts token i) and unmasks part of the window.
 
-    Schedule: with m masks left before step i (0-based), Dream unmasks m (1 - s/t) tokens,
-    t and s the step's two times on the linear schedule from 1 to eps. Taken at eps -> 0
-    that is m // (steps - i): steps = gen_length unmasks exactly one token per step, and the
-    last step unmasks whatever is left. (The reference keeps eps = 1e-3 and rounds down,
-    so with steps = gen_length its first step unmasks nothing and its last one two; not
-    reproduced.) ``origin`` instead unmasks each masked token with probability
-    1 / (steps - i) (the same limit), its token from ``_dream_propose``; the other algs unmask the
-    top-k masked positions by their confidence (see ``_dream_propose``), or with alg_temp
-    > 0 positions drawn from softmax(confidence / alg_temp). Rows share one generator
-    (seeded), so under sampling a row's tokens depend on its batch.
+    Schedule (transfer_schedule): with m masks left before step i (0-based) of a row, t and
+    s the step's two times on Dream's float32 ``linspace(1, eps, steps + 1)``, ``dream``
+    unmasks int(m (1 - s/t)) tokens, computed in float32 as Dream's ``_sample`` does, and
+    all that are left at the last step: with steps = gen_length its first step unmasks
+    nothing and its last one two. ``limit`` takes eps -> 0, m // (steps - i): exactly one
+    token per step when steps = gen_length. ``origin`` instead unmasks each masked token
+    with probability 1 - s/t (``limit``: 1 / (steps - i); 1 at the last step), its token
+    from ``_dream_propose``; the other algs unmask the top-k masked positions by their
+    confidence (see ``_dream_propose``), or with alg_temp > 0 positions drawn from
+    softmax(confidence / alg_temp). Rows share one generator (seeded), so under sampling a
+    row's tokens depend on its batch.
 
     stop_at_eos ends as soon as every row holds an EOS with nothing masked before it (the
     reference runs all steps; the returned tokens are the same). Phase: step.
@@ -364,20 +448,30 @@ def dream(
     x, attn, pos = _start(model, input_ids, attention_mask, k.gen_length, mask)
     p0 = input_ids.shape[1]
     resp = x[:, p0:]  # [B, G] view: writes land in x
+    # Dream's times, float32 on the decoding device as in the reference (the rounding of int() depends on it).
+    times = torch.linspace(1, k.eps, steps + 1, dtype=torch.float32, device=x.device)
     for i in range(steps):
         masked = resp == mask  # [B, G]
         if not bool(masked.any()):
             break  # origin can finish early; the remaining steps would change nothing
         # Shift: position p0 - 1 + j predicts response token j. [B, G, V]
         logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, p0 - 1:-1]
-        x0, conf = _dream_propose(logits, k.alg, k.temperature, k.top_p, gen, mask)  # [B, G] each
-        left = steps - i
+        x0, conf = _dream_propose(logits, k.alg, k.temperature, k.top_p, k.top_k, gen, mask)  # [B, G] each
+        last, left = i == steps - 1, steps - i
+        part = 1 - times[i + 1] / times[i]  # 0-d float32: the share of the masks this step unmasks
         if k.alg == "origin":
-            take = masked & (torch.rand(masked.shape, generator=gen, device=x.device) < 1.0 / left)
+            p_take = 1.0 if last else (part if k.transfer_schedule == "dream" else 1.0 / left)
+            take = masked & (torch.rand(masked.shape, generator=gen, device=x.device) < p_take)
             resp[take] = x0[take]
         else:
             conf = torch.where(masked, conf, torch.full_like(conf, -torch.inf))
-            n = masked.sum(-1) // left  # [B]
+            m = masked.sum(-1)  # [B]
+            if last:
+                n = m
+            elif k.transfer_schedule == "dream":
+                n = (m.to(torch.float32) * part).long()  # int() of a float32 product: truncation, as Dream
+            else:
+                n = m // left
             if k.alg_temp > 0:
                 _commit_sampled(resp, x0, conf / k.alg_temp, n, gen)
             else:
