@@ -56,22 +56,31 @@ from lm_eval.models.utils import postprocess_generated_text
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from harness.checkpoints import CheckpointError, inspect_checkpoint, load_model, resolve_dtype
+from harness.checkpoints import CheckpointError, CheckpointInfo, inspect_checkpoint, load_model, resolve_dtype
 from harness.store import Journal, request_key
 
 MODEL_NAME = "refusion_bench"
 PAUSE_ENV = "REFUSION_BENCH_PAUSE_AFTER"  # test hook: see RefusionBenchLM._maybe_pause
 
 
-def checkpoint_knobs(path: str | os.PathLike, decoder: str) -> dict[str, Any]:
-    """Decoder knobs a checkpoint folder sets for itself: for ``dream``, the DreamGenerationConfig fields of
-    its generation_config.json (refusion.decoding.mdm.dream_generation_defaults); {} for other decoders.
+def checkpoint_knobs(info: CheckpointInfo, decoder: str) -> dict[str, Any]:
+    """Decoder knobs a checkpoint sets for itself (below the task's settings and the model's knobs):
+    - a family whose logits are shifted (Dream, harness/families.py) sets ``shift=true`` for the decoders that
+      have the knob (fast_dllm, d2f), so Dream + Fast-dLLM / D2F read the logit at i-1 for token i;
+    - for ``dream``, the DreamGenerationConfig fields of its generation_config.json
+      (refusion.decoding.mdm.dream_generation_defaults).
     Reads JSON only, so it runs before the model is loaded; a bad value raises ValueError naming the file."""
-    if decoder != "dream":
-        return {}
-    from refusion.decoding.mdm import dream_generation_defaults
+    from refusion.decoding import get_decoder
 
-    return dream_generation_defaults(Path(path).expanduser())
+    out: dict[str, Any] = {}
+    if info.family.logit_shift and "shift" in get_decoder(decoder).knobs.names():
+        out["shift"] = True
+    if decoder == "dream":
+        from refusion.decoding.mdm import dream_generation_defaults
+
+        folder = info.base.path if info.base is not None else info.path
+        out.update(dream_generation_defaults(folder))
+    return out
 
 
 def is_causal_model(model) -> bool:
@@ -133,7 +142,9 @@ class RefusionBenchLM(TemplateLM):
             if k in ("parallelize", "trust_remote_code", "max_length"):
                 knobs.pop(k)
         # The checkpoint's own decoding defaults (checkpoint_knobs): below task defaults and model_args.
-        self.checkpoint_knobs = checkpoint_knobs(pretrained, decoder)
+        info = inspect_checkpoint(pretrained, base)  # the whole folder, before any weight is read
+        get_decoder_check_attention(decoder, info.causal)
+        self.checkpoint_knobs = checkpoint_knobs(info, decoder)
         make_knobs(decoder, {**self.checkpoint_knobs, **knobs})  # bad knobs fail here, before the model is loaded
         for tk in (task_knobs or {}).values():
             make_knobs(decoder, {**self.checkpoint_knobs, **tk, **knobs})
@@ -173,8 +184,6 @@ class RefusionBenchLM(TemplateLM):
                              "load onto transformers' classes by their family (harness/families.py)")
         self.chat_template_args = parse_chat_template_args(chat_template_args)
         self.dtype = resolve_dtype(dtype, str(self._device))
-        info = inspect_checkpoint(pretrained, base)
-        get_decoder_check_attention(decoder, info.causal)  # before the weights are read
         loaded = load_model(pretrained, device=str(self._device), dtype=self.dtype, base=base, info=info)
         self.model, self.tokenizer, self.family = loaded.model, loaded.tokenizer, loaded.family
         self.causal = info.causal

@@ -311,7 +311,7 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
                 inspected[m.name] = inspect_checkpoint(ckpt, load.get("base"))
             info = inspected[m.name]
             check_attention(m.decoder, info.causal)
-            own = checkpoint_knobs(ckpt, m.decoder)  # e.g. Dream's generation_config.json
+            own = checkpoint_knobs(info, m.decoder)  # Dream: shift=true, its generation_config.json
         except CheckpointError as e:
             raise InputError(f"model {m.name!r}: {e}") from None
         except ValueError as e:
