@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test eval report sweep validate-tasks train-tiny bench-decoders bench-kernels regress regress-update clean
+.PHONY: help setup test eval report compare sweep validate-tasks train-tiny bench-decoders bench-kernels regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -65,6 +65,10 @@ eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... DTYPE=.
 
 report: setup ## Table 1, speedups and figures of a run: make report RUN=<run dir or id>[,<run>...] NAME=...
 	@set -f; exec $(PY) -m harness report $${RUN:+--run "$$RUN"} $${NAME:+--name "$$NAME"} --runs-root "$$OUT" \
+		$$REPORT_ARGS
+
+compare: setup ## the same models in two or more runs side by side, with ratios: make compare RUN=a,b NAME=...
+	@set -f; exec $(PY) -m harness compare $${RUN:+--run "$$RUN"} $${NAME:+--name "$$NAME"} --runs-root "$$OUT" \
 		$$REPORT_ARGS
 
 sweep: setup ## ReFusion quality vs tokens/s as its knobs vary: make sweep LIMIT=... GRID='slot_size=2,4,8;...'

@@ -9,9 +9,11 @@ exists. A command whose module is not built yet ends with a one-line message
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import sys
+from typing import Iterator
 
 # command -> ("module" with main(argv) or "module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -28,7 +30,30 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regress-update": ("harness.regress:main_update", "rewrite the regression baseline on purpose (--reason)"),
     "report": ("harness.paper_report", "the paper's Table 1, speedups and figures from one or more runs"),
     "sweep": ("harness.sweep", "ReFusion accuracy vs tokens/s as its knobs vary (ablation view)"),
+    "compare": ("harness.compare", "the same models in two or more runs side by side, with ratios"),
 }
+
+
+def _one_line_error(parser: argparse.ArgumentParser, message: str) -> None:
+    """argparse's error() without the usage block: one `error:` line naming the command, exit 2."""
+    print(f"error: {parser.prog}: {message} (see `{parser.prog} --help`)".replace("\n", " "), file=sys.stderr)
+    raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Every argparse parser built while a command runs reports bad options as one line.
+
+    The commands (and tasks.validate / tasks.data, which may not import harness) build plain
+    ``argparse.ArgumentParser``s; swapping the class's ``error`` for the command's duration covers
+    all of them without each module knowing about it. Restored afterwards.
+    """
+    saved = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = _one_line_error  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = saved  # type: ignore[method-assign]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,13 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
         print(f"error: unknown command {argv[0]!r}; valid commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    ns = _parser().parse_args(argv)
-    module_name, _, func = COMMANDS[ns.command][0].partition(":")
-    if importlib.util.find_spec(module_name) is None:
-        print(f"error: `{ns.command}` is not available yet: module {module_name} is not built", file=sys.stderr)
-        return 2
-    module = importlib.import_module(module_name)
-    return int(getattr(module, func or "main")(ns.args) or 0)
+    with one_line_errors():
+        ns = _parser().parse_args(argv)
+        module_name, _, func = COMMANDS[ns.command][0].partition(":")
+        if importlib.util.find_spec(module_name) is None:
+            print(f"error: `{ns.command}` is not available yet: module {module_name} is not built", file=sys.stderr)
+            return 2
+        module = importlib.import_module(module_name)
+        return int(getattr(module, func or "main")(ns.args) or 0)
 
 
 if __name__ == "__main__":

@@ -33,13 +33,17 @@ def _legend(ax: plt.Axes) -> None:
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
 
 
-def pareto(title: str, ours: list[tuple[str, float, float]], published: list[tuple[str, float, float]],
+def pareto(title: str, ours: list[tuple], published: list[tuple[str, float, float]],
            ours_label: str = "this run", published_label: str = "published") -> Figure:
-    """Quality (%) vs tokens/s: one marker per model/decoder; ours filled, published hollow grey."""
+    """Quality (%) vs tokens/s: one marker per model/decoder; ours filled, published hollow grey.
+
+    ``ours`` holds (name, tokens/s, quality) or (name, tokens/s, quality, detail); the detail (sample
+    count, device) joins the legend label, so a LIMIT-3 CPU point is never read as a full GPU one."""
     fig, ax = _fig()
-    for i, (name, x, y) in enumerate(ours):
+    for i, (name, x, y, *detail) in enumerate(ours):
+        what = ", ".join([ours_label, *[d for d in detail if d]])
         ax.scatter([x], [y], marker=OURS_MARKERS[i % len(OURS_MARKERS)], s=60, color=f"C{i % 10}",
-                   edgecolors="black", linewidths=0.5, zorder=3, label=f"{name} ({ours_label})")
+                   edgecolors="black", linewidths=0.5, zorder=3, label=f"{name} ({what})")
     for i, (name, x, y) in enumerate(published):
         ax.scatter([x], [y], marker=PAPER_MARKERS[i % len(PAPER_MARKERS)], s=50, facecolors="none",
                    edgecolors="0.45", linewidths=1.0, zorder=2, label=f"{name} ({published_label})")
@@ -128,18 +132,47 @@ def memory_bars(title: str, models: list[str], peak_bytes: list[float | None], p
 
 
 def _latencies(rs) -> dict[str, list[float]]:
-    """Per-sample decode seconds pooled over each model's tasks, from the runs' sample logs."""
+    """Per-sample decode seconds pooled over each row's tasks, from the runs' sample logs.
+
+    A sample log holds one row per lm-eval filter of a document (gsm8k_cot has two, both with the
+    same decode), so each (leaf task, document) is counted once."""
     out: dict[str, list[float]] = {}
-    for (model, unit), met in rs.metrics.items():
+    for (label, unit), met in rs.metrics.items():
+        model = met.get("model") or label  # the name the run stored it under (the label may add @run)
         path = Path(met["_run_dir"]) / "models" / model / "samples" / f"{unit}.jsonl"
         if not path.is_file():
             continue
+        seen: set[tuple] = set()
         with open(path, encoding="utf-8") as f:
             for line in f:
                 rec = json.loads(line)
-                if rec.get("decode_s") is not None:
-                    out.setdefault(model, []).append(float(rec["decode_s"]))
+                key = (rec.get("task", unit), rec.get("doc_id"))
+                if rec.get("decode_s") is None or key in seen:
+                    continue
+                seen.add(key)
+                out.setdefault(label, []).append(float(rec["decode_s"]))
     return {m["name"]: out[m["name"]] for m in rs.models if m["name"] in out}
+
+
+def _where(rs) -> str:
+    """Sample count per task and device of what a figure shows, e.g. ``n=3 per task, cpu (2 threads)``."""
+    mets = list(rs.metrics.values())
+    ns = sorted({(m.get("speed") or {}).get("samples") for m in mets} - {None})
+    devices = sorted({m.get("_device") for m in mets} - {None})
+    n = f"n={ns[0]}" if len(ns) == 1 else f"n={ns[0]}-{ns[-1]}" if ns else "n=?"
+    return f"{n} per task, {', '.join(devices) or 'device unknown'}"
+
+
+def _detail(cell: dict) -> str:
+    return ", ".join(x for x in (f"n={cell['samples']}" if cell.get("samples") is not None else "",
+                                 cell.get("device") or "") if x)
+
+
+def _avg_detail(row: dict) -> str:
+    n = row.get("n") or []
+    devices = row.get("device") or []
+    return ", ".join(x for x in ((f"n={n[0]}" if len(n) == 1 else f"n={n[0]}-{n[-1]}") if n else "",
+                                 ", ".join(devices)) if x)
 
 
 def _memory(rs) -> tuple[list[str], list[float | None], str, list[float | None]]:
@@ -161,6 +194,9 @@ def _memory(rs) -> tuple[list[str], list[float | None], str, list[float | None]]
 def build_all(rs, data: dict) -> dict[str, tuple[Figure, str]]:
     """file name -> (figure, caption) for everything the run measured."""
     figs: dict[str, tuple[Figure, str]] = {}
+    who = "these runs" if len(rs.runs) > 1 else "this run"
+    where = _where(rs)
+    pub_label = "published: full test sets, GPU"
     pub_avg = []
     for s in data["suites"]:
         if s["suite"].published:
@@ -170,43 +206,47 @@ def build_all(rs, data: dict) -> dict[str, tuple[Figure, str]]:
         short = "paper benchmarks" if suite.published else f"{suite.name} suite"
         measured = [c for c in suite.columns if any(r["status"][c.key] == "ok" for r in s["ours"])]
         for c in measured:
-            ours = [(r["model"], r["cells"][c.key]["tokens_per_s"], r["cells"][c.key]["quality"])
+            ours = [(r["model"], r["cells"][c.key]["tokens_per_s"], r["cells"][c.key]["quality"],
+                     _detail(r["cells"][c.key]))
                     for r in s["ours"] if r["status"][c.key] == "ok"
                     and r["cells"][c.key]["quality"] is not None and r["cells"][c.key]["tokens_per_s"]]
             pub = [(r["model"], r["cells"][c.key]["tokens_per_s"], r["cells"][c.key]["quality"])
                    for r in s["published"] if c.key in r["cells"]]
-            figs[f"pareto_{c.key}.png"] = (pareto(f"{c.label}: quality vs throughput", ours, pub),
+            figs[f"pareto_{c.key}.png"] = (pareto(f"{c.label}: quality vs throughput", ours, pub, ours_label=who,
+                                                  published_label=pub_label),
                                            f"{c.label} ({c.key}): quality vs tokens/s")
         if measured:
-            ours = [(r["model"], r["average"]["tokens_per_s"], r["average"]["quality"]) for r in s["ours"]
-                    if r["average"]["complete"]]
+            ours = [(r["model"], r["average"]["tokens_per_s"], r["average"]["quality"], _avg_detail(r))
+                    for r in s["ours"] if r["average"]["complete"]]
             note = "" if suite.published else "\n(published: averages over the paper's 7 benchmarks, 7-8B models)"
             figs[f"pareto_avg_{suite.name}.png"] = (
-                pareto(f"Average over the {suite.name} suite{note}", ours, pub_avg, ours_label="this run",
-                       published_label="published avg"),
+                pareto(f"Average over the {suite.name} suite{note}", ours, pub_avg, ours_label=who,
+                       published_label="published avg: full test sets, GPU"),
                 f"{short}: average quality vs average tokens/s (models that measured every task)")
             sp = [x for x in s["speedups"] if x["role"] == "AR baseline"]
             if sp:
                 ref = sp[0]["reference"]
                 series = {x["model"]: [x["per_task"][c.key] for c in measured] + [x["mean_of_ratios"]] for x in sp}
                 figs[f"speedup_{suite.name}.png"] = (
-                    grouped_bars(f"Speedup vs {ref} per task ({suite.name} suite)",
+                    grouped_bars(f"Speedup vs {ref} per task ({suite.name} suite)\n{where}",
                                  [c.label for c in measured] + ["mean of ratios"], series,
                                  f"speedup over {ref} (x, tokens/s ratio)", hline=1.0),
                     f"{short}: speedup over {ref} per task and mean of per-task ratios")
             tpf = {r["model"]: [r["cells"][c.key]["tpf"] if r["status"][c.key] == "ok" else None for c in measured]
                    for r in s["ours"] if any(r["status"][c.key] == "ok" for c in measured)}
             figs[f"tpf_{suite.name}.png"] = (
-                grouped_bars(f"Tokens per forward per task ({suite.name} suite)", [c.label for c in measured], tpf,
+                grouped_bars(f"Tokens per forward per task ({suite.name} suite)\n{where}", [c.label for c in measured],
+                             tpf,
                              "TPF (generated tokens / forward)", hline=1.0),
                 f"{short}: tokens per forward (TPF) per task")
     lat = _latencies(rs)
     if lat:
-        figs["latency.png"] = (latency_cdf("Decode latency per sample (all tasks of the run)", lat),
+        figs["latency.png"] = (latency_cdf(f"Decode latency per sample (all tasks of {who})\n{where}", lat),
                                "Latency distribution per decoder (CDF of per-sample decode seconds)")
     names, peak, label, kv = _memory(rs)
     if names:
-        figs["memory.png"] = (memory_bars(f"Peak memory per decoder ({label}, KV cache)", names, peak, label, kv),
+        figs["memory.png"] = (memory_bars(f"Peak memory per decoder ({label}, KV cache)\n{where}", names, peak, label,
+                                          kv),
                               f"Peak memory per decoder ({label} and peak KV cache)")
     return figs
 

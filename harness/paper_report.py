@@ -3,6 +3,8 @@
     python -m harness report                                  # newest run under results/runs
     python -m harness report --run 20260101-120000            # a run id under --runs-root, or a run folder
     python -m harness report --run runA,runB --name merged    # several runs merged into one report
+    python -m harness report --run base=runA,new=runB         # the same, rows of a model that differs
+                                                              # between the runs named model@base / @new
     python -m harness report --run R --allow-partial          # an unfinished run, missing cells marked
 
 Writes ``<out>/<name>/`` (default name: the run id, runs joined by ``+``):
@@ -13,10 +15,14 @@ Writes ``<out>/<name>/`` (default name: the run id, runs joined by ``+``):
     index.md                            links, the runs' settings and environment
     report.json                         every number above, machine-readable
 
-Everything is read and checked first; bad input (no such run, missing metrics,
-conflicting settings) is one line and exit 2 with nothing written. The folder is
-built next to its target and swapped in at the end, so a failure leaves the
-previous report (or nothing) in place.
+Merged runs keep every measurement apart that differs: a model with both prompt variants gets a
+second row ``model [paper prompts]`` (no average mixes the variants), a model run with other
+settings in two runs (or whose same task two runs measured) gets one row per run ``model@<run>``.
+Every row carries its sample count and device.
+
+Everything is read and checked first; bad input (no such run, missing metrics) is one line and
+exit 2 with nothing written. The folder is built next to its target and swapped in at the end, so
+a failure leaves the previous report (or nothing) in place.
 """
 
 from __future__ import annotations
@@ -25,132 +31,18 @@ import argparse
 import csv
 import io
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import paper
 from harness.metrics import speedup
-from harness.store import atomic_dir, read_json
+# Loading lives in harness/runset.py; load_runs stays importable from here (harness.sweep, tests).
+from harness.runset import PAPER_ROW, InputError, RunSet, device_text, load_runs, resolve_runs
+from harness.store import atomic_dir
 
 REPO = Path(__file__).resolve().parents[1]
 NOT_MEASURED = "n/m"  # the run has no such (model, task)
 MISSING = "missing"  # the run should have it, but its metrics file is absent (--allow-partial)
 MDM_DECODERS = ("llada", "fast_dllm", "dream", "d2f")
-# Settings that must agree when two runs measured the same model / (model, task).
-MODEL_KEYS = ("checkpoint", "decoder", "knobs")
-TASK_KEYS = ("limit", "seed", "chat_template", "device", "batch_size", "task_defaults")
-
-
-class InputError(Exception):
-    """Bad user input: one line, exit 2, nothing written."""
-
-
-# ---------------------------------------------------------------- loading
-
-
-@dataclass
-class RunSet:
-    runs: list[dict]  # run.json of each run, plus "dir"
-    models: list[dict]  # run.json model entries, first occurrence, plus "run_id"
-    metrics: dict[tuple[str, str], dict] = field(default_factory=dict)  # (model, unit) -> metrics JSON
-    missing: list[tuple[str, str, str]] = field(default_factory=list)  # (model, unit, run dir)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def baseline(self) -> str | None:
-        """The AR reference: the first run's baseline, else the first model decoded with ``ar``."""
-        for r in self.runs:
-            if r.get("baseline"):
-                return r["baseline"]
-        return next((m["name"] for m in self.models if m["decoder"] == "ar"), None)
-
-
-def resolve_run(text: str, root: Path) -> Path:
-    for p in (Path(text), root / text):
-        if p.is_dir():
-            if not (p / "run.json").is_file():
-                raise InputError(f"{p}: not a run folder (no run.json)")
-            return p
-    raise InputError(f"run {text!r}: no such folder (looked for {text} and {root / text})")
-
-
-def newest_run(root: Path) -> Path:
-    runs = [p for p in root.glob("*/run.json")] if root.is_dir() else []
-    if not runs:
-        raise InputError(f"{root}: no run folder there (run `make eval` first, or give RUN=<run dir>)")
-
-    def created(p: Path) -> tuple[str, float]:
-        try:
-            return (str(read_json(p).get("created") or ""), p.stat().st_mtime)
-        except (OSError, ValueError):
-            return ("", p.stat().st_mtime)
-
-    return max(runs, key=created).parent
-
-
-def _read(path: Path) -> dict:
-    try:
-        return read_json(path)
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path}: unreadable ({type(e).__name__}: {e})".replace("\n", " ")) from None
-
-
-def _task_settings(cfg: dict, model: dict, unit: dict) -> dict:
-    leaves = unit.get("leaves") or [unit["name"]]
-    tk = model.get("task_knobs") or {}
-    return {**{k: model.get(k) for k in MODEL_KEYS}, **{k: cfg.get(k) for k in TASK_KEYS},
-            "task_knobs": {leaf: tk[leaf] for leaf in leaves if leaf in tk}}
-
-
-def load_runs(dirs: list[Path], allow_partial: bool = False) -> RunSet:
-    """Read and cross-check runs; raises InputError naming the folder and what is wrong."""
-    rs = RunSet(runs=[], models=[])
-    seen_model: dict[str, tuple[dict, Path]] = {}
-    seen_cell: dict[tuple[str, str], tuple[dict, Path]] = {}
-    for d in dirs:
-        cfg = _read(d / "run.json")
-        for key in ("models", "units"):
-            if not isinstance(cfg.get(key), list):
-                raise InputError(f"{d}/run.json: no {key!r} list (not written by `harness eval`?)")
-        rs.runs.append({**cfg, "dir": str(d)})
-        run_id = cfg.get("run_id") or d.name
-        absent = []
-        for m in cfg["models"]:
-            spec = {k: m.get(k) for k in MODEL_KEYS}
-            if m["name"] in seen_model and seen_model[m["name"]][0] != spec:
-                other = seen_model[m["name"]][1]
-                diff = ", ".join(k for k in MODEL_KEYS if seen_model[m["name"]][0][k] != spec[k])
-                raise InputError(f"{d}: model {m['name']!r} has other settings ({diff}) than in {other}; "
-                                 "report them separately or rename one")
-            if m["name"] not in seen_model:
-                seen_model[m["name"]] = (spec, d)
-                rs.models.append({**m, "run_id": run_id})
-            for u in cfg["units"]:
-                cell = (m["name"], u["name"])
-                settings = _task_settings(cfg, m, u)
-                if cell in seen_cell:
-                    prev, other = seen_cell[cell]
-                    if prev != settings:
-                        diff = ", ".join(sorted(k for k in settings if prev.get(k) != settings[k]))
-                        raise InputError(f"{d}: model {m['name']!r} on {u['name']!r} was also run in {other} "
-                                         f"with other settings ({diff})")
-                    rs.notes.append(f"{m['name']} on {u['name']}: measured in {other} and {d}; "
-                                    f"the first ({other.name}) is reported")
-                    continue
-                path = d / "metrics" / f"{m['name']}__{u['name']}.json"
-                if not path.is_file():
-                    absent.append(path.name)
-                    rs.missing.append((m["name"], u["name"], str(d)))
-                    continue
-                seen_cell[cell] = (settings, d)
-                met = _read(path)
-                rs.metrics[cell] = {**met, "_run_id": run_id, "_run_dir": str(d)}
-        if absent and not allow_partial:
-            more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
-            raise InputError(f"{d}: unfinished run, missing metrics/{', metrics/'.join(absent[:3])}{more} "
-                             f"(resume it with `make eval ... EVAL_ARGS='--run-id {d.name}'`, "
-                             "or report it with --allow-partial)")
-    return rs
 
 
 # ---------------------------------------------------------------- numbers
@@ -193,11 +85,21 @@ def our_rows(rs: RunSet, suite: paper.Suite) -> list[dict]:
             cells[col.key] = {"task": task, "quality": quality_pct(met), "tokens_per_s": tps(met),
                               "tpf": ((met.get("speed") or {}).get("tpf") or {}).get("ratio_of_sums"),
                               "quality_metric": met.get("quality_primary"), "run_id": met["_run_id"],
-                              "samples": (met.get("speed") or {}).get("samples")}
+                              "samples": (met.get("speed") or {}).get("samples"), "device": met.get("_device")}
             status[col.key] = "ok"
-        rows.append({"model": m["name"], "decoder": m["decoder"], "source": "this run", "cells": cells,
-                     "status": status, "average": _average(cells, len(suite.columns))})
+        rows.append({"model": m["name"], "decoder": m["decoder"], "source": ours_label(rs), "cells": cells,
+                     "status": status, "average": _average(cells, len(suite.columns)),
+                     "n": sorted({c["samples"] for c in cells.values() if c.get("samples") is not None}),
+                     "device": sorted({c["device"] for c in cells.values() if c.get("device")})})
     return rows
+
+
+def ours_label(rs: RunSet) -> str:
+    return "these runs" if rs.merged else "this run"
+
+
+PUBLISHED_N = "full"  # the published rows score every document of each benchmark's test set
+PUBLISHED_DEVICE = "GPU (paper)"
 
 
 def published_rows(suite: paper.Suite) -> list[dict]:
@@ -210,17 +112,18 @@ def published_rows(suite: paper.Suite) -> list[dict]:
         rows.append({"model": r["model"], "decoder": r["decoder"], "kind": r["kind"], "source": "published",
                      "cells": cells, "status": {c.key: "ok" if c.key in cells else NOT_MEASURED
                                                 for c in suite.columns},
-                     "average": avg, "published_average": r.get("average")})
+                     "average": avg, "published_average": r.get("average"), "n": PUBLISHED_N,
+                     "device": PUBLISHED_DEVICE})
     return rows
 
 
 def speedup_summary(row: dict, ref: dict, keys: list[str], same_run: bool = True) -> dict:
-    """Per-column speedup of ``row`` over ``ref`` (same task, same run), their mean (the paper's
+    """Per-column speedup of ``row`` over ``ref`` (same task and run), their mean (the paper's
     headline convention) and the ratio of the mean tokens/s over the same columns."""
     per: dict[str, float | None] = {}
     for k in keys:
         a, b = row["cells"].get(k), ref["cells"].get(k)
-        if a is None or b is None or (same_run and a.get("run_id") != b.get("run_id")):
+        if a is None or b is None or (same_run and (a.get("run_id"), a["task"]) != (b.get("run_id"), b["task"])):
             per[k] = None
             continue
         per[k] = speedup(a["tokens_per_s"], b["tokens_per_s"])
@@ -232,10 +135,10 @@ def speedup_summary(row: dict, ref: dict, keys: list[str], same_run: bool = True
 
 
 def references(rs: RunSet) -> list[tuple[str, str]]:
-    """(model, role) pairs speedups are measured against: the run's AR model, then every MDM baseline."""
-    out = []
-    if rs.baseline and any(m["name"] == rs.baseline for m in rs.models):
-        out.append((rs.baseline, "AR baseline"))
+    """(row, role) pairs speedups are measured against: every row of the runs' AR model, then every
+    MDM baseline (a model with rows per run or per prompt variant is a reference in each)."""
+    bases = {r["baseline"] for r in rs.runs if r.get("baseline")} or {rs.baseline}
+    out = [(m["name"], "AR baseline") for m in rs.models if m["model"] in bases]
     out += [(m["name"], "MDM baseline") for m in rs.models if m["decoder"] in MDM_DECODERS]
     return out
 
@@ -301,37 +204,84 @@ def avg_text(row: dict, n_columns: int) -> str:
     return f"{_num(a['quality'])} / {_num(a['tokens_per_s'])}{mark}"
 
 
+def n_text(row: dict) -> str:
+    """Samples per task of a row: one number, or the range when the tasks differ."""
+    n = row.get("n")
+    if isinstance(n, str):
+        return n
+    if not n:
+        return "-"
+    return str(n[0]) if len(n) == 1 else f"{n[0]}-{n[-1]}"
+
+
+def device_cell(row: dict) -> str:
+    d = row.get("device")
+    return d if isinstance(d, str) else (", ".join(d) if d else "-")
+
+
 def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
     return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             + ["| " + " | ".join(b) + " |" for b in body])
 
 
 def _run_names(rs: RunSet) -> str:
-    return ", ".join(str(r.get("run_id") or Path(r["dir"]).name) for r in rs.runs)
+    names = ", ".join(str(r.get("run_id") or Path(r["dir"]).name) for r in rs.runs)
+    return f"runs {names}" if rs.merged else f"run {names}"
 
 
-LEGEND = (f"Cells: quality (accuracy or pass@1, %) / tokens per second (generated tokens / decode seconds, ratio "
-          f"of sums). `{NOT_MEASURED}` = not measured by this run; `{MISSING}` = part of the run but its metrics "
-          "file is absent (reported with --allow-partial); `(k/n)` after an average = mean over the k measured "
-          "columns only. Avg = mean of the columns, as in the paper.")
+def legend(rs: RunSet) -> str:
+    who = ours_label(rs)
+    return (f"Cells: quality (accuracy or pass@1, %) / tokens per second (generated tokens / decode seconds, "
+            f"ratio of sums). `n` = samples per task (a range when the tasks differ; the published rows score "
+            f"whole test sets), `device` = where it decoded: with a small LIMIT and tiny or CPU models our rows "
+            f"are not comparable in absolute terms with the published 7-8B GPU numbers. `{NOT_MEASURED}` = not "
+            f"measured by {who}; `{MISSING}` = part of the run but its metrics file is absent (reported with "
+            "--allow-partial); `(k/n)` after an average = mean over the k measured columns only. Avg = mean of "
+            "the columns, as in the paper; a row never mixes prompt variants (a model measured with both has a "
+            f"second row marked `{PAPER_ROW.strip()}`).")
+
+
+def run_notes(rs: RunSet) -> list[str]:
+    """Resumed runs and merge decisions, one line each (shown in table1.md and index.md)."""
+    from harness.report import session_note, sessions
+
+    out = []
+    for r in rs.runs:
+        note = session_note(sessions(r))
+        if note:
+            out.append(f"{r['label']}: {note}")
+    return out + rs.notes
+
+
+def _prompts_line(rs: RunSet) -> str:
+    kinds = sorted({m.get("prompts", "stock") for m in rs.models})
+    if kinds == ["paper"]:
+        return "Prompts: the ReFusion authors' variants (`--prompts paper` or their task names)."
+    if kinds == ["stock"]:
+        return "Prompts: lm-eval's stock prompts."
+    return f"Prompts: both variants; rows marked `{PAPER_ROW.strip()}` used the authors' prompts."
+
+
+def _row_cells(r: dict, suite: paper.Suite) -> list[str]:
+    return [r["model"], r["decoder"], n_text(r), device_cell(r), *[cell_text(r, c.key) for c in suite.columns],
+            avg_text(r, len(suite.columns))]
 
 
 def table1_md(rs: RunSet, data: dict) -> str:
-    lines = [f"# Table 1: run {_run_names(rs)}", "", LEGEND, ""]
+    lines = [f"# Table 1: {_run_names(rs)}", "", legend(rs), "", _prompts_line(rs), ""]
+    lines += [f"**Note:** {x}" for x in run_notes(rs)] + ([""] if run_notes(rs) else [])
+    heading = "These runs" if rs.merged else "This run"
     for s in data["suites"]:
         suite: paper.Suite = s["suite"]
-        head = ["Model", "decoder", *[c.label for c in suite.columns], "Avg"]
-        n = len(suite.columns)
-        lines += [f"## {suite.title}", "", "### This run", ""]
-        lines += _md_table(head, [[r["model"], r["decoder"], *[cell_text(r, c.key) for c in suite.columns],
-                                   avg_text(r, n)] for r in s["ours"]])
+        head = ["Model", "decoder", "n", "device", *[c.label for c in suite.columns], "Avg"]
+        lines += [f"## {suite.title}", "", f"### {heading}", ""]
+        lines += _md_table(head, [_row_cells(r, suite) for r in s["ours"]])
         metrics = sorted({f"{c['task']}={c['quality_metric']}" for r in s["ours"] for c in r["cells"].values()})
         if metrics:
             lines += ["", "Quality metric per task: " + ", ".join(metrics)]
         if s["published"]:
             lines += ["", f"### Published ({paper.source()})", ""]
-            lines += _md_table(head, [[r["model"], r["decoder"], *[cell_text(r, c.key) for c in suite.columns],
-                                       avg_text(r, n)] for r in s["published"]])
+            lines += _md_table(head, [_row_cells(r, suite) for r in s["published"]])
         lines.append("")
     return "\n".join(lines)
 
@@ -341,25 +291,32 @@ def _csv_value(row: dict, key: str, what: str) -> str | float:
     if st != "ok":
         return st
     v = row["cells"][key][what]
-    return NOT_MEASURED if v is None else round(v, 6)
+    if v is None:
+        return NOT_MEASURED
+    return round(v, 6) if isinstance(v, float) else v
 
 
 def table1_csv(data: dict) -> str:
     cols = [c for s in data["suites"] for c in s["suite"].columns]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["suite", "source", "model", "decoder"]
-               + [f"{c.key}_{what}" for c in cols for what in ("quality", "tokens_per_s")]
+    w.writerow(["suite", "source", "model", "decoder", "device"]
+               + [f"{c.key}_{what}" for c in cols for what in ("quality", "tokens_per_s", "n")]
                + ["avg_quality", "avg_tokens_per_s", "avg_columns", "avg_columns_total"])
     for s in data["suites"]:
         keys = {c.key for c in s["suite"].columns}
         for r in s["ours"] + s["published"]:
             vals = []
             for c in cols:
-                for what in ("quality", "tokens_per_s"):
-                    vals.append(_csv_value(r, c.key, what) if c.key in keys else "")
+                for what in ("quality", "tokens_per_s", "samples"):
+                    if c.key not in keys:
+                        vals.append("")
+                    elif what == "samples" and r["source"] == "published":
+                        vals.append(PUBLISHED_N if r["status"].get(c.key) == "ok" else NOT_MEASURED)
+                    else:
+                        vals.append(_csv_value(r, c.key, what))
             a = r["average"]
-            w.writerow([s["suite"].name, r["source"], r["model"], r["decoder"], *vals,
+            w.writerow([s["suite"].name, r["source"], r["model"], r["decoder"], device_cell(r), *vals,
                         NOT_MEASURED if a["quality"] is None else round(a["quality"], 6),
                         NOT_MEASURED if a["tokens_per_s"] is None else round(a["tokens_per_s"], 6),
                         a["columns"], len(s["suite"].columns)])
@@ -374,24 +331,22 @@ def _tex(text: str) -> str:
 
 
 def table1_tex(rs: RunSet, data: dict) -> str:
-    out = [f"% Table 1 from run {_tex(_run_names(rs))}; published rows: {_tex(paper.source())}.",
-           f"% {NOT_MEASURED}: not measured by this run; {MISSING}: metrics file absent; (k/n): mean of k columns."]
+    out = [f"% Table 1 from {_tex(_run_names(rs))}; published rows: {_tex(paper.source())}.",
+           f"% {NOT_MEASURED}: not measured by {ours_label(rs)}; {MISSING}: metrics file absent; (k/n): mean of k "
+           "columns; n: samples per task; device: where it decoded."]
     for s in data["suites"]:
         suite = s["suite"]
         n = len(suite.columns)
-        out += [f"% {suite.title}", "\\begin{tabular}{ll" + "c" * (n + 1) + "}", "\\hline",
-                " & ".join(["Model", "Decoder", *[_tex(c.label) for c in suite.columns], "Avg"]) + r" \\", "\\hline"]
+        out += [f"% {suite.title}", "\\begin{tabular}{llll" + "c" * (n + 1) + "}", "\\hline",
+                " & ".join(["Model", "Decoder", "n", "Device", *[_tex(c.label) for c in suite.columns], "Avg"])
+                + r" \\", "\\hline"]
         for r in s["ours"]:
-            out.append(" & ".join([_tex(r["model"]), _tex(r["decoder"]),
-                                   *[_tex(cell_text(r, c.key)) for c in suite.columns], _tex(avg_text(r, n))])
-                       + r" \\")
+            out.append(" & ".join(_tex(x) for x in _row_cells(r, suite)) + r" \\")
         if s["published"]:
-            out += ["\\hline", f"\\multicolumn{{{n + 3}}}{{l}}{{\\emph{{Published: {_tex(paper.source())}}}}} \\\\",
+            out += ["\\hline", f"\\multicolumn{{{n + 5}}}{{l}}{{\\emph{{Published: {_tex(paper.source())}}}}} \\\\",
                     "\\hline"]
             for r in s["published"]:
-                out.append(" & ".join([_tex(r["model"]), _tex(r["decoder"]),
-                                       *[_tex(cell_text(r, c.key)) for c in suite.columns], _tex(avg_text(r, n))])
-                           + r" \\")
+                out.append(" & ".join(_tex(x) for x in _row_cells(r, suite)) + r" \\")
         out += ["\\hline", "\\end{tabular}", ""]
     return "\n".join(out)
 
@@ -404,10 +359,12 @@ CONVENTION = ("speedup = TPS(model) / TPS(reference), same task, same run, TPS =
 
 
 def speedup_md(rs: RunSet, data: dict) -> str:
-    lines = [f"# Speedup: run {_run_names(rs)}", "", CONVENTION, ""]
+    lines = [f"# Speedup: {_run_names(rs)}", "", CONVENTION, ""]
+    lines += [f"**Note:** {x}" for x in run_notes(rs)] + ([""] if run_notes(rs) else [])
     refs = references(rs)
     if not refs:
-        lines += ["This run has no AR model and no MDM baseline to measure speedups against.", ""]
+        lines += [f"{'These runs have' if rs.merged else 'This run has'} no AR model and no MDM baseline to "
+                  "measure speedups against.", ""]
     for s in data["suites"]:
         suite = s["suite"]
         measured = [c for c in suite.columns if any(r["status"][c.key] == "ok" for r in s["ours"])]
@@ -415,7 +372,7 @@ def speedup_md(rs: RunSet, data: dict) -> str:
             continue
         lines += [f"## {suite.title}", ""]
         if not measured:
-            lines += ["This run measured none of these tasks.", ""]
+            lines += [f"{'These runs' if rs.merged else 'This run'} measured none of these tasks.", ""]
         for ref, role in refs if measured else []:
             rows = [x for x in s["speedups"] if x["reference"] == ref]
             lines += [f"### vs {ref} ({role})", ""]
@@ -444,29 +401,35 @@ def _show_path(path: str) -> str:
 
 
 def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
-    lines = [f"# Report: run {_run_names(rs)}", "",
+    lines = [f"# Report: {_run_names(rs)}", "",
              "- [table1.md](table1.md) (also [table1.csv](table1.csv), [table1.tex](table1.tex)): the paper's "
-             f"Table 1 layout, this run beside the published numbers ({paper.source()})",
+             f"Table 1 layout, {ours_label(rs)} beside the published numbers ({paper.source()})",
              "- [speedup.md](speedup.md): per-task speedups, mean of ratios and ratio of averages",
              "- [report.json](report.json): every number of this report", ""]
     if rs.missing:
         lines += [f"**Partial:** {len(rs.missing)} (model, task) metrics file(s) missing, marked `{MISSING}`: "
                   + ", ".join(f"{m} on {u}" for m, u, _ in rs.missing), ""]
-    for note in rs.notes:
+    for note in run_notes(rs):
         lines += [f"Note: {note}", ""]
     lines += ["## Figures", ""]
     for name, caption in figures.items():
         lines += [f"### {caption}", "", f"![{caption}]({name})", ""]
     lines += ["## Runs", ""]
+    from harness.report import resumed, sessions
+
     for r in rs.runs:
         env = r.get("environment") or {}
         pk = env.get("packages") or {}
-        lines += [f"### {r.get('run_id') or Path(r['dir']).name}", "",
-                  f"- folder `{_show_path(r['dir'])}`, created {r.get('created')}",
+        name = r.get("run_id") or Path(r["dir"]).name
+        k = resumed(sessions(r))
+        lines += [f"### {name}" + (f" (label {r['label']})" if r["label"] != name else ""), "",
+                  f"- folder `{_show_path(r['dir'])}`, created {r.get('created')}"
+                  + (f", resumed: measured in {k} sessions" if k > 1 else ""),
                   f"- task `{r.get('task')}` ({', '.join(u['name'] for u in r['units'])}), limit {r.get('limit')}, "
                   f"seed {r.get('seed')}, batch size {r.get('batch_size')}, chat template {r.get('chat_template')}, "
-                  f"paper task defaults {r.get('task_defaults')}, speedup baseline {r.get('baseline')}",
-                  f"- device {r.get('device')}, {r.get('threads')} thread(s) x {r.get('num_processes')} process(es)",
+                  f"prompts {r.get('prompts') or 'stock'}, paper task defaults {r.get('task_defaults')}, "
+                  f"speedup baseline {r.get('baseline')}",
+                  f"- device {device_text(r)}, {r.get('threads')} thread(s) x {r.get('num_processes')} process(es)",
                   f"- environment: commit {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}, "
                   f"python {env.get('python')}, torch {pk.get('torch')}, transformers {pk.get('transformers')}, "
                   f"lm-eval {pk.get('lm-eval')}, CPU {env.get('cpu')} ({env.get('cpu_count')} cores), "
@@ -505,7 +468,7 @@ def write_report(rs: RunSet, target: Path) -> Path:
         atomic_write_text(tmp / "speedup.md", speedup_md(rs, data))
         atomic_write_json(tmp / "report.json", {"runs": [_show_path(r["dir"]) for r in rs.runs],
                                                 "missing": [(m, u, _show_path(d)) for m, u, d in rs.missing],
-                                                "notes": rs.notes, **_json_ready(data)})
+                                                "notes": run_notes(rs), **_json_ready(data)})
         made = figures.save_all(figures.build_all(rs, data), tmp)
         atomic_write_text(tmp / "index.md", index_md(rs, data, made))
     return target
@@ -514,7 +477,8 @@ def write_report(rs: RunSet, target: Path) -> Path:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default=None, help="run folder or run id, or a comma list to merge "
+    p.add_argument("--run", default=None, help="run folder or run id, or a comma list to merge, each optionally "
+                   "label=run (the label names the run's rows when a model differs between runs) "
                    "(default: the newest run under --runs-root)")
     p.add_argument("--runs-root", default="results/runs", help="where run ids are looked up (default: %(default)s)")
     p.add_argument("--out", default="reports", help="reports folder (default: %(default)s)")
@@ -523,18 +487,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_name(name: str) -> str:
+    if not name or name.startswith(".") or "/" in name:
+        raise InputError(f"--name {name!r}: use a plain folder name")
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
-        root = Path(ns.runs_root)
-        texts = [t.strip() for t in (ns.run or "").split(",") if t.strip()]
-        dirs = [resolve_run(t, root) for t in texts] if texts else [newest_run(root)]
-        if len({d.resolve() for d in dirs}) != len(dirs):
-            raise InputError(f"run given twice in {ns.run!r}")
-        name = ns.name or "+".join(d.name for d in dirs)
-        if not name or name.startswith(".") or "/" in name:
-            raise InputError(f"--name {name!r}: use a plain folder name")
-        rs = load_runs(dirs, allow_partial=ns.allow_partial)
+        dirs, labels = resolve_runs(ns.run, Path(ns.runs_root))
+        name = check_name(ns.name or "+".join(d.name for d in dirs))
+        rs = load_runs(dirs, allow_partial=ns.allow_partial, labels=labels)
         if not rs.metrics:
             raise InputError(f"{', '.join(map(str, dirs))}: no metrics file at all (run not started?)")
     except InputError as e:

@@ -1,8 +1,14 @@
-"""Run summary: one row per (model, task), as JSON, a Markdown table and a console table."""
+"""Run summary: one row per (model, task), as JSON, a Markdown table and a console table; the run's
+sessions (a resumed run has several) and its overall progress line."""
 
 from __future__ import annotations
 
+import datetime as _dt
+import time
 from pathlib import Path
+from typing import Callable
+
+from harness.store import atomic_write_json, read_json
 
 
 def _row(m: dict) -> dict:
@@ -34,8 +40,58 @@ def summary(cfg: dict, metrics: list[dict]) -> dict:
         "run_id": cfg.get("run_id"), "task": cfg["task"], "limit": cfg["limit"], "baseline": cfg.get("baseline"),
         "models": [m["name"] for m in cfg["models"]], "units": [u["name"] for u in cfg["units"]],
         "rows": rows, "mean_speedup": {k: sum(v) / len(v) for k, v in by_model.items()},
-        "environment": cfg.get("environment"),
+        "environment": cfg.get("environment"), "sessions": sessions(cfg),
     }
+
+
+# ---------------------------------------------------------------- sessions (resume)
+
+
+def sessions(cfg: dict) -> list[dict]:
+    """The invocations that wrote a run: ``started`` and the ``models`` whose worker ran in each.
+
+    A run.json written before sessions were recorded counts as one session."""
+    return cfg.get("sessions") or [{"started": cfg.get("created"), "models": [m["name"] for m in cfg["models"]]}]
+
+
+def _now() -> str:
+    return _dt.datetime.now().isoformat(timespec="seconds")
+
+
+def add_session(run_json: Path) -> None:
+    """A resumed run: record one more session in run.json (its settings are unchanged)."""
+    cfg = read_json(run_json)
+    atomic_write_json(run_json, {**cfg, "sessions": [*sessions(cfg), {"started": _now(), "models": []}]})
+
+
+def session_ran(run_json: Path, model: str) -> None:
+    """Record that ``model``'s worker runs in the current (last) session."""
+    cfg = read_json(run_json)
+    ss = sessions(cfg)
+    if model not in ss[-1]["models"]:
+        ss[-1] = {**ss[-1], "models": [*ss[-1]["models"], model]}
+        atomic_write_json(run_json, {**cfg, "sessions": ss})
+
+
+def session_note(ss: list[dict]) -> str | None:
+    """One line for a resumed run (None for a run whose models all ran in one session).
+
+    Sessions in which no model ran (a finished run started again) do not count."""
+    ran = [x for x in ss if x.get("models")]
+    if len(ran) < 2:
+        return None
+    where: dict[str, list[int]] = {}
+    for i, sess in enumerate(ran, 1):
+        for m in sess["models"]:
+            where.setdefault(m, []).append(i)
+    per = "; ".join(f"{m} in session{'s' if len(v) > 1 else ''} {', '.join(map(str, v))}" for m, v in where.items())
+    return (f"Resumed run: measured in {len(ran)} sessions (started {', '.join(str(x.get('started')) for x in ran)}): "
+            f"{per}. Timings, tokens/s and speedups combine measurements taken in separate invocations.")
+
+
+def resumed(ss: list[dict]) -> int:
+    """How many sessions measured something (1 for a run that was not resumed)."""
+    return max(1, sum(1 for x in ss if x.get("models")))
 
 
 def _fmt(v, spec: str = ".3f") -> str:
@@ -65,12 +121,22 @@ def _cells(r: dict) -> list[str]:
     return out
 
 
+def _columns(s: dict) -> list[int]:
+    """Indices of COLUMNS to show: no speedup column when the run has no AR reference."""
+    return [i for i, c in enumerate(COLUMNS) if c[1] != "speedup" or s.get("baseline")]
+
+
 def markdown(s: dict) -> str:
-    head = [c[0] for c in COLUMNS]
-    lines = [f"# Run {s['run_id']}: {s['task']} (limit {s['limit']}, speedup vs {s['baseline']})", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in s["rows"]]
-    if s["mean_speedup"]:
+    keep = _columns(s)
+    head = [COLUMNS[i][0] for i in keep]
+    vs = f", speedup vs {s['baseline']}" if s.get("baseline") else ""
+    lines = [f"# Run {s['run_id']}: {s['task']} (limit {s['limit']}{vs})", ""]
+    note = session_note(s.get("sessions") or [])
+    if note:
+        lines += [f"**{note}**", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_cells(r)[i] for i in keep) + " |" for r in s["rows"]]
+    if s["mean_speedup"] and s.get("baseline"):
         lines += ["", "Mean per-task speedup: " + ", ".join(f"{k} {v:.2f}x" for k, v in s["mean_speedup"].items())]
     env = s.get("environment") or {}
     lines += ["", f"Quality metric per task: " + ", ".join(sorted({f"{r['task']}={r['quality_metric']}"
@@ -83,8 +149,9 @@ def markdown(s: dict) -> str:
 
 
 def table(s: dict) -> str:
-    head = [c[0] for c in COLUMNS]
-    body = [_cells(r) for r in s["rows"]]
+    keep = _columns(s)
+    head = [COLUMNS[i][0] for i in keep]
+    body = [[c[i] for i in keep] for c in map(_cells, s["rows"])]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
@@ -92,5 +159,73 @@ def table(s: dict) -> str:
 
 def one_line(s: dict, run_dir: Path) -> str:
     parts = [f"{k} {v:.2f}x" for k, v in s["mean_speedup"].items() if k != s["baseline"]]
+    vs = f"; mean speedup vs {s['baseline']}: {', '.join(parts)}" if s.get("baseline") and parts else ""
+    k = resumed(s.get("sessions") or [])
+    again = f"; resumed, measured in {k} sessions" if k > 1 else ""
     return (f"done: {len(s['models'])} model(s) x {len(s['units'])} task(s), {sum(r['samples'] for r in s['rows'])} "
-            f"samples; mean speedup vs {s['baseline']}: {', '.join(parts) or '-'}; results in {run_dir}")
+            f"samples{vs}{again}; results in {run_dir}")
+
+
+# ---------------------------------------------------------------- overall progress
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
+class Progress:
+    """Done / total samples of a whole run (every model x task), one line per finished model, with an ETA.
+
+    A unit's ``samples`` is its document count after LIMIT (the runner counts them while checking
+    the data). The ETA extrapolates this session's pace: the seconds spent so far over the samples
+    decoded in this session (a resumed model's samples read back from its journal cost nothing).
+    """
+
+    def __init__(self, cfg: dict, clock: Callable[[], float] = time.monotonic):
+        self.models = [m["name"] for m in cfg["models"]]
+        counts = [u.get("samples") for u in cfg["units"]]
+        self.per_model = sum(counts) if counts and None not in counts else None
+        self.total = None if self.per_model is None else self.per_model * len(self.models)
+        self.units = len(cfg["units"])
+        self.finished_models = 0
+        self.done = 0
+        self.decoded = 0.0
+        self.clock = clock
+        self.t0 = clock()
+
+    def start_line(self) -> str:
+        total = f" = {self.total} samples" if self.total is not None else ""
+        return f"run: {len(self.models)} model(s) x {self.units} task(s){total}"
+
+    def finished(self, model: str, decoded_share: float = 1.0) -> str:
+        """``model`` is finished; ``decoded_share`` of its samples was decoded now (0 when skipped)."""
+        self.finished_models += 1
+        n = len(self.models)
+        if self.per_model is None:
+            return f"progress: {self.finished_models}/{n} models ({model} finished)"
+        self.done += self.per_model
+        self.decoded += self.per_model * max(0.0, min(1.0, decoded_share))
+        elapsed = self.clock() - self.t0
+        left = self.total - self.done
+        if left == 0:
+            eta = "done"
+        elif self.decoded > 0:
+            eta = f"ETA {_duration(elapsed / self.decoded * left)}"
+        else:
+            eta = "ETA unknown"
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        return (f"progress: {self.finished_models}/{n} models, {self.done}/{self.total} samples ({pct:.0f}%), "
+                f"{_duration(elapsed)} elapsed, {eta}")
+
+
+def decoded_share(done_json: Path) -> float:
+    """Share of a finished model's requests decoded by its last worker (the rest came from the journal)."""
+    try:
+        d = read_json(done_json)
+        computed, served = int(d.get("computed", 0)), int(d.get("served_from_journal", 0))
+    except (OSError, ValueError, TypeError):
+        return 1.0
+    return computed / (computed + served) if computed + served else 1.0

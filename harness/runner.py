@@ -212,8 +212,7 @@ def resolve_units(task_arg: str, tasks_dir: Path, limit: int | None = None) -> l
         except Exception as e:  # noqa: BLE001 - lm-eval wraps dataset errors in many types
             raise InputError(f"task {name!r}: cannot load its data: {_root_message(e)}") from e
         gmap = loaded.get("group_map", {})
-        for leaf, task in loaded.get("tasks", {}).items():
-            check_docs(leaf, task, limit)
+        counts = {leaf: check_docs(leaf, task, limit) for leaf, task in loaded.get("tasks", {}).items()}
 
         def expand(n: str) -> list[str]:
             if n in KNOWN or n not in gmap:
@@ -224,8 +223,9 @@ def resolve_units(task_arg: str, tasks_dir: Path, limit: int | None = None) -> l
             leaves = sorted(KNOWN[u].leaves) if u in KNOWN else ([u] if u in loaded["tasks"] else
                                                                   sorted(_leaves(u, gmap)))
             primary = KNOWN[u].primary if u in KNOWN else None
-            if not any(x["name"] == u for x in units):
-                units.append({"name": u, "leaves": leaves, "primary": primary})
+            if not any(x["name"] == u for x in units):  # samples: documents after LIMIT (overall progress)
+                units.append({"name": u, "leaves": leaves, "primary": primary,
+                              "samples": sum(counts.get(leaf, 0) for leaf in leaves)})
     return units
 
 
@@ -249,8 +249,9 @@ def _data_where(task) -> str:
     return str(getattr(cfg, "dataset_path", None) or "its dataset")
 
 
-def check_docs(leaf: str, task, limit: int | None) -> None:
+def check_docs(leaf: str, task, limit: int | None) -> int:
     """Render every document the run will use with the task's templates; InputError naming the first bad one.
+    Returns how many documents the run will use.
 
     lm-eval checks only the first document when it builds a task, so a bad later row
     would otherwise stop the model's worker mid-run.
@@ -260,9 +261,11 @@ def check_docs(leaf: str, task, limit: int | None) -> None:
     except Exception as e:  # noqa: BLE001
         raise InputError(f"task {leaf!r}: cannot load its data: {_root_message(e)}") from e
     choice = getattr(task, "OUTPUT_TYPE", None) == "multiple_choice"
+    n = 0
     for i, doc in enumerate(docs):
         if limit is not None and i >= limit:
             break
+        n += 1
         try:
             task.doc_to_text(doc)
             task.doc_to_target(doc)
@@ -271,6 +274,7 @@ def check_docs(leaf: str, task, limit: int | None) -> None:
         except Exception as e:  # noqa: BLE001 - templates and hooks raise anything; the document is what matters
             why = _root_message(e)
             raise InputError(f"task {leaf!r}, document {i} of {_data_where(task)}: {why}") from e
+    return n
 
 
 def _leaves(name: str, gmap: dict) -> list[str]:
@@ -571,6 +575,13 @@ def lock_run_dir(run_dir: Path) -> None:
     _held_locks.append(fd)
 
 
+def _resume_value(key: str, value: Any) -> Any:
+    """A setting as compared on resume: a unit's sample count is derived, not set (older runs lack it)."""
+    if key == "units" and isinstance(value, list):
+        return [{k: v for k, v in u.items() if k != "samples"} for u in value]
+    return value
+
+
 def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
     if run_id is None:
         run_id = default_run_id()
@@ -578,11 +589,12 @@ def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
     lock_run_dir(run_dir)
     if (run_dir / "run.json").exists():
         old = read_json(run_dir / "run.json")
-        diff = [k for k in RESUME_KEYS if old.get(k) != cfg.get(k)]
+        diff = [k for k in RESUME_KEYS if _resume_value(k, old.get(k)) != _resume_value(k, cfg.get(k))]
         if diff:
             raise InputError(f"run {run_id!r} exists with different settings ({', '.join(diff)}); "
                              "use a new --run-id or the same settings to resume")
         print(f"resuming run {run_id} in {run_dir}", file=sys.stderr)
+        report.add_session(run_dir / "run.json")  # timings of this session may mix with the earlier ones
         return run_dir
     if run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir()):
         raise InputError(f"{run_dir} exists and is not a run folder (no run.json); choose another --run-id")
@@ -592,8 +604,9 @@ def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
     env["sandbox"] = capabilities()  # what code-task isolation this machine gave, with its warning
     if env["sandbox"]["warning"]:
         print(f"warning: {env['sandbox']['warning']}", file=sys.stderr)
-    atomic_write_json(run_dir / "run.json", {**cfg, "run_id": run_id, "environment": env,
-                                             "created": _dt.datetime.now().isoformat(timespec="seconds")})
+    created = _dt.datetime.now().isoformat(timespec="seconds")
+    atomic_write_json(run_dir / "run.json", {**cfg, "run_id": run_id, "environment": env, "created": created,
+                                             "sessions": [{"started": created, "models": []}]})
     return run_dir
 
 
@@ -667,6 +680,11 @@ def main(argv: list[str] | None = None) -> int:
         _die_with_parent()  # `make eval` killed: stop as if by SIGTERM instead of running on orphaned
     ns = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from tasks.info import resolve_aliases
+
+    ns.task, aliased = resolve_aliases(ns.task)  # before anything is written: run.json records the real name
+    for short, real in aliased:
+        print(f"task {short!r} is {real!r}", file=sys.stderr)
     try:
         cfg = build_config(ns)
         if ns.dry_run:
@@ -684,11 +702,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = len(cfg["models"])
+    progress = report.Progress(cfg)
+    print(progress.start_line(), file=sys.stderr)
     for i, m in enumerate(cfg["models"], 1):
         if (run_dir / "models" / m["name"] / "done.json").exists():
             print(f"[{i}/{n}] {m['name']}: already finished, skipped", file=sys.stderr)
+            print(progress.finished(m["name"], decoded_share=0.0), file=sys.stderr)
             continue
         print(f"[{i}/{n}] {m['name']}: {m['decoder']} on {m['checkpoint']}", file=sys.stderr)
+        report.session_ran(run_dir / "run.json", m["name"])
         cmd = worker_command(run_dir, m["name"], cfg["num_processes"], 29500 + (os.getpid() % 1000), ns.debug)
         err_file = worker_error_file(run_dir, m["name"])
         err_file.unlink(missing_ok=True)
@@ -716,6 +738,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: model {m['name']!r} failed (exit {rc}); rerun with --run-id {run_dir.name} to resume",
                   file=sys.stderr)
             return 1
+        print(progress.finished(m["name"], report.decoded_share(run_dir / "models" / m["name"] / "done.json")),
+              file=sys.stderr)
     summary = finalize(run_dir)
     print(report.table(summary))
     print(report.one_line(summary, run_dir))

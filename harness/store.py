@@ -163,6 +163,7 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_UMASK)  # as mkdir would make it (mkdtemp makes 0700): reports are for reading
     try:
         yield tmp
         old = None

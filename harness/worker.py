@@ -103,6 +103,9 @@ def _main(ns: argparse.Namespace) -> int:
         return 2
     for name in ("lm_eval", "datasets", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    from harness.quiet import quiet_libraries
+
+    quiet_libraries()  # no per-task metadata hint, no weight-loading bar; warnings and errors stay
 
     import lm_eval
     from lm_eval.tasks import TaskManager

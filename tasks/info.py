@@ -81,6 +81,23 @@ BENCHMARK_TASKS = ("mmlu_pro", "arc_challenge_chat", "gsm8k_cot", "minerva_math"
 EMBEDDED_TASKS = ("embedded_math", "embedded_code", "embedded_choice")
 
 
+# Short names a user types for the seven benchmarks -> the task name they mean. Resolved before a
+# run writes anything, so run.json, metrics and reports only ever carry the real name. None of
+# these is a task or group name of tasks/configs (tests/test_ux.py checks it).
+TASK_ALIASES = MappingProxyType({
+    "gsm8k": "gsm8k_cot", "humaneval": "humaneval_instruct", "math": "minerva_math",
+    "arc": "arc_challenge_chat", "arc_challenge": "arc_challenge_chat", "gpqa": "gpqa_main_generative",
+    "mmlu-pro": "mmlu_pro",
+})
+
+
+def resolve_aliases(task_arg: str) -> tuple[str, list[tuple[str, str]]]:
+    """A comma list of task names with every alias replaced by its task; also the (alias, task) pairs used."""
+    names = [t.strip() for t in task_arg.split(",") if t.strip()]
+    used = [(n, TASK_ALIASES[n]) for n in names if n in TASK_ALIASES]
+    return ",".join(TASK_ALIASES.get(n, n) for n in names), used
+
+
 class UnknownTask(KeyError):
     def __str__(self) -> str:
         return str(self.args[0])

@@ -40,23 +40,31 @@ PAPER_UNITS = ["mmlu_pro", "arc_challenge_chat", "gsm8k_cot", "minerva_math", "g
 EMBEDDED = ["embedded_math", "embedded_code", "embedded_choice"]
 
 
+FIRST = 4  # index of the first benchmark column of table1.md: Model, decoder, n, device come before it
+
+
 def _published() -> list[list[str]]:
     return [[c.strip() for c in line.strip().strip("|").split("|")] for line in PUBLISHED.splitlines()]
 
 
-def fake_run(root: Path, run_id: str, models: list[tuple[str, str]], cells: dict[tuple[str, str], tuple],
-             units: list[str], limit: int = 5, baseline: str | None = None, samples: bool = True) -> Path:
-    """A run folder as `harness eval` leaves it; ``cells[(model, unit)] = (quality 0..1, tok/s, tpf)``."""
+def fake_run(root: Path, run_id: str, models: list[tuple], cells: dict[tuple[str, str], tuple],
+             units: list[str], limit: int = 5, baseline: str | None = None, samples: bool = True,
+             extra: dict | None = None) -> Path:
+    """A run folder as `harness eval` leaves it; ``models`` = (name, decoder[, knobs]),
+    ``cells[(model, unit)] = (quality 0..1, tok/s, tpf)``; ``extra`` is merged into run.json."""
+    knobs = {m[0]: (m[2] if len(m) > 2 else {}) for m in models}
+    models = [(m[0], m[1]) for m in models]
     d = root / run_id
     cfg = {"run_id": run_id, "task": ",".join(units), "limit": limit, "seed": 1234, "chat_template": True,
            "device": "cpu", "threads": 2, "num_processes": 1, "batch_size": 1, "bootstrap_iters": 0,
            "task_defaults": True, "created": "2026-01-01T00:00:00",
            "baseline": baseline if baseline is not None else next((m for m, dec in models if dec == "ar"), None),
            "units": [{"name": u, "leaves": [u], "primary": "exact_match,none"} for u in units],
-           "models": [{"name": m, "checkpoint": f"/ckpt/{m}", "decoder": dec, "knobs": {}, "task_knobs": {}}
+           "models": [{"name": m, "checkpoint": f"/ckpt/{m}", "decoder": dec, "knobs": knobs[m], "task_knobs": {}}
                       for m, dec in models],
            "environment": {"git_commit": "abc", "git_dirty": False, "device": "cpu", "cpu": "test cpu",
-                           "cpu_count": 2, "packages": {"torch": "x", "lm-eval": "0.4.13"}, "python": "3.11"}}
+                           "cpu_count": 2, "packages": {"torch": "x", "lm-eval": "0.4.13"}, "python": "3.11"},
+           **(extra or {})}
     d.mkdir(parents=True)
     (d / "run.json").write_text(json.dumps(cfg))
     (d / "metrics").mkdir()
@@ -120,10 +128,12 @@ def test_published_numbers_fed_back_reproduce_table1(paper_run, tmp_path):
     assert len(ours) == len(published) == 9
     for got, want in zip(ours, published):
         assert got[0] == _slug(want[0])
-        assert got[2:] == want[1:], got[0]  # every benchmark cell and the average, as printed in the paper
+        assert got[FIRST:] == want[1:], got[0]  # every benchmark cell and the average, as printed in the paper
+        assert got[2:FIRST] == ["3", "cpu (2 threads)"]  # n and device of every row
     # The data file's published rows print the same table.
     pub = _md_section(md, f"### Published ({paper.source()})")
-    assert [[r[0], *r[2:]] for r in pub] == published
+    assert [[r[0], *r[FIRST:]] for r in pub] == published
+    assert all(r[2:FIRST] == [paper_report.PUBLISHED_N, paper_report.PUBLISHED_DEVICE] for r in pub)
     assert "arXiv 2512.13586" in paper.source()
     # The headline: ReFusion 2.33x faster than Qwen3-8B (mean of per-task ratios), 2.24x as a ratio of averages.
     sp = (out / "r" / "speedup.md").read_text()
@@ -134,7 +144,7 @@ def test_published_numbers_fed_back_reproduce_table1(paper_run, tmp_path):
     assert pub_sp[-2:] == ["2.33", "2.24"]
     # The embedded suite is there too, every cell marked as not measured.
     emb_part = md.split("## " + paper.EMBEDDED.title)[1]
-    assert all(c == NOT_MEASURED for r in _md_section(emb_part, "### This run") for c in r[2:])
+    assert all(c == NOT_MEASURED for r in _md_section(emb_part, "### This run") for c in r[FIRST:])
     tex = (out / "r" / "table1.tex").read_text()
     assert "65.31 / 72.62" in tex and "arXiv 2512.13586" in tex
 
@@ -155,7 +165,7 @@ def check_table_against_metrics(md: str, run: Path, suites: dict[str, paper.Suit
         for row in _md_section(part, "### This run"):
             model = row[0]
             qs, ts = [], []
-            for col, cell in zip(suite.columns, row[2:-1]):
+            for col, cell in zip(suite.columns, row[FIRST:-1]):
                 unit = next((t for t in col.tasks if (run / "metrics" / f"{model}__{t}.json").exists()), None)
                 if unit is None:
                     assert cell == NOT_MEASURED
@@ -257,11 +267,12 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
     err = _one_error(capsys)
     assert str(run) in err and "llada__mbpp.json" in err and "--allow-partial" in err and not out.exists()
 
-    # A finished run with other settings (limit) for the same model/task cannot be merged.
+    # The same run twice, a label that is no plain name, a label used twice.
     other = _mixed_run(runs, "other", limit=9)
-    assert main(["--run", f"{other},{runs / 'mixed'}", "--out", str(out), "--allow-partial"]) == 2
-    err = _one_error(capsys)
-    assert "other settings (limit)" in err and not out.exists()
+    for spec, what in ((f"{run},mixed", "run given twice"), (f"a/b={run}", "run label 'a/b'"),
+                       (f"x={run},x={other}", "run label given twice")):
+        assert main(["--run", spec, "--runs-root", str(runs), "--out", str(out), "--allow-partial"]) == 2
+        assert what in _one_error(capsys) and not out.exists()
 
     # --allow-partial: the missing cell is marked, everything else reported.
     assert main(["--run", "mixed", "--runs-root", str(runs), "--out", str(out), "--allow-partial"]) == 0
@@ -301,9 +312,11 @@ def test_merged_runs_and_newest_default(tmp_path):
     out = tmp_path / "reports"
     assert main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
     md = (out / "a+b" / "table1.md").read_text()
-    row = next(r for r in _md_section(md.split("## " + paper.EMBEDDED.title)[1], "### This run")
+    assert md.startswith("# Table 1: runs a, b") and "### This run" not in md
+    row = next(r for r in _md_section(md.split("## " + paper.EMBEDDED.title)[1], "### These runs")
                if r[0] == "refusion")
-    assert row[2:] == ["40.00 / 300.00", "30.00 / 200.00", NOT_MEASURED, "35.00 / 250.00 (2/3)"]
+    assert row[2:] == ["3", "cpu (2 threads)", "40.00 / 300.00", "30.00 / 200.00", NOT_MEASURED,
+                       "35.00 / 250.00 (2/3)"]
     sp = (out / "a+b" / "speedup.md").read_text()
     row = next(r for r in _md_section(sp.split("## " + paper.EMBEDDED.title)[1], "### vs ar (AR baseline)")
                if r[0] == "refusion")
@@ -365,3 +378,230 @@ def test_sweep_figure_series_and_grid_errors(capsys):
     assert "unknown refusion knob(s) slot_sise" in _one_error(capsys)
     assert sweep.main(["--grid", "slot_size"]) == 2
     assert "expected knob=value" in _one_error(capsys)
+
+
+# ---------------------------------------------------------------- what a new user trips over
+
+
+def test_latency_figure_counts_each_decoded_sample_once(tmp_path):
+    """gsm8k_cot logs two rows per document (strict-match and flexible-extract): n is the documents."""
+    run = fake_run(tmp_path / "runs", "r", [("ar", "ar"), ("refusion", "refusion")],
+                   {("ar", "gsm8k_cot"): (0.5, 100.0, 1.0), ("refusion", "gsm8k_cot"): (0.4, 300.0, 3.0)},
+                   ["gsm8k_cot"])
+    for m in ("ar", "refusion"):
+        with open(run / "models" / m / "samples" / "gsm8k_cot.jsonl", "w") as f:
+            for doc in range(3):
+                for flt in ("strict-match", "flexible-extract"):
+                    f.write(json.dumps({"task": "gsm8k_cot", "doc_id": doc, "filter": flt,
+                                        "decode_s": 0.1 * (doc + 1)}) + "\n")
+    rs = paper_report.load_runs([run])
+    lat = figures._latencies(rs)
+    assert {m: sorted(v) for m, v in lat.items()} == {m: [0.1, 0.2, 0.30000000000000004] for m in ("ar", "refusion")}
+    fig = figures.build_all(rs, paper_report.build(rs))["latency.png"][0]
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert labels == ["ar (n=3)", "refusion (n=3)"]  # the metrics' sample count, not 6
+    figures.plt.close("all")
+    met = json.loads((run / "metrics" / "ar__gsm8k_cot.json").read_text())
+    assert met["speed"]["samples"] == 3
+
+
+def test_merged_runs_show_both_prompt_variants_and_never_mix_them(tmp_path):
+    runs = tmp_path / "runs"
+    fake_run(runs, "stock", [("ar", "ar"), ("refusion", "refusion")],
+             {("ar", "gsm8k_cot"): (0.5, 100.0, 1.0), ("refusion", "gsm8k_cot"): (0.4, 300.0, 3.0)}, ["gsm8k_cot"])
+    fake_run(runs, "paperp", [("ar", "ar"), ("refusion", "refusion")],
+             {("ar", "gsm8k_cot_paper"): (0.7, 110.0, 1.0), ("refusion", "gsm8k_cot_paper"): (0.6, 330.0, 3.0),
+              ("ar", "mbpp_paper"): (0.3, 90.0, 1.0), ("refusion", "mbpp_paper"): (0.2, 450.0, 5.0)},
+             ["gsm8k_cot_paper", "mbpp_paper"], extra={"prompts": "paper"})
+    out = tmp_path / "reports"
+    assert main(["--run", "stock,paperp", "--runs-root", str(runs), "--out", str(out), "--name", "m"]) == 0
+    md = (out / "m" / "table1.md").read_text()
+    assert md.startswith("# Table 1: runs stock, paperp")
+    rows = {r[0]: r for r in _md_section(md, "### These runs")}
+    assert set(rows) == {"ar", "refusion", "ar [paper prompts]", "refusion [paper prompts]"}
+    labels = [c.label for c in paper.paper_suite().columns]
+    gsm, mbpp = labels.index("GSM8K") + FIRST, labels.index("MBPP") + FIRST
+    assert rows["refusion"][gsm] == "40.00 / 300.00" and rows["refusion"][mbpp] == NOT_MEASURED
+    assert rows["refusion"][-1] == "40.00 / 300.00 (1/7)"  # stock GSM8K only
+    p = rows["refusion [paper prompts]"]
+    assert p[gsm] == "60.00 / 330.00" and p[mbpp] == "20.00 / 450.00"
+    assert p[-1] == "40.00 / 390.00 (2/7)"  # paper GSM8K with paper MBPP, never with the stock GSM8K
+    assert "rows marked `[paper prompts]`" in md
+    sp = (out / "m" / "speedup.md").read_text()
+    row = next(r for r in _md_section(sp, "### vs ar [paper prompts] (AR baseline)")
+               if r[0] == "refusion [paper prompts]")
+    assert row[2:4] == ["3.00", "5.00"]  # GSM8K and MBPP, each against the same run's paper-prompt AR
+    row = next(r for r in _md_section(sp, "### vs ar (AR baseline)") if r[0] == "refusion [paper prompts]")
+    assert row[2:4] == [NOT_MEASURED, NOT_MEASURED]  # never a paper-prompt run against the stock-prompt AR
+    # One run with --prompts paper alone: plain names, the prompts named once.
+    assert main(["--run", "paperp", "--runs-root", str(runs), "--out", str(out), "--name", "p"]) == 0
+    md = (out / "p" / "table1.md").read_text()
+    assert {r[0] for r in _md_section(md, "### This run")} == {"ar", "refusion"}
+    assert "Prompts: the ReFusion authors' variants" in md
+
+
+def test_same_model_with_other_knobs_in_two_runs_is_one_row_per_run(tmp_path):
+    runs = tmp_path / "runs"
+    cells = {("ar", "embedded_math"): (0.5, 100.0, 1.0), ("refusion", "embedded_math"): (0.4, 300.0, 3.0)}
+    fake_run(runs, "a", [("ar", "ar"), ("refusion", "refusion")], cells, ["embedded_math"])
+    fake_run(runs, "b", [("ar", "ar"), ("refusion", "refusion", {"slot_size": 8})],
+             {("ar", "embedded_math"): (0.5, 120.0, 1.0), ("refusion", "embedded_math"): (0.3, 600.0, 6.0)},
+             ["embedded_math"])
+    out = tmp_path / "reports"
+    assert main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
+    md = (out / "a+b" / "table1.md").read_text()
+    part = md.split("## " + paper.EMBEDDED.title)[1]
+    rows = {r[0]: r[FIRST] for r in _md_section(part, "### These runs")}
+    assert rows == {"ar@a": "50.00 / 100.00", "refusion@a": "40.00 / 300.00", "ar@b": "50.00 / 120.00",
+                    "refusion@b": "30.00 / 600.00"}
+    assert "refusion is reported per run (refusion@a, refusion@b): other settings (knobs)" in md
+    sp = (out / "a+b" / "speedup.md").read_text().split("## " + paper.EMBEDDED.title)[1]
+    assert next(r for r in _md_section(sp, "### vs ar@a (AR baseline)") if r[0] == "refusion@a")[2] == "3.00"
+    assert next(r for r in _md_section(sp, "### vs ar@b (AR baseline)") if r[0] == "refusion@b")[2] == "5.00"
+    # Labels per run instead of run ids.
+    assert main(["--run", "base=a,new=b", "--runs-root", str(runs), "--out", str(out), "--name", "l"]) == 0
+    part = (out / "l" / "table1.md").read_text().split("## " + paper.EMBEDDED.title)[1]
+    assert {r[0] for r in _md_section(part, "### These runs")} == {"ar@base", "refusion@base", "ar@new",
+                                                                    "refusion@new"}
+
+
+def test_compare_writes_each_figure_side_by_side_with_ratios(tmp_path, capsys):
+    runs, out = tmp_path / "runs", tmp_path / "reports"
+    fake_run(runs, "a", [("ar", "ar"), ("refusion", "refusion")],
+             {("ar", "embedded_math"): (0.5, 100.0, 1.0), ("refusion", "embedded_math"): (0.4, 300.0, 3.0),
+              ("refusion", "gsm8k_cot"): (0.2, 50.0, 2.0), ("ar", "gsm8k_cot"): (0.3, 20.0, 1.0)},
+             ["embedded_math", "gsm8k_cot"])
+    fake_run(runs, "b", [("ar", "ar"), ("refusion", "refusion", {"slot_size": 8})],
+             {("ar", "embedded_math"): (0.5, 120.0, 1.0), ("refusion", "embedded_math"): (0.3, 600.0, 6.0),
+              ("refusion", "gsm8k_cot_paper"): (0.3, 75.0, 2.5), ("ar", "gsm8k_cot_paper"): (0.3, 25.0, 1.0)},
+             ["embedded_math", "gsm8k_cot_paper"], extra={"created": "2026-03-01T00:00:00", "prompts": "paper",
+                                                          "device": "cuda",
+                                                          "environment": {"gpu": "NVIDIA H200", "device": "cuda"}})
+    from harness import compare
+    from harness.cli import main as cli_main
+
+    assert cli_main(["compare", "--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
+    folder = out / "compare-a-vs-b"
+    md = (folder / "compare.md").read_text()
+    tps_rows = {(r[0], r[1]): r[2:] for r in _md_section(md, "## tokens/s (ratio of sums)")}
+    assert tps_rows[("refusion", "embedded_math")] == ["300.00", "600.00", "2.00"]
+    assert tps_rows[("ar", "embedded_math")] == ["100.00", "120.00", "1.20"]
+    assert tps_rows[("refusion", "gsm8k_cot")] == ["50.00", "75.00", "1.50"]  # stock vs paper prompt of GSM8K
+    tasks = {(r[0], r[1]): r[2:4] for r in _md_section(md, "## Tasks and samples")}
+    assert tasks[("refusion", "gsm8k_cot")] == ["gsm8k_cot", "gsm8k_cot_paper"]
+    q = {(r[0], r[1]): r[2:] for r in _md_section(md, "## quality (%, accuracy or pass@1)")}
+    assert q[("refusion", "embedded_math")] == ["40.00", "30.00", "0.75"]
+    diffs = _md_section(md, "## Model settings that differ")
+    assert diffs == [["refusion", "knobs", "-", "slot_size=8"]]
+    settings = {r[0]: r[1:] for r in _md_section(md, "## Runs")}
+    assert settings["**prompts** (differs)"] == ["stock", "paper"]
+    assert settings["**device** (differs)"] == ["cpu (2 threads)", "NVIDIA H200"]
+    rows = list(csv.DictReader(open(folder / "compare.csv")))
+    r = next(x for x in rows if x["model"] == "refusion" and x["benchmark"] == "embedded_math"
+             and x["figure"] == "tpf")
+    assert (float(r["value_a"]), float(r["value_b"]), float(r["ratio_b_over_a"])) == (3.0, 6.0, 2.0)
+    data = json.loads((folder / "compare.json").read_text())
+    assert data["reference"] == "a" and len(data["rows"]) == 4
+    assert (folder.stat().st_mode & 0o777) == (0o777 & ~compare_umask())
+    # Labels, the default (two newest runs), and bad input.
+    assert compare.main(["--run", "old=a,new=b", "--runs-root", str(runs), "--out", str(out)]) == 0
+    assert "| new / old |" in (out / "compare-old-vs-new" / "compare.md").read_text()
+    assert compare.main(["--runs-root", str(runs), "--out", str(out), "--name", "latest"]) == 0
+    assert (out / "latest" / "compare.md").read_text().startswith("# Compare: a vs b")
+    capsys.readouterr()
+    assert compare.main(["--run", "a", "--runs-root", str(runs), "--out", str(out)]) == 2
+    assert "two or more runs" in _one_error(capsys)
+    (runs / "b" / "metrics" / "ar__embedded_math.json").unlink()
+    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--name", "x"]) == 2
+    assert "--allow-partial" in _one_error(capsys) and not (out / "x").exists()
+
+
+def compare_umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def test_tables_and_figures_show_sample_count_and_device(tmp_path):
+    run = _mixed_run(tmp_path / "runs")
+    out = tmp_path / "reports"
+    assert main(["--run", str(run), "--out", str(out), "--name", "m"]) == 0
+    md = (out / "m" / "table1.md").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| Model"))
+    assert head.startswith("| Model | decoder | n | device |")
+    assert all(r[2:FIRST] == ["3", "cpu (2 threads)"] for r in _md_section(md, "### This run"))
+    assert "refusion & refusion & 3 & cpu (2 threads) & " in (out / "m" / "table1.tex").read_text()
+    rows = list(csv.DictReader(open(out / "m" / "table1.csv")))
+    ours = next(x for x in rows if x["model"] == "refusion" and x["suite"] == "embedded")
+    assert ours["device"] == "cpu (2 threads)" and ours["embedded_math_n"] == "3"
+    pub = next(x for x in rows if x["source"] == "published" and x["suite"] == "paper")
+    assert pub["gsm8k_cot_n"] == paper_report.PUBLISHED_N and pub["device"] == paper_report.PUBLISHED_DEVICE
+    rs = paper_report.load_runs([run])
+    figs = figures.build_all(rs, paper_report.build(rs))
+    labels = figs["pareto_gsm8k_cot.png"][0].axes[0].get_legend_handles_labels()[1]
+    assert "refusion (this run, n=3, cpu (2 threads))" in labels
+    assert any("published: full test sets, GPU" in x for x in labels)
+    for name in ("latency.png", "tpf_embedded.png", "speedup_embedded.png"):
+        assert "n=3 per task, cpu (2 threads)" in figs[name][0].axes[0].get_title()
+    assert "n=3 per task, cpu (2 threads)" in figs["memory.png"][0].get_suptitle()
+    figures.plt.close("all")
+
+
+def test_reports_are_ignored_by_git_and_world_readable(tmp_path):
+    """A report into a fresh folder leaves `git status` clean (only the committed examples are tracked)."""
+    import shutil
+
+    def git(*args: str, cwd: Path) -> str:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
+
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    shutil.copy(REPO / ".gitignore", repo / ".gitignore")
+    git("init", "-q", cwd=repo)
+    git("-c", "user.email=t@t", "-c", "user.name=t", "add", ".gitignore", cwd=repo)
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init", cwd=repo)
+    run = _mixed_run(repo / "results" / "runs", "20260101-000000-abcdef")
+    old = os.umask(0o022)
+    try:
+        assert main(["--run", str(run), "--out", str(repo / "reports")]) == 0
+        from harness import compare
+
+        other = _mixed_run(repo / "results" / "runs", "other", seed=1)
+        assert compare.main(["--run", f"{run},{other}", "--out", str(repo / "reports")]) == 0
+    finally:
+        os.umask(old)
+    assert git("status", "--porcelain", "--untracked-files=all", cwd=repo) == ""
+    folder = repo / "reports" / run.name
+    assert folder.stat().st_mode & 0o777 == 0o755
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in folder.iterdir())
+    # The committed examples stay tracked; every other report folder is ignored.
+    for path, ignored in (("reports/example/index.md", False), ("reports/sweep/sweep.json", False),
+                          ("reports/kernels.png", False), ("reports/trend.png", False),
+                          ("reports/20260101-000000-abcdef/index.md", True),
+                          ("reports/compare-a-vs-b/compare.md", True), ("reports/regress.md", True)):
+        rc = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO).returncode
+        assert (rc == 0) == ignored, path
+    tracked = git("ls-files", "reports", cwd=REPO).split()
+    assert tracked and all(subprocess.run(["git", "check-ignore", "-q", "--no-index", p], cwd=REPO).returncode == 1
+                           for p in tracked)
+
+
+def test_resumed_runs_are_marked_in_the_report(tmp_path):
+    sessions = [{"started": "2026-01-01T00:00:00", "models": ["ar", "refusion"]},
+                {"started": "2026-01-02T00:00:00", "models": []},  # a finished run started again: not a session
+                {"started": "2026-01-03T00:00:00", "models": ["refusion"]}]
+    run = fake_run(tmp_path / "runs", "r", [("ar", "ar"), ("refusion", "refusion")],
+                   {("ar", "embedded_math"): (0.5, 100.0, 1.0), ("refusion", "embedded_math"): (0.4, 300.0, 3.0)},
+                   ["embedded_math"], extra={"sessions": sessions})
+    out = tmp_path / "reports"
+    assert main(["--run", str(run), "--out", str(out), "--name", "r"]) == 0
+    note = ("Resumed run: measured in 2 sessions (started 2026-01-01T00:00:00, 2026-01-03T00:00:00): ar in "
+            "session 1; refusion in sessions 1, 2.")
+    for name in ("table1.md", "speedup.md", "index.md"):
+        assert note in (out / "r" / name).read_text(), name
+    assert "resumed: measured in 2 sessions" in (out / "r" / "index.md").read_text()
+    # A run measured in one session says nothing of it.
+    one = fake_run(tmp_path / "runs", "one", [("ar", "ar")], {("ar", "embedded_math"): (0.5, 100.0, 1.0)},
+                   ["embedded_math"])
+    assert main(["--run", str(one), "--out", str(out), "--name", "one"]) == 0
+    assert "Resumed" not in (out / "one" / "table1.md").read_text()

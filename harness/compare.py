@@ -1,0 +1,294 @@
+"""`python -m harness compare` / `make compare`: the same models in two or more runs side by side.
+
+    python -m harness compare --run runA,runB              # ratios runB / runA per (model, task)
+    python -m harness compare --run base=runA,new=runB     # name the runs' columns
+    python -m harness compare                              # the two newest runs under --runs-root
+
+For every model name and benchmark measured in the runs, each figure (quality, tokens/s, TPF,
+NFE, latency p50/p90, peak memory, the run's own speedup over its AR model) is shown per run,
+with its ratio to the first run. Models pair up by name, so a preset run with other knobs
+(``MODELS=refusion:slot_size=8`` in one run, ``MODELS=refusion`` in the other) lines up with
+itself; a benchmark pairs up across prompt variants (``gsm8k_cot`` with ``gsm8k_cot_paper``), so
+stock and paper prompts can be compared too. The settings that differ between the runs, run-wide
+and per model, are listed first. Writes ``<out>/<name>/`` (default ``compare-<a>-vs-<b>``):
+
+    compare.md     the tables
+    compare.csv    one line per (model, benchmark, figure): each run's value and its ratio
+    compare.json   everything above, machine-readable
+
+Bad input (no such run, an unfinished one without --allow-partial, fewer than two runs) is one
+``error:`` line, exit 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from harness import paper
+from harness.metrics import speedup
+from harness.paper_report import NOT_MEASURED, _show_path, check_name, quality_pct, tps
+from harness.runset import InputError, _read, device_text, resolve_runs
+from harness.report import resumed, sessions
+from harness.store import atomic_dir, atomic_write_json, atomic_write_text
+
+
+def _speed(met: dict, *path: str) -> Any:
+    v: Any = met.get("speed") or {}
+    for p in path:
+        v = (v or {}).get(p)
+    return v
+
+
+def _memory_mib(met: dict) -> float | None:
+    mem = met.get("memory") or {}
+    v = mem.get("gpu_peak_bytes") or mem.get("peak_rss_bytes")
+    return None if v is None else v / 2**20
+
+
+# (key, heading, value from a metrics JSON, format)
+FIGURES: list[tuple[str, str, Callable[[dict], Any], str]] = [
+    ("quality", "quality (%, accuracy or pass@1)", quality_pct, ".2f"),
+    ("tokens_per_s", "tokens/s (ratio of sums)", tps, ".2f"),
+    ("tpf", "tokens per forward (TPF)", lambda m: _speed(m, "tpf", "ratio_of_sums"), ".2f"),
+    ("nfe_mean", "forwards per sample (NFE)", lambda m: _speed(m, "nfe", "mean"), ".1f"),
+    ("latency_p50_s", "latency p50 (s per sample)", lambda m: _speed(m, "latency_s", "p50"), ".3f"),
+    ("latency_p90_s", "latency p90 (s per sample)", lambda m: _speed(m, "latency_s", "p90"), ".3f"),
+    ("peak_memory_mib", "peak memory (MiB: GPU when measured, else process RSS)", _memory_mib, ".0f"),
+    ("speedup", "speedup over the run's own AR model (x)", lambda m: (m.get("speedup") or {}).get("tokens_per_s"),
+     ".2f"),
+]
+RUN_KEYS = ("task", "limit", "seed", "prompts", "chat_template", "task_defaults", "batch_size", "num_processes",
+            "threads")
+MODEL_KEYS = ("decoder", "checkpoint", "knobs", "task_knobs")
+
+
+def benchmark_of(unit: str) -> str:
+    """The Table 1 column a task fills (its prompt variants share one), else the task itself."""
+    for suite in paper.suites():
+        for col in suite.columns:
+            if unit in col.tasks:
+                return col.key
+    return unit
+
+
+def load(dirs: list[Path], labels: list[str | None], allow_partial: bool) -> dict:
+    runs = []
+    for d, label in zip(dirs, labels):
+        cfg = _read(d / "run.json")
+        for key in ("models", "units"):
+            if not isinstance(cfg.get(key), list):
+                raise InputError(f"{d}/run.json: no {key!r} list (not written by `harness eval`?)")
+        mets, absent = {}, []
+        for m in cfg["models"]:
+            for u in cfg["units"]:
+                path = d / "metrics" / f"{m['name']}__{u['name']}.json"
+                if path.is_file():
+                    mets[(m["name"], u["name"])] = _read(path)
+                else:
+                    absent.append(path.name)
+        if absent and not allow_partial:
+            raise InputError(f"{d}: unfinished run, missing metrics/{absent[0]}"
+                             f"{f' and {len(absent) - 1} more' if len(absent) > 1 else ''} (resume it, or compare "
+                             "it with --allow-partial)")
+        runs.append({"dir": d, "cfg": cfg, "label": label or cfg.get("run_id") or d.name, "metrics": mets,
+                     "missing": absent})
+    return {"runs": runs}
+
+
+def pair(runs: list[dict]) -> list[dict]:
+    """One entry per (model, benchmark) measured in any run, with each run's task and metrics."""
+    per_run: list[dict[tuple[str, str], list[str]]] = []
+    for r in runs:
+        by: dict[tuple[str, str], list[str]] = {}
+        for (model, unit) in r["metrics"]:
+            by.setdefault((model, benchmark_of(unit)), []).append(unit)
+        per_run.append(by)
+    # A run that measured two variants of one benchmark (gsm8k_cot and gsm8k_cot_paper) pairs by task instead.
+    ambiguous = {k for by in per_run for k, units in by.items() if len(units) > 1}
+    order: dict[tuple[str, str], dict] = {}
+    models = list(dict.fromkeys(m["name"] for r in runs for m in r["cfg"]["models"]))
+    col_order = [c.key for s in paper.suites() for c in s.columns]
+    for i, r in enumerate(runs):
+        for (model, unit), met in r["metrics"].items():
+            bench = benchmark_of(unit)
+            key = (model, unit) if (model, bench) in ambiguous else (model, bench)
+            entry = order.setdefault(key, {"model": model, "benchmark": key[1], "tasks": {}, "metrics": {}})
+            entry["tasks"][r["label"]] = unit
+            entry["metrics"][r["label"]] = met
+    rank = {b: i for i, b in enumerate(col_order)}
+    return sorted(order.values(), key=lambda e: (models.index(e["model"]) if e["model"] in models else len(models),
+                                                 rank.get(e["benchmark"], len(rank)), e["benchmark"]))
+
+
+def figures_of(entries: list[dict], labels: list[str]) -> list[dict]:
+    """Every figure per entry and run, with its ratio to the first run."""
+    ref = labels[0]
+    out = []
+    for e in entries:
+        figs = {}
+        for key, _, get, _fmt in FIGURES:
+            vals = {lab: (get(e["metrics"][lab]) if lab in e["metrics"] else None) for lab in labels}
+            figs[key] = {"values": vals, "ratios": {lab: speedup(vals[lab], vals[ref]) for lab in labels[1:]}}
+        out.append({"model": e["model"], "benchmark": e["benchmark"], "tasks": e["tasks"],
+                    "samples": {lab: _speed(e["metrics"][lab], "samples") for lab in labels if lab in e["metrics"]},
+                    "figures": figs})
+    return out
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_show(x)}" for k, x in sorted(v.items())) or "-"
+    return str(v)
+
+
+def run_settings(runs: list[dict]) -> list[dict]:
+    """Run-wide settings of each run (plus device, commit, sessions), keys that differ marked."""
+    rows = []
+    for r in runs:
+        cfg, env = r["cfg"], r["cfg"].get("environment") or {}
+        row = {k: cfg.get(k) for k in RUN_KEYS}
+        row.update(run_id=cfg.get("run_id") or r["dir"].name, created=cfg.get("created"), device=device_text(cfg),
+                   commit=(env.get("git_commit") or "?")[:12] + (" (dirty)" if env.get("git_dirty") else ""),
+                   sessions=resumed(sessions(cfg)))
+        row["prompts"] = row["prompts"] or "stock"
+        rows.append(row)
+    return rows
+
+
+def model_differences(runs: list[dict]) -> list[dict]:
+    """Per model in two or more runs: the model settings that differ, with each run's value."""
+    out = []
+    names = list(dict.fromkeys(m["name"] for r in runs for m in r["cfg"]["models"]))
+    for name in names:
+        specs = {r["label"]: next((m for m in r["cfg"]["models"] if m["name"] == name), None) for r in runs}
+        present = {lab: m for lab, m in specs.items() if m is not None}
+        if len(present) < 2:
+            continue
+        for k in MODEL_KEYS:
+            vals = {lab: m.get(k) for lab, m in present.items()}
+            if len({repr(v) for v in vals.values()}) > 1:
+                out.append({"model": name, "setting": k, "values": {lab: _show(v) for lab, v in vals.items()}})
+    return out
+
+
+def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(b) + " |" for b in body]
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return NOT_MEASURED if v is None else format(v, spec)
+
+
+def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: list[dict]) -> str:
+    labels = [r["label"] for r in runs]
+    ref = labels[0]
+    lines = [f"# Compare: {' vs '.join(labels)}", "",
+             f"Each figure per run and its ratio to `{ref}` (value / value in `{ref}`); `{NOT_MEASURED}`: not "
+             "measured in that run (or a zero reference). Tokens/s, latency and memory depend on the device, its "
+             "load and the sample count: read their ratios with the settings below.", "", "## Runs", ""]
+    shown = ["run_id", "created", *RUN_KEYS, "device", "commit", "sessions"]
+    differ = {k for k in shown if len({repr(s[k]) for s in settings}) > 1} - {"run_id", "created"}
+    lines += _md_table(["setting", *labels],
+                       [[f"**{k}** (differs)" if k in differ else k, *[_show(s[k]) for s in settings]]
+                        for k in shown])
+    again = [f"{r['label']} ({s['sessions']} sessions)" for r, s in zip(runs, settings) if s["sessions"] > 1]
+    if again:
+        lines += ["", "Resumed: " + ", ".join(again) + "; their timings combine separate invocations."]
+    missing = [f"{r['label']}: {len(r['missing'])} metrics file(s) missing" for r in runs if r["missing"]]
+    if missing:
+        lines += ["", "Partial: " + "; ".join(missing) + "."]
+    lines += ["", "## Model settings that differ", ""]
+    if diffs:
+        lines += _md_table(["model", "setting", *labels],
+                           [[d["model"], d["setting"], *[d["values"].get(lab, NOT_MEASURED) for lab in labels]]
+                            for d in diffs])
+    else:
+        lines.append("None: every model shared by the runs has the same decoder, checkpoint and knobs.")
+    lines += ["", "## Tasks and samples", ""]
+    lines += _md_table(["model", "benchmark", *[f"task ({lab})" for lab in labels], *[f"n ({lab})" for lab in labels]],
+                       [[r["model"], r["benchmark"], *[r["tasks"].get(lab, NOT_MEASURED) for lab in labels],
+                         *[_show(r["samples"].get(lab)) if lab in r["samples"] else NOT_MEASURED for lab in labels]]
+                        for r in rows])
+    for key, heading, _, spec in FIGURES:
+        if all(v is None for r in rows for v in r["figures"][key]["values"].values()):
+            continue
+        lines += ["", f"## {heading}", ""]
+        lines += _md_table(["model", "benchmark", *labels, *[f"{lab} / {ref}" for lab in labels[1:]]],
+                           [[r["model"], r["benchmark"], *[_fmt(r["figures"][key]["values"][lab], spec)
+                                                           for lab in labels],
+                             *[_fmt(r["figures"][key]["ratios"][lab], ".2f") for lab in labels[1:]]] for r in rows])
+    lines.append("")
+    return "\n".join(lines)
+
+
+def to_csv(labels: list[str], rows: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    ref = labels[0]
+    w.writerow(["model", "benchmark", "figure", *[f"value_{lab}" for lab in labels],
+                *[f"ratio_{lab}_over_{ref}" for lab in labels[1:]], *[f"n_{lab}" for lab in labels]])
+    for r in rows:
+        for key, _, _, _ in FIGURES:
+            f = r["figures"][key]
+            w.writerow([r["model"], r["benchmark"], key,
+                        *[NOT_MEASURED if f["values"][lab] is None else round(f["values"][lab], 6) for lab in labels],
+                        *[NOT_MEASURED if f["ratios"][lab] is None else round(f["ratios"][lab], 6)
+                          for lab in labels[1:]],
+                        *[r["samples"].get(lab, NOT_MEASURED) for lab in labels]])
+    return buf.getvalue()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m harness compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", default=None, help="two or more run folders or ids, comma-separated, each optionally "
+                   "label=run; ratios are to the first (default: the two newest runs under --runs-root)")
+    p.add_argument("--runs-root", default="results/runs", help="where run ids are looked up (default: %(default)s)")
+    p.add_argument("--out", default="reports", help="reports folder (default: %(default)s)")
+    p.add_argument("--name", default=None, help="folder name (default: compare-<run>-vs-<run>)")
+    p.add_argument("--allow-partial", action="store_true", help="compare unfinished runs, missing cells marked")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        dirs, labels = resolve_runs(ns.run, Path(ns.runs_root), newest=2)
+        if len(dirs) < 2:
+            raise InputError(f"compare needs two or more runs, got {ns.run!r}; give RUN=<run>,<run>")
+        data = load(dirs, labels, ns.allow_partial)
+        runs = data["runs"]
+        names = [r["label"] for r in runs]
+        if len(set(names)) != len(names):
+            raise InputError(f"two runs share the label {names!r}; name them: RUN=a=<run>,b=<run>")
+        name = check_name(ns.name or "compare-" + "-vs-".join(names))
+        rows = figures_of(pair(runs), names)
+        if not rows:
+            raise InputError(f"{', '.join(map(str, dirs))}: no metrics file at all (runs not started?)")
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    settings, diffs = run_settings(runs), model_differences(runs)
+    target = Path(ns.out) / name
+    with atomic_dir(target) as tmp:
+        atomic_write_text(tmp / "compare.md", markdown(runs, settings, diffs, rows))
+        atomic_write_text(tmp / "compare.csv", to_csv(names, rows))
+        atomic_write_json(tmp / "compare.json", {
+            "runs": [{"label": r["label"], "dir": _show_path(str(r["dir"])), "missing": r["missing"], **s}
+                     for r, s in zip(runs, settings)],
+            "reference": names[0], "model_differences": diffs,
+            "rows": rows})
+    shared = sum(1 for r in rows if len(r["tasks"]) > 1)
+    print(f"wrote {target}/compare.md ({len(rows)} (model, benchmark) rows, {shared} measured in more than one run)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,303 @@
+"""What a new user meets first: one-line errors, task aliases, overall progress, resumed runs marked,
+no library noise, and the README's lm-eval command working as written.
+
+Everything here but the last test is fast (no decoding): the runner's pieces are called directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import cli, report, runner
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+# ---------------------------------------------------------------- one error line
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["eval", "--limit", "abc"], ["--limit", "invalid int value: 'abc'"]),
+    (["eval", "--prompts", "nope"], ["--prompts", "invalid choice"]),
+    (["report", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (["compare", "--runs-root"], ["--runs-root", "expected one argument"]),
+    (["regress", "--limit", "x"], ["--limit"]),
+    (["validate-tasks", "--nope"], ["--nope"]),  # tasks/ parsers too, which cannot import harness
+])
+def test_bad_options_are_one_error_line(argv, words, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = _one_error(capsys)
+    assert all(w in err for w in words), err
+    assert f"python -m harness {argv[0]} --help" in err
+    # The swap is scoped to the command: argparse is itself again afterwards.
+    assert argparse.ArgumentParser.error is not cli._one_line_error
+
+
+def test_readme_says_which_line_to_read_when_make_fails():
+    assert "make: *** [Makefile" in README and "`error:` line" in README
+
+
+# ---------------------------------------------------------------- task names
+
+
+def _config_names() -> set[str]:
+    names = set()
+    for p in (REPO / "tasks" / "configs").rglob("*.yaml"):
+        names |= set(re.findall(r"^(?:task|group):\s*(\S+)", p.read_text(), flags=re.M))
+    return names
+
+
+def test_aliases_name_real_tasks_and_shadow_none():
+    from tasks.info import BENCHMARK_TASKS, TASK_ALIASES, TASKS, resolve_aliases
+
+    configs = _config_names()
+    assert set(BENCHMARK_TASKS) <= configs
+    for alias, task in TASK_ALIASES.items():
+        assert task in TASKS and task in configs, alias
+        assert alias not in configs and alias not in TASKS, alias
+    for short in ("humaneval", "gsm8k", "math", "arc", "arc_challenge", "gpqa", "mmlu_pro", "mbpp"):
+        assert resolve_aliases(short)[0] in BENCHMARK_TASKS, short
+    assert resolve_aliases(" humaneval, gsm8k ,embedded") == ("humaneval_instruct,gsm8k_cot,embedded",
+                                                              [("humaneval", "humaneval_instruct"),
+                                                               ("gsm8k", "gsm8k_cot")])
+    # --prompts paper maps the resolved name to the authors' variant.
+    assert runner.paper_tasks(resolve_aliases("gsm8k,humaneval")[0]) == "gsm8k_cot_paper,humaneval_instruct_noprefix"
+
+
+def test_alias_is_resolved_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    def build_config(ns):
+        seen["task"] = ns.task
+        raise runner.InputError("stop here")
+
+    monkeypatch.setattr(runner, "build_config", build_config)
+    assert runner.main(["--task", "humaneval,math", "--out", str(tmp_path / "out")]) == 2
+    assert seen["task"] == "humaneval_instruct,minerva_math"  # what run.json's "task" would record
+    err = capsys.readouterr().err
+    assert "task 'humaneval' is 'humaneval_instruct'" in err and not (tmp_path / "out").exists()
+
+
+def test_readme_lists_the_task_names_and_aliases():
+    from tasks.info import BENCHMARK_TASKS, EMBEDDED_TASKS, TASK_ALIASES
+
+    for name in (*BENCHMARK_TASKS, *EMBEDDED_TASKS, *TASK_ALIASES):
+        assert f"`{name}`" in README, name
+
+
+# ---------------------------------------------------------------- overall progress
+
+
+def test_progress_counts_every_sample_of_every_model_and_task(write_task, tmp_path):
+    tasks = write_task(tmp_path / "tasks", "tiny_gen", n=5)
+    write_task(tasks, "tiny_two", n=2)
+    units = runner.resolve_units("tiny_gen,tiny_two", tasks, limit=3)
+    assert [(u["name"], u["samples"]) for u in units] == [("tiny_gen", 3), ("tiny_two", 2)]  # LIMIT per leaf
+    cfg = {"models": [{"name": "ar"}, {"name": "refusion"}, {"name": "llada"}], "units": units}
+    now = [0.0]
+    p = report.Progress(cfg, clock=lambda: now[0])
+    assert p.start_line() == "run: 3 model(s) x 2 task(s) = 15 samples"
+    assert p.total == 15
+    now[0] = 100.0  # the first model was already finished (resume): nothing decoded yet
+    assert p.finished("ar", decoded_share=0.0) == "progress: 1/3 models, 5/15 samples (33%), 1m40s elapsed, ETA unknown"
+    now[0] = 110.0
+    assert p.finished("refusion", decoded_share=1.0) == ("progress: 2/3 models, 10/15 samples (67%), 1m50s "
+                                                         "elapsed, ETA 1m50s")
+    now[0] = 200.0
+    assert p.finished("llada") == "progress: 3/3 models, 15/15 samples (100%), 3m20s elapsed, done"
+
+
+def test_progress_of_a_run_json_without_sample_counts():
+    p = report.Progress({"models": [{"name": "a"}], "units": [{"name": "t"}]})
+    assert p.start_line() == "run: 1 model(s) x 1 task(s)"
+    assert p.finished("a") == "progress: 1/1 models (a finished)"
+
+
+def test_decoded_share_reads_done_json(tmp_path):
+    (tmp_path / "done.json").write_text(json.dumps({"computed": 3, "served_from_journal": 1}))
+    assert report.decoded_share(tmp_path / "done.json") == 0.75
+    assert report.decoded_share(tmp_path / "absent.json") == 1.0
+
+
+# ---------------------------------------------------------------- summary: no AR, resumed
+
+
+def _metrics(model: str, tps: float, spd: float | None) -> dict:
+    return {"model": model, "task": "embedded_math", "decoder": model, "quality": {"exact_match,extract": 0.5},
+            "quality_primary": "exact_match,extract",
+            "speed": {"samples": 4, "tokens_per_s": {"ratio_of_sums": tps, "mean_of_ratios": tps},
+                      "tpf": {"ratio_of_sums": 2.0}, "nfe": {"mean": 5.0}, "generated_tokens": {"total": 40},
+                      "latency_s": {"mean": 0.1, "p50": 0.1, "p90": 0.2}},
+            "memory": {"peak_rss_bytes": 2**27, "kv_peak_bytes": 2**12},
+            "speedup": {"baseline": None, "tokens_per_s": spd}}
+
+
+def _cfg(models: list[str], baseline: str | None, **extra) -> dict:
+    return {"run_id": "r", "task": "embedded_math", "limit": 4, "baseline": baseline,
+            "models": [{"name": m} for m in models], "units": [{"name": "embedded_math"}],
+            "environment": {"device": "cpu"}, **extra}
+
+
+def test_a_run_without_ar_has_no_speedup_line_or_column(tmp_path):
+    s = report.summary(_cfg(["llada", "refusion"], None), [_metrics("llada", 50.0, None),
+                                                           _metrics("refusion", 100.0, None)])
+    md = report.markdown(s)
+    assert "None" not in md.splitlines()[0] and "speedup" not in md
+    assert "speedup" not in report.table(s)
+    line = report.one_line(s, tmp_path)
+    assert "speedup" not in line and line.startswith("done: 2 model(s) x 1 task(s), 8 samples; results in")
+    # With an AR reference both are there.
+    s = report.summary(_cfg(["ar", "refusion"], "ar"), [_metrics("ar", 50.0, 1.0), _metrics("refusion", 100.0, 2.0)])
+    assert "speedup vs ar" in report.markdown(s) and "| speedup |" in report.markdown(s)
+    assert "mean speedup vs ar: refusion 2.00x" in report.one_line(s, tmp_path)
+
+
+def test_resumed_run_records_its_sessions_and_says_so(tmp_path):
+    run_json = tmp_path / "run.json"
+    run_json.write_text(json.dumps({**_cfg(["ar", "refusion"], "ar"), "created": "2026-01-01T00:00:00",
+                                    "sessions": [{"started": "2026-01-01T00:00:00", "models": []}]}))
+    report.session_ran(run_json, "ar")
+    report.session_ran(run_json, "refusion")
+    report.session_ran(run_json, "refusion")  # once per session
+    cfg = json.loads(run_json.read_text())
+    rows = [_metrics("ar", 50.0, 1.0), _metrics("refusion", 100.0, 2.0)]
+    assert report.session_note(report.sessions(cfg)) is None
+    assert "Resumed" not in report.markdown(report.summary(cfg, rows))
+    report.add_session(run_json)  # `--run-id r` again after an interruption
+    report.session_ran(run_json, "refusion")
+    cfg = json.loads(run_json.read_text())
+    assert [x["models"] for x in cfg["sessions"]] == [["ar", "refusion"], ["refusion"]]
+    s = report.summary(cfg, rows)
+    md = report.markdown(s)
+    assert "Resumed run: measured in 2 sessions (started 2026-01-01T00:00:00, " in md
+    assert "ar in session 1; refusion in sessions 1, 2." in md and "separate invocations" in md
+    assert "resumed, measured in 2 sessions" in report.one_line(s, tmp_path)
+    assert s["sessions"] == cfg["sessions"]
+
+
+def test_resume_accepts_a_run_json_written_before_units_counted_samples():
+    old = [{"name": "t", "leaves": ["t"], "primary": None}]
+    new = [{"name": "t", "leaves": ["t"], "primary": None, "samples": 3}]
+    assert runner._resume_value("units", old) == runner._resume_value("units", new)
+    assert runner._resume_value("limit", 3) == 3
+
+
+# ---------------------------------------------------------------- library noise
+
+
+def test_quiet_drops_only_the_metadata_hint_and_the_weight_bar():
+    from transformers.utils import logging as hf_logging
+
+    from harness.quiet import METADATA_HINT, quiet_libraries
+
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    log = logging.getLogger("lm_eval.api.task")
+    handler = Keep(level=logging.DEBUG)
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.DEBUG)  # whatever another test left on the lm_eval logger
+    was_on = hf_logging.is_progress_bar_enabled()
+    try:
+        quiet_libraries()
+        quiet_libraries()  # idempotent: one filter
+        assert len([f for f in log.filters if type(f).__name__ == "DropMetadataHint"]) == 1
+        log.warning("embedded_math: " + METADATA_HINT + " in console (as json string) or to the TaskManager.")
+        log.warning("a real warning")
+        log.error("a real error")
+        assert got == ["a real warning", "a real error"]
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def test_loading_an_embedded_task_logs_no_metadata_hint():
+    """The real source of the hint: lm-eval loading a task through the custom_dataset hook."""
+    from lm_eval.tasks import TaskManager
+
+    from harness.quiet import METADATA_HINT, quiet_libraries
+
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    log, task_log = logging.getLogger("lm_eval"), logging.getLogger("lm_eval.api.task")
+    handler = Keep(level=logging.DEBUG)
+    log.addHandler(handler)
+    levels = log.level, task_log.level
+    log.setLevel(logging.WARNING)
+    task_log.setLevel(logging.NOTSET)
+    filters = list(task_log.filters)
+    tm = TaskManager(include_path=str(REPO / "tasks"), include_defaults=False)
+    try:
+        for f in filters:  # as lm-eval is out of the box: the hint is there
+            task_log.removeFilter(f)
+        tm.load(["embedded_math"])
+        assert any(METADATA_HINT in m for m in got), got
+        got.clear()
+        quiet_libraries()
+        tm.load(["embedded_math"])
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(levels[0])
+        task_log.setLevel(levels[1])
+    assert not any(METADATA_HINT in m for m in got), got
+
+
+# ---------------------------------------------------------------- the README's lm-eval command
+
+
+def _readme_lm_eval_command() -> list[str]:
+    cmds = re.findall(r"`(python -m harness\.lm_eval_cli run [^`]+)`", README)
+    assert len(cmds) == 1, cmds
+    return shlex.split(cmds[0])
+
+
+@pytest.mark.slow
+def test_readme_lm_eval_command_runs_as_written(tmp_path):
+    argv = _readme_lm_eval_command()
+    assert "--confirm_run_unsafe_code" in argv
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, *argv[1:], "--limit", "1"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for task in ("embedded_math", "embedded_code", "embedded_choice"):
+        assert task in p.stdout
+    assert "Custom kwargs" not in p.stderr and "Loading weights" not in p.stderr
+    # Without the consent flag: one error line saying what to add, no traceback.
+    bare = [a for a in argv[1:] if a != "--confirm_run_unsafe_code"]
+    bare[bare.index("--tasks") + 1] = "embedded_code"
+    cmd = [sys.executable, *bare, "--limit", "1"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: embedded_code executes generated code") and "--confirm_run_unsafe_code" in last
