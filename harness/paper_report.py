@@ -428,18 +428,24 @@ def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
                   f"- task `{r.get('task')}` ({', '.join(u['name'] for u in r['units'])}), limit {r.get('limit')}, "
                   f"seed {r.get('seed')}, batch size {r.get('batch_size')}, chat template {r.get('chat_template')}, "
                   f"prompts {r.get('prompts') or 'stock'}, paper task defaults {r.get('task_defaults')}, "
-                  f"speedup baseline {r.get('baseline')}",
+                  f"speedup baseline {r.get('baseline')}, dtype {r.get('dtype', 'float32')}"
+                  + (f", chat template arguments {r['chat_template_args']}" if r.get("chat_template_args") else ""),
                   f"- device {device_text(r)}, {r.get('threads')} thread(s) x {r.get('num_processes')} process(es)",
                   f"- environment: commit {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}, "
                   f"python {env.get('python')}, torch {pk.get('torch')}, transformers {pk.get('transformers')}, "
                   f"lm-eval {pk.get('lm-eval')}, CPU {env.get('cpu')} ({env.get('cpu_count')} cores), "
                   f"GPU {env.get('gpu')}, {env.get('platform')}", "",
-                  "| model | decoder | checkpoint | knobs | per-task defaults |", "|---|---|---|---|---|"]
+                  "| model | decoder | checkpoint | knobs given | knobs used per task (resolved) |",
+                  "|---|---|---|---|---|"]
         for m in r["models"]:
             knobs = ", ".join(f"{k}={v}" for k, v in sorted((m.get("knobs") or {}).items())) or "-"
+            # What each task really ran with (decoder defaults < checkpoint < task < model knobs); runs
+            # recorded before resolved_knobs existed show their task defaults instead.
+            used = m.get("resolved_knobs") or m.get("task_knobs") or {}
             per_task = "; ".join(f"{t}: " + ", ".join(f"{k}={v}" for k, v in sorted(tk.items()))
-                                 for t, tk in sorted((m.get("task_knobs") or {}).items())) or "-"
-            lines.append(f"| {m['name']} | {m['decoder']} | `{_show_path(m['checkpoint'])}` | {knobs} | {per_task} |")
+                                 for t, tk in sorted(used.items())) or "-"
+            ckpt = f"`{_show_path(m['checkpoint'])}`" + (f" + base `{_show_path(m['base'])}`" if m.get("base") else "")
+            lines.append(f"| {m['name']} | {m['decoder']} | {ckpt} | {knobs} | {per_task} |")
         lines.append("")
     return "\n".join(lines)
 
