@@ -1,0 +1,195 @@
+"""Checkpoint folders checked completely before any model runs, loaded by family, with the run's dtype,
+chat-template arguments and the knob values each (model, task) really uses (harness/checkpoints.py,
+harness/families.py, harness/runner.py). The released layouts themselves are tested against their
+authors' own outputs in tests/test_released_fixtures.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def setup(make_checkpoint, write_task, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    return {"ckpt": make_checkpoint(root / "ckpt"), "mdm": make_checkpoint(root / "mdm", causal=False, seed=1),
+            "tasks": write_task(root / "tasks", "tiny_gen", n=2)}
+
+
+def _error(capsys, out: Path, setup, models: str, *extra: str) -> str:
+    """The runner's one stderr line for a bad MODELS, after checking exit 2 and that nothing was written."""
+    from harness import runner
+
+    rc = runner.main(["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--models", models,
+                      "--out", str(out), "--run-id", "x", *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    assert not out.exists()
+    return err
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_family_is_one_line_naming_config_even_as_the_last_model(setup, tmp_path, capsys):
+    bad = _copy(setup["ckpt"], tmp_path / "odd")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "mamba_plus"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    err = _error(capsys, tmp_path / "out", setup, f"a={setup['ckpt']}:ar,b={bad}:ar")
+    assert "model 'b'" in err and str(bad / "config.json") in err and "'mamba_plus'" in err, err
+    assert "pip install" not in err
+
+
+def test_no_weights_and_truncated_shard_of_an_index(setup, tmp_path, capsys):
+    empty = _copy(setup["ckpt"], tmp_path / "empty")
+    (empty / "model.safetensors").unlink()
+    err = _error(capsys, tmp_path / "out", setup, f"a={setup['ckpt']}:ar,b={empty}:ar")
+    assert "has no weights" in err and str(empty) in err, err
+
+    # Sharded like the 8B releases: the last shard listed by the index is cut short.
+    from safetensors.torch import load_file, save_file
+
+    sharded = _copy(setup["ckpt"], tmp_path / "sharded")
+    state = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for fname, keys in halves.items():
+        save_file({k: state[k] for k in keys}, str(sharded / fname), metadata={"format": "pt"})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}))
+    from harness.checkpoints import load_model
+
+    assert load_model(sharded).model.config.vocab_size > 0  # the sharded folder loads as it is
+    capsys.readouterr()  # transformers' loading bar
+    last = sharded / "model-00002-of-00002.safetensors"
+    os.truncate(last, last.stat().st_size - 100)
+    err = _error(capsys, tmp_path / "out2", setup, f"a={setup['ckpt']}:ar,b={sharded}:ar")
+    assert str(last) in err and "truncated" in err, err
+    last.unlink()
+    err = _error(capsys, tmp_path / "out3", setup, f"b={sharded}:ar")
+    assert "not in the folder" in err and last.name in err, err
+
+
+def test_weights_under_other_names_are_caught_before_loading(setup, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    bad = _copy(setup["ckpt"], tmp_path / "renamed")
+    state = load_file(str(bad / "model.safetensors"))
+    state = {k.replace("self_attn.q_proj", "attn.wq"): v for k, v in state.items()}
+    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    err = _error(capsys, tmp_path / "out", setup, f"b={bad}:ar")
+    assert "qwen3 family" in err and "q_proj" in err, err
+
+
+def test_attention_guard_both_ways(setup, tmp_path, capsys):
+    err = _error(capsys, tmp_path / "o1", setup, f"m={setup['mdm']}:ar")
+    assert "decoder 'ar' needs a causal model" in err and "bidirectional" in err and "llada" in err, err
+    err = _error(capsys, tmp_path / "o2", setup, f"c={setup['ckpt']}:llada")
+    assert "decoder 'llada' needs a bidirectional model" in err, err
+    from harness.lm_adapter import RefusionBenchLM
+
+    with pytest.raises(ValueError, match="needs a bidirectional model"):
+        RefusionBenchLM(pretrained=str(setup["ckpt"]), decoder="fast_dllm")
+
+
+def test_adapter_whose_base_is_missing(setup, tmp_path, capsys):
+    adapter = tmp_path / "D2F_Tiny_Lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": "SomeOrg/Tiny-Base", "r": 2, "lora_alpha": 2,
+         "target_modules": ["q_proj", "v_proj"]}))
+    from safetensors.torch import save_file
+
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 32)},
+              str(adapter / "adapter_model.safetensors"))
+    err = _error(capsys, tmp_path / "out", setup, f"a={setup['ckpt']}:ar,d={adapter}:d2f")
+    assert "'SomeOrg/Tiny-Base'" in err and "base=DIR" in err and str(adapter) in err, err
+    err = _error(capsys, tmp_path / "out2", setup, f"d={adapter}:d2f:base={tmp_path / 'nowhere'}")
+    assert "nowhere" in err, err
+
+
+def test_lora_merge_equals_peft_forward(setup, tmp_path):
+    """A LoRA adapter saved by peft on the tiny bidirectional model: merged by the loader == peft's own forward."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(setup["mdm"])).eval()
+    torch.manual_seed(0)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj"]))
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)  # B = 0 at init would make the merge a no-op
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(str(adapter))
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"]  # as published: a name that need not be a local folder
+    x = torch.tensor([[5, 9, 33, 7, 40, 7]])
+    with torch.no_grad():
+        want = peft_model(x).logits
+    from harness.checkpoints import load_model
+
+    loaded = load_model(adapter, base=setup["mdm"])
+    assert loaded.info.adapter is not None and loaded.model.config.is_causal is False
+    assert not any("lora" in n for n, _ in loaded.model.named_parameters())  # merged, not wrapped
+    with torch.no_grad():
+        got = loaded.model(x).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dtype_and_chat_template_args_are_recorded_and_applied(setup, tmp_path, capsys):
+    from harness import runner
+
+    out = tmp_path / "out"
+    rc = runner.main(["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--models", f"a={setup['ckpt']}:ar",
+                      "--out", str(out), "--run-id", "r", "--limit", "1", "--dtype", "bfloat16",
+                      "--chat-template-args", "enable_thinking=false,style=terse"])
+    assert rc == 0, capsys.readouterr().err
+    run = json.loads((out / "r" / "run.json").read_text())
+    assert run["dtype"] == "bfloat16" and run["dtype_requested"] == "bfloat16"
+    assert run["chat_template_args"] == {"enable_thinking": False, "style": "terse"}
+    metrics = json.loads(next((out / "r" / "metrics").glob("a__*.json")).read_text())
+    assert metrics["run"]["dtype"] == "bfloat16"
+
+    from harness.lm_adapter import RefusionBenchLM
+
+    lm = RefusionBenchLM(pretrained=str(setup["ckpt"]), decoder="ar", dtype="auto",
+                         chat_template_args="shout=true")
+    assert lm.dtype == "float32" and next(lm.model.parameters()).dtype == torch.float32  # auto on the CPU
+    lm.tokenizer.chat_template = "{% if shout %}LOUD {% endif %}{{ messages[0]['content'] }}"
+    assert lm.apply_chat_template([{"role": "user", "content": "hi"}]) == "LOUD hi"
+
+
+def test_dry_run_prints_the_resolved_knobs_that_run_json_records(setup, tmp_path, capsys):
+    from harness import runner
+
+    out = tmp_path / "out"
+    args = ["--task", "embedded_math,embedded_code", "--models", f"rf={setup['ckpt']}:refusion,refusion",
+            "--out", str(out), "--run-id", "r", "--limit", "1"]
+    assert runner.main([*args, "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert not out.exists()
+    # The tiny preset keeps its own slot settings; a plain folder gets the task's gen_length and the defaults.
+    assert re.search(r"rf: decoder refusion on .* \(qwen3 family, causal\)", printed), printed
+    cfg = runner.build_config(runner._parser().parse_args([*args]))
+    resolved = {m["name"]: m["resolved_knobs"] for m in cfg["models"]}
+    assert resolved["refusion"]["embedded_math"]["slot_size"] == 4
+    assert resolved["refusion"]["embedded_math"]["gen_length"] == 96
+    assert resolved["rf"]["embedded_code"]["gen_length"] == 32 and resolved["rf"]["embedded_code"]["seed"] == 1234
+    for name, per_leaf in resolved.items():
+        for leaf, knobs in per_leaf.items():
+            line = f"  {leaf}: " + ", ".join(f"{k}={v}" for k, v in sorted(knobs.items()))
+            assert line in printed, (name, line)
