@@ -1,0 +1,269 @@
+"""The tiny checkpoints in the layouts of the released ones (tests/fixtures/released/, made by
+scripts/make_release_fixtures.py from the authors' own code) are complete and self-consistent.
+
+Checks that need only the fixtures and the pinned stack: size budget, every reference parses and
+matches its logits file, configs keep the released keys and ids agree with the tokenizers, the
+tokenizers load without remote code, and stock transformers classes (no remote code) reproduce the
+authors' logits once the released names and attention are mapped (the mapping a loader needs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent / "fixtures" / "released"
+BASES = ["llada", "dream_instruct", "dream_base", "refusion", "llama3"]
+ADAPTERS = {"d2f_llada": "llada", "d2f_dream": "dream_base"}
+DIFFUSION = {"llada", "dream_instruct", "dream_base", "refusion", "d2f_llada", "d2f_dream"}
+BUDGET_BYTES = 3 * 1024 * 1024
+
+# The released names of each family, as config.json publishes them.
+RELEASED = {
+    "llada": {"model_type": "llada", "architectures": ["LLaDAModelLM"],
+              "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig",
+                           "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+                           "AutoModel": "modeling_llada.LLaDAModelLM"}},
+    "dream_instruct": {"model_type": "Dream", "architectures": ["DreamModel"],
+                       "auto_map": {"AutoConfig": "configuration_dream.DreamConfig",
+                                    "AutoModel": "modeling_dream.DreamModel"}},
+    "refusion": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+    "llama3": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+}
+RELEASED["dream_base"] = RELEASED["dream_instruct"]
+# (folder, special token that config.json's mask_token_id must name)
+MASK_TOKEN = {"llada": "<|mdm_mask|>", "dream_instruct": "<|mask|>", "dream_base": "<|mask|>", "refusion": "<|mask|>"}
+
+# LLaDA's tensor names -> transformers' Llama names. One capture group per pattern: transformers 5.x
+# key_mapping substitutes \1 only (a second group such as (q_proj|k_proj|v_proj) -> \2 is left verbatim).
+LLADA_KEY_MAPPING = {
+    r"^model\.transformer\.wte\.": "model.embed_tokens.",
+    r"^model\.transformer\.blocks\.(\d+)\.attn_norm\.": r"model.layers.\1.input_layernorm.",
+    r"^model\.transformer\.blocks\.(\d+)\.ff_norm\.": r"model.layers.\1.post_attention_layernorm.",
+    r"^model\.transformer\.blocks\.(\d+)\.q_proj\.": r"model.layers.\1.self_attn.q_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.k_proj\.": r"model.layers.\1.self_attn.k_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.v_proj\.": r"model.layers.\1.self_attn.v_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.attn_out\.": r"model.layers.\1.self_attn.o_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.ff_proj\.": r"model.layers.\1.mlp.gate_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.up_proj\.": r"model.layers.\1.mlp.up_proj.",
+    r"^model\.transformer\.blocks\.(\d+)\.ff_out\.": r"model.layers.\1.mlp.down_proj.",
+    r"^model\.transformer\.ln_f\.": "model.norm.",
+    r"^model\.transformer\.ff_out\.": "lm_head.",
+}
+
+
+def _json(path: Path):
+    return json.loads(path.read_text())
+
+
+def _ref(name: str) -> dict:
+    return _json(ROOT / name / "reference.json")
+
+
+def _ref_tensors(name: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(ROOT / name / "reference.safetensors"))
+
+
+def _tokenizer(name: str):
+    """The tokenizer as a loader without remote code can have it: Dream's tokenizer_config names the
+    remote DreamTokenizer class, whose files are a Qwen2 byte-level BPE."""
+    from transformers import AutoTokenizer, Qwen2Tokenizer
+
+    if name.startswith("dream"):
+        return Qwen2Tokenizer.from_pretrained(str(ROOT / name))
+    return AutoTokenizer.from_pretrained(str(ROOT / name), trust_remote_code=False)
+
+
+def test_fixtures_fit_the_size_budget():
+    total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
+    assert 0 < total <= BUDGET_BYTES, f"{total} bytes"
+    assert sorted(p.name for p in ROOT.iterdir()) == sorted(BASES + list(ADAPTERS))
+
+
+@pytest.mark.parametrize("name", BASES + list(ADAPTERS))
+def test_reference_parses_and_matches_its_logits(name):
+    import torch
+
+    ref = _ref(name)
+    for up in ref["upstream"]:
+        assert up["repo"] and up["files"]
+        if up["repo"] != "huggingface/transformers":
+            assert re.fullmatch(r"[0-9a-f]{40}", up["commit"]), up
+    ids = ref["logits"]["input_ids"]
+    tensors = _ref_tensors(name)
+    logits = tensors[ref["logits"]["key"]]
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert list(logits.shape[:2]) == [len(ids), len(ids[0])]
+    cfg_dir = ROOT / ADAPTERS.get(name, name)
+    cfg = _json(cfg_dir / "config.json")
+    vocab = cfg.get("vocab_size") or cfg["embedding_size"]
+    assert logits.shape[2] == vocab
+    if name in DIFFUSION:
+        assert any(cfg["mask_token_id"] in row for row in ids), "the logits batch holds mask tokens"
+    assert ref["facts"] and ref["generations"]
+
+
+@pytest.mark.parametrize("name", BASES + list(ADAPTERS))
+def test_generations_are_complete_and_prompts_reencode(name):
+    ref = _ref(name)
+    cfg = _json(ROOT / ADAPTERS.get(name, name) / "config.json")
+    tok = _tokenizer(ADAPTERS.get(name, name))
+    texts, prefix = ref["prompt_texts"]["texts"], ref["prompt_texts"]["prefix_tokens"]
+    expected_prompts = [tok.convert_tokens_to_ids(prefix) + tok.encode(t, add_special_tokens=False) for t in texts]
+    eos = {tok.eos_token_id, cfg.get("eos_token_id")} - {None}
+    for g in ref["generations"]:
+        assert set(g) >= {"generator", "kwargs", "prompt_ids", "output_ids"}
+        assert g["prompt_ids"] in expected_prompts, g["generator"]
+        assert not eos & set(g["prompt_ids"]), "prompts hold no EOS"
+        out = g["output_ids"]
+        assert all(0 <= t < (cfg.get("vocab_size") or cfg["embedding_size"]) for t in out)
+        if name in DIFFUSION:
+            assert cfg["mask_token_id"] not in out, f"{g['generator']} left a mask"
+        kw = g["kwargs"]
+        want = kw.get("gen_length") or kw.get("max_new_tokens")
+        if name == "refusion":
+            slot = kw["slot_size"]
+            want = want + (slot - want % slot) % slot
+        stops_at_eos = name in ("refusion", "llama3")
+        assert len(out) == want or (stops_at_eos and len(out) < want and out[-1] in eos), (g["generator"], len(out))
+
+
+@pytest.mark.parametrize("name", BASES)
+def test_config_keeps_the_released_layout(name):
+    cfg = _json(ROOT / name / "config.json")
+    for key, value in RELEASED[name].items():
+        assert cfg[key] == value, key
+    index = _json(ROOT / name / "model.safetensors.index.json")
+    shards = set(index["weight_map"].values())
+    assert all((ROOT / name / s).is_file() for s in shards) and len(shards) == 2
+    from safetensors import safe_open
+
+    names = set()
+    for s in shards:
+        with safe_open(str(ROOT / name / s), "pt") as f:
+            names |= set(f.keys())
+    assert names == set(index["weight_map"])
+    if name == "llada":
+        assert "model.transformer.ff_out.weight" in names and "model.transformer.blocks.0.attn_out.weight" in names
+    if name.startswith("dream"):
+        assert "model.layers.0.self_attn.q_proj.bias" in names
+    if name == "refusion":
+        assert "model.layers.0.self_attn.q_norm.weight" in names
+
+
+@pytest.mark.parametrize("name", BASES)
+def test_tokenizer_loads_without_remote_code_and_carries_the_special_tokens(name):
+    tok = _tokenizer(name)
+    cfg = _json(ROOT / name / "config.json")
+    if name in MASK_TOKEN:
+        assert tok.convert_tokens_to_ids(MASK_TOKEN[name]) == cfg["mask_token_id"]
+    text = tok.apply_chat_template([{"role": "user", "content": "one two"}], add_generation_prompt=True, tokenize=False)
+    gen = _json(ROOT / name / "generation_config.json") if (ROOT / name / "generation_config.json").exists() else {}
+    if name in ("llada", "llama3"):
+        assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n") and "<|eot_id|>" in text
+        assert text.startswith(tok.bos_token)
+    if name == "llada":
+        assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == cfg["eos_token_id"]
+    if name == "llama3":
+        assert gen["eos_token_id"] == tok.convert_tokens_to_ids(["<|end_of_text|>", "<|eot_id|>"])
+    if name.startswith("dream") or name == "refusion":
+        assert text.endswith("<|im_start|>assistant\n") and "<|im_end|>" in text
+    if name.startswith("dream"):
+        assert tok.eos_token_id == cfg["eos_token_id"] and tok.bos_token == "<|beginoftext|>"
+    if name == "refusion":
+        assert type(tok).__name__ == "Qwen2Tokenizer" and tok.eos_token_id == cfg["eos_token_id"]
+        assert tok.convert_tokens_to_ids("<|beginoftext|>") == cfg["bos_token_id"]
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_adapter_config_and_weights(name):
+    from safetensors.torch import load_file
+
+    ac = _json(ROOT / name / "adapter_config.json")
+    assert ac["peft_type"] == "LORA" and ac["r"] == 32 and ac["lora_alpha"] == 32
+    want = {"q_proj", "k_proj", "v_proj", "attn_out" if name == "d2f_llada" else "o_proj"}
+    assert set(ac["target_modules"]) == want
+    assert ac["base_model_name_or_path"] == ("GSAI-ML/LLaDA-8B-Instruct" if name == "d2f_llada"
+                                             else "Dream-org/Dream-v0-Base-7B")
+    w = load_file(str(ROOT / name / "adapter_model.safetensors"))
+    assert w and all(t.abs().sum() > 0 for k, t in w.items() if ".lora_B." in k)
+    ref = _ref(name)["logits"]
+    assert ref["max_abs_adapter_effect"] > 1.0, "the adapter changes the logits"
+
+
+def _load_stock(name: str):
+    """A stock transformers class (no remote code) on a released-layout folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+    folder = ROOT / name
+    c = _json(folder / "config.json")
+    if name == "llada":
+        cfg = LlamaConfig(hidden_size=c["d_model"], intermediate_size=c["mlp_hidden_size"],
+                          num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"],
+                          num_key_value_heads=c["n_kv_heads"], vocab_size=c["embedding_size"] or c["vocab_size"],
+                          rms_norm_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],
+                          max_position_embeddings=c["max_sequence_length"], tie_word_embeddings=c["weight_tying"],
+                          attention_bias=c["include_bias"] or c["include_qkv_bias"], mlp_bias=c["include_bias"],
+                          hidden_act="silu", eos_token_id=c["eos_token_id"], pad_token_id=c["pad_token_id"])
+        cfg.is_causal = False
+        return LlamaForCausalLM.from_pretrained(str(folder), config=cfg, key_mapping=LLADA_KEY_MAPPING,
+                                                dtype=torch.float32).eval()
+    if name.startswith("dream"):
+        drop = {"architectures", "auto_map", "model_type", "mask_token_id", "transformers_version", "torch_dtype"}
+        cfg = Qwen2Config(**{k: v for k, v in c.items() if k not in drop})
+        cfg.is_causal = False
+        return Qwen2ForCausalLM.from_pretrained(str(folder), config=cfg, dtype=torch.float32).eval()
+    cls = Qwen3ForCausalLM if name == "refusion" else LlamaForCausalLM
+    return cls.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name", BASES)
+def test_stock_transformers_classes_reproduce_the_authors_logits(name, one_thread):
+    import torch
+
+    model = _load_stock(name)
+    ref = _ref(name)["logits"]
+    with torch.no_grad():
+        out = model(torch.tensor(ref["input_ids"])).logits
+    torch.testing.assert_close(out, _ref_tensors(name)["logits"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_merged_lora_on_the_stock_class_reproduces_peft(name, one_thread):
+    """W + (lora_alpha / r) * B @ A on the mapped base weight gives peft's merged logits."""
+    import torch
+    from safetensors.torch import load_file
+
+    base = ADAPTERS[name]
+    model = _load_stock(base)
+    ac = _json(ROOT / name / "adapter_config.json")
+    scale = ac["lora_alpha"] / ac["r"]
+    lora = load_file(str(ROOT / name / "adapter_model.safetensors"))
+    params = dict(model.named_parameters())
+    mapping = LLADA_KEY_MAPPING if base == "llada" else {}
+    merged = 0
+    for key, a in lora.items():
+        if ".lora_A." not in key:
+            continue
+        target = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        for pattern, repl in mapping.items():
+            target, n = re.subn(pattern, repl, target)
+            if n:
+                break
+        with torch.no_grad():
+            params[target] += scale * (lora[key.replace(".lora_A.", ".lora_B.")].float() @ a.float())
+        merged += 1
+    assert merged == 2 * len(ac["target_modules"])  # 2 layers
+    ref = _ref(name)["logits"]
+    with torch.no_grad():
+        out = model(torch.tensor(ref["input_ids"])).logits
+    tensors = _ref_tensors(name)
+    torch.testing.assert_close(out, tensors["logits_merged"], atol=1e-5, rtol=1e-5)
+    # peft's unmerged forward agrees to float32 rounding of the merged weights (logits of size ~30)
+    assert math.isclose(float((out - tensors["logits"]).abs().max()), 0.0, abs_tol=1e-3)
