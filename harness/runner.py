@@ -39,7 +39,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -715,10 +714,13 @@ def main(argv: list[str] | None = None) -> int:
         err_file = worker_error_file(run_dir, m["name"])
         err_file.unlink(missing_ok=True)
         # The worker's temporary files (torchelastic_* of a multi-process launch, the sandbox's
-        # folders) go to a folder of its own, removed when it ends however it ends.
-        tmp = tempfile.mkdtemp(prefix="refusion-worker-")
+        # folders) go to a folder of its own inside the run folder, removed when the worker ends; one
+        # left by a runner killed with SIGKILL is removed when the run resumes.
+        tmp = run_dir / f".tmp-{m['name']}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o700)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               "TMPDIR": tmp}
+               "TMPDIR": str(tmp)}
         try:
             rc = _run_worker(cmd, env)
         except _Stopped as stop:

@@ -117,9 +117,13 @@ def test_resume_after_kill_9(setup, reference):
 
 
 def test_two_processes_match_one(setup, reference, tmp_path):
-    # accelerate/torchrun leave a torchelastic_* folder in TMPDIR: keep it inside pytest's tmp_path.
-    _run(setup, "dp2", "--num-processes", "2", env={"TMPDIR": str(tmp_path)})
+    # accelerate/torchrun create a torchelastic_* folder in TMPDIR: the runner gives each worker a
+    # temp folder of its own inside the run folder and removes it, so the caller's TMPDIR stays empty.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    _run(setup, "dp2", "--num-processes", "2", env={"TMPDIR": str(tmp)})
     run_dir = setup["out"] / "dp2"
+    assert list(tmp.iterdir()) == [] and list(run_dir.glob(".tmp-*")) == []
     m = json.loads((run_dir / "metrics" / "a__tiny_gen.json").read_text())
     assert len(m["memory"]["peak_rss_by_rank"]) == 2
     ranks = {json.loads(line)["rank"] for line in (run_dir / "models" / "a" / "samples" / "tiny_gen.jsonl").open()}
