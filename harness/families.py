@@ -6,7 +6,8 @@ ReFusion from a plain Qwen3). Loading (harness/checkpoints.py) then builds the f
 ``transformers`` config from the published one (``to_config``) and loads the weights under the
 published tensor names through ``from_pretrained(key_mapping=...)``: nothing is converted on disk.
 
-Every fact carries its source (the authors' public code, the release's own config files). Ids in a
+Every fact carries its source (the authors' public code, the release's own config files); the
+file:line sources gathered when the test fixtures were made are in scripts/release_facts.json. Ids in a
 folder's own ``config.json`` / ``generation_config.json`` / tokenizer win over the table (a fine-tune
 or a test fixture may use others); the table's ids are what the releases ship, and the fallback when
 a release leaves one out (ReFusion's ``<|mask|>`` is an added special token, not the tokenizer's
