@@ -266,6 +266,15 @@ def load_tokenizer(info: CheckpointInfo):
                                                       trust_remote_code=False)
 
 
+def check_tokenizer(info: CheckpointInfo) -> None:
+    """Load the tokenizer once (seconds at most): a broken tokenizer file stops the run before it starts."""
+    try:
+        load_tokenizer(info)
+    except Exception as e:  # noqa: BLE001 - whatever the tokenizer library raises, one line naming the folder
+        raise CheckpointError(f"the tokenizer of {str(info.path)!r} does not load: "
+                              f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+
+
 def _has_tokenizer(p: Path) -> bool:
     return any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
 

@@ -296,7 +296,7 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
     leaf will really use (``resolved_knobs``: decoder defaults < the checkpoint's own decoding settings
     (Dream's generation_config.json) < the task's settings < the model's knobs).
     ``inspected`` caches checkpoint checks by model name across calls."""
-    from harness.checkpoints import CheckpointError, inspect_checkpoint
+    from harness.checkpoints import CheckpointError, check_tokenizer, inspect_checkpoint
     from harness.lm_adapter import checkpoint_knobs
     from refusion.decoding import DECODERS, check_attention, make_knobs
 
@@ -312,6 +312,7 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
         try:
             if m.name not in inspected:
                 inspected[m.name] = inspect_checkpoint(ckpt, load.get("base"))
+                check_tokenizer(inspected[m.name])
             info = inspected[m.name]
             check_attention(m.decoder, info.causal)
             own = checkpoint_knobs(info, m.decoder)  # Dream: shift=true, its generation_config.json

@@ -83,6 +83,13 @@ def test_no_weights_and_truncated_shard_of_an_index(setup, tmp_path, capsys):
     assert "not in the folder" in err and last.name in err, err
 
 
+def test_broken_tokenizer_is_caught_before_anything_runs(setup, tmp_path, capsys):
+    bad = _copy(setup["ckpt"], tmp_path / "badtok")
+    (bad / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')  # cut short
+    err = _error(capsys, tmp_path / "out", setup, f"a={setup['ckpt']}:ar,b={bad}:ar")
+    assert "model 'b'" in err and "tokenizer" in err and str(bad) in err, err
+
+
 def test_weights_under_other_names_are_caught_before_loading(setup, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
