@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regress-update": ("harness.regress:main_update", "rewrite the regression baseline on purpose (--reason)"),
     "report": ("harness.paper_report", "the paper's Table 1, speedups and figures from one or more runs"),
     "sweep": ("harness.sweep", "ReFusion accuracy vs tokens/s as its knobs vary (ablation view)"),
+    "trace": ("harness.trace", "how each decoder fills one answer, forward by forward (figures, GIFs, HTML)"),
 }
 
 
