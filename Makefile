@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test eval report compare sweep validate-tasks train-tiny bench-decoders bench-kernels regress regress-update clean
+.PHONY: help setup test eval report compare sweep trace browser-deps validate-tasks train-tiny bench-decoders bench-kernels regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -75,6 +75,25 @@ sweep: setup ## ReFusion quality vs tokens/s as its knobs vary: make sweep LIMIT
 	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness sweep \
 		--task "$$TASK" $${LIMIT:+--limit "$$LIMIT"} $${GRID:+--grid "$$GRID"} --out "$$OUT" \
 		$${DTYPE:+--dtype "$$DTYPE"} $${CHAT_TEMPLATE_ARGS:+--chat-template-args "$$CHAT_TEMPLATE_ARGS"} $$SWEEP_ARGS
+
+PROMPT ?=
+INDEX ?=
+TRACE_ARGS ?=
+override PROMPT := $(value PROMPT)
+override INDEX := $(value INDEX)
+override TRACE_ARGS := $(value TRACE_ARGS)
+export PROMPT INDEX TRACE_ARGS
+
+# TASK keeps its `make eval` default (the embedded group) unless given: the trace's default is embedded_math item 0.
+trace: setup ## how each decoder fills one answer: make trace [PROMPT='...' | TASK=embedded_code INDEX=3 | RUN=<run> TASK=... INDEX=...] MODELS=... NAME=...
+	@set -f; if [ "$$TASK" = embedded ]; then TASK=; fi; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness \
+		trace $${PROMPT:+--prompt "$$PROMPT"} $${TASK:+--task "$$TASK"} $${INDEX:+--index "$$INDEX"} \
+		$${RUN:+--run "$$RUN"} --runs-root "$$OUT" $${MODELS:+--models "$$MODELS"} $${NAME:+--name "$$NAME"} \
+		$${DTYPE:+--dtype "$$DTYPE"} $${CHAT_TEMPLATE_ARGS:+--chat-template-args "$$CHAT_TEMPLATE_ARGS"} $$TRACE_ARGS
+
+browser-deps: ## the headless browser of the trace page test: Debian's chromium and chromium-driver (apt, root or sudo)
+	@SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); $$SUDO apt-get update -qq && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
 
 validate-tasks: setup ## score every task's gold answers, one line per task
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness validate-tasks

@@ -48,6 +48,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -374,7 +375,7 @@ class RefusionBenchLM(TemplateLM):
         wall = time.perf_counter() - t0
         gpu_peak = torch.cuda.max_memory_allocated(self._device) if self._device.type == "cuda" else None
         out = []
-        for it, p, toks in zip(items, prompts, tokens):
+        for row, (it, p, toks) in enumerate(zip(items, prompts, tokens)):
             toks = [int(t) for t in toks.tolist()]  # cut by the decoder after the first EOS (docs/design.md §6)
             rec = {
                 "key": it["key"], "kind": "generate", "task": it["task"], "doc_id": it["doc_id"],
@@ -390,8 +391,18 @@ class RefusionBenchLM(TemplateLM):
             }
             rec["tpf"] = rec["generated_tokens"] / rec["nfe"] if rec["nfe"] else 0.0
             rec.update({k: int(v) for k, v in stats.items() if k.startswith("nfe_")})
+            if "commit_forward" in stats:  # the decode trace (harness trace): per token, the forward that fixed it
+                rec.update(commit_forward=stats["commit_forward"][row], commit_kind=stats["commit_kind"][row],
+                           forward_phase=stats["forward_phase"])
             out.append(rec)
         return out
+
+    def decode_record(self, context: str, task: str | None = None, gen_kwargs: dict | None = None) -> dict:
+        """One prompt decoded outside lm-eval, exactly as a run decodes and records it (``harness trace``):
+        the journal record, with the decode trace. ``context`` is the text as lm-eval would send it (chat
+        template already applied); ``task`` picks the task's decoding defaults."""
+        req = SimpleNamespace(args=(context, dict(gen_kwargs or {})), task_name=task, doc_id=0, idx=0)
+        return self._run_batch([self._prepare(req)])[0]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         results: list[str | None] = [None] * len(requests)

@@ -476,7 +476,9 @@ def write_report(rs: RunSet, target: Path) -> Path:
                                                 "missing": [(m, u, _show_path(d)) for m, u, d in rs.missing],
                                                 "notes": run_notes(rs), **_json_ready(data)})
         made = figures.save_all(figures.build_all(rs, data), tmp)
-        atomic_write_text(tmp / "index.md", index_md(rs, data, made))
+        from harness.trace import report_traces  # one logged sample per task, when the runs recorded traces
+
+        atomic_write_text(tmp / "index.md", index_md(rs, data, made) + report_traces(rs, tmp))
     return target
 
 

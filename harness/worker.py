@@ -46,7 +46,7 @@ def _sample_rows(samples: dict, records: dict[tuple, dict], unit: dict) -> list[
                    "response": rec.get("response"), "filtered_resps": s.get("filtered_resps"),
                    "filter": s.get("filter"), "metrics": {k: s[k] for k in s.get("metrics", []) if k in s}}
             for k in ("generated_tokens", "nfe", "tpf", "decode_s", "forward_s", "batch_size", "kv_peak_bytes", "gpu_peak_bytes",
-                      "prompt_tokens", "tokens", "knobs", "rank"):
+                      "prompt_tokens", "tokens", "knobs", "rank", "commit_forward", "commit_kind", "forward_phase"):
                 if k in rec:
                     row[k] = rec[k]
             row.update({k: v for k, v in rec.items() if k.startswith("nfe_")})

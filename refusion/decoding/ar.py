@@ -59,6 +59,7 @@ def ar(
 
     mask = padding_mask(input_ids, attention_mask)  # [B, P]
     batch = input_ids.shape[0]
+    meter.track(batch, gen_length, device)  # commit order: token t comes from forward t
     cache = DynamicCache(config=model.config)
     logits = forward(
         model, meter, "prefill", input_ids,
@@ -71,6 +72,7 @@ def ar(
     for step in range(gen_length):
         tok, _ = pick(logits, temperature, gen)  # [B]
         out = torch.cat([out, tok[:, None]], 1)
+        meter.settle(out)
         done |= is_eos(tok, eos)
         if bool(done.all()) or step == gen_length - 1:
             break

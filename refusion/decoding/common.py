@@ -6,6 +6,10 @@ generated tokens = response tokens up to and including the first EOS, TPF =
 generated tokens / NFE, kv_peak_bytes = the largest number of bytes held by KV-cache
 tensors at any point (measured right after each cached forward, when the cache also
 holds the KV of the tokens just forwarded).
+
+Commit order (``CommitLog``, docs/design.md §6): per row, the index of the forward after which
+each returned token was fixed for good (``commit_forward``) and that step's kind (``commit_kind``),
+plus the phase of every forward (``forward_phase``): what `harness trace` draws.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ class Meter:
         self.calls = 0  # model calls; one call may serve several phases (rows of a batch at different stages)
         self.forward_s = 0.0  # seconds inside model calls, to tell forward time from decoder overhead
         self.kv_peak_bytes = 0
+        self.phase_log: list[str] = []  # per model call, its phase(s) ("a+b" for a call serving several)
+        self.commits: CommitLog | None = None  # set by `track`
         self.cuda = next(model.parameters()).device.type == "cuda"
         self._sync()
         self.t0 = time.perf_counter()
@@ -85,8 +91,28 @@ class Meter:
     def count(self, phases: str | Sequence[str]) -> None:
         """One model call serving `phases` (a name or several names): nfe + 1, each phase + 1."""
         self.calls += 1
-        for p in (phases,) if isinstance(phases, str) else phases:
+        names = (phases,) if isinstance(phases, str) else tuple(phases)
+        for p in names:
             self.counts[p] += 1
+        self.phase_log.append("+".join(names))
+
+    # ------------------------------------------------ commit order (module doc; CommitLog)
+
+    def track(self, rows: int, length: int, device: torch.device) -> None:
+        """Record the commit order of `rows` responses of at most `length` tokens (see CommitLog)."""
+        self.commits = CommitLog(rows, length, device)
+
+    def settle(self, tokens: torch.Tensor, empty: int | None = None, row: int | None = None) -> None:
+        """Call once after every forward, when the response tokens [B, n] (or one row's [n] with `row`) hold
+        every commit made from its output: the positions that no longer hold `empty` (the mask id) since
+        the previous call, or with `empty` None the positions appended since then, were committed by that
+        forward. No host sync (CommitLog)."""
+        self.commits.settle(tokens, empty, row, self.calls - 1)
+
+    def commit(self, row: int, cols: Sequence[int], forwards: Sequence[int], kinds: Sequence[str]) -> None:
+        """Explicit commits of row `row`: response positions `cols`, fixed after forwards `forwards` (indices
+        in call order) by steps of kinds `kinds` (host lists, for decoders that already hold them there)."""
+        self.commits.mark(row, cols, forwards, kinds)
 
     def finish(self, responses: list[torch.Tensor], **extra) -> dict:
         self._sync()
@@ -98,7 +124,77 @@ class Meter:
         stats["kv_peak_bytes"] = self.kv_peak_bytes
         stats["timings"] = {"decode_s": seconds, "forward_s": self.forward_s}
         stats.update(extra)
+        if self.commits is not None:
+            fwd, kind = self.commits.export([int(r.numel()) for r in responses], self.phase_log)
+            stats.update(commit_forward=fwd, commit_kind=kind, forward_phase=list(self.phase_log))
         return stats
+
+
+class CommitLog:
+    """Which forward committed each response token, per row (the stats ``commit_forward`` /
+    ``commit_kind``).
+
+    A token is committed by the forward after which its value was fixed for good: the forward
+    whose output the decoder unmasked it from (masked diffusion), sampled it from (AR), or
+    accepted it with (ReFusion: docs/design.md §3). Three ways in, none with a host sync:
+
+    - ``settle(tokens, empty)`` after every forward, for decoders that write commits into a token
+      tensor where open positions hold `empty` (the mask id): ``waited`` [B, G] counts, per
+      position, the settles that still found it open, which is the index of the forward that
+      committed it when every forward is settled exactly once (checked on the host per row:
+      two small kernels a forward, eq and add);
+    - ``settle(tokens)`` (no `empty`) for decoders that append tokens: the new tail positions
+      are the latest forward's (a host range, no kernel);
+    - ``mark`` for decoders whose commits are host lists already (ReFusion), with their kinds.
+
+    ``export`` reads it back once, at the end of the call.
+    """
+
+    def __init__(self, rows: int, length: int, device: torch.device):
+        self.waited = torch.zeros(rows, length, dtype=torch.long, device=device)  # [B, G], see the class doc
+        self.settles: dict[int | None, int] = {}  # row (None = all rows) -> settles so far
+        self.filled: dict[int | None, int] = {}  # appending decoders: row -> positions already dated
+        self.ranges: list[tuple[int | None, int, int, int]] = []  # (row, start, end, forward) of appended tokens
+        self.marked: dict[int, dict[int, tuple[int, str]]] = {}  # row -> position -> (forward, kind)
+
+    def settle(self, tokens: torch.Tensor, empty: int | None, row: int | None, forward: int) -> None:
+        n = tokens.shape[-1]
+        if empty is None:
+            self.ranges.append((row, self.filled.get(row, 0), n, forward))
+            self.filled[row] = n
+            return
+        done = self.settles.get(row, 0)
+        if done != forward:  # the count is the forward index only if no forward went unsettled
+            raise RuntimeError(f"CommitLog.settle: forward {forward} follows {done} settles of row {row}; "
+                               "settle once after every forward")
+        self.settles[row] = done + 1
+        waited = self.waited if row is None else self.waited[row]  # a view: writes land
+        waited[..., :n] += tokens == empty
+        if n < waited.shape[-1]:  # positions the decoder has not laid out yet are open too
+            waited[..., n:] += 1
+
+    def mark(self, row: int, cols: Sequence[int], forwards: Sequence[int], kinds: Sequence[str]) -> None:
+        into = self.marked.setdefault(row, {})
+        for c, f, k in zip(cols, forwards, kinds, strict=True):
+            into[int(c)] = (int(f), k)
+
+    def export(self, lengths: list[int], phases: list[str]) -> tuple[list[list[int]], list[list[str]]]:
+        """Per row, its first `lengths[b]` positions: (forward index, kind). The kind of a settled commit is
+        the phase of its forward (phases[i], as Meter.phase_log); marks carry their own."""
+        table = self.waited.tolist()
+        for row, a, z, f in self.ranges:
+            for b in range(len(table)) if row is None else (row,):
+                table[b][a:z] = [f] * (z - a)
+        fwd, kind = [], []
+        for b, n in enumerate(lengths):
+            f = table[b][:n]
+            k = [phases[i] if 0 <= i < len(phases) else "" for i in f]
+            for c, (i, name) in self.marked.get(b, {}).items():
+                if c < n:
+                    f[c], k[c] = i, name
+            fwd.append(f)
+            kind.append(k)
+        return fwd, kind
 
 
 def cache_bytes(cache: DynamicCache | None) -> int:

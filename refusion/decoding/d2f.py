@@ -102,7 +102,7 @@ class _Run:
 
 
 def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | None,
-                gen: torch.Generator | None, counts: dict) -> Steps:
+                gen: torch.Generator | None, counts: dict, meter: Meter) -> Steps:
     """One row's pipeline (module doc); yields its model requests, returns its response."""
     k, mask, device = kn.knobs, kn.mask, prompt.device
     size, n_prompt = k.block_size, prompt.numel()
@@ -174,6 +174,7 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
                 take[prob.argmax()] = True
             ids[lo:hi] = torch.where(take, tok, ids[lo:hi])
             eos_seen = eos_seen or bool(is_eos(tok[take], kn.eos).any())
+        meter.settle(ids[n_prompt:], mask, row=b)  # this step's commits came from the forward just answered
         for j in active:  # in order, so a block retires right after its predecessor
             lo, hi = span(j)
             if state[j - 1] != ACTIVE and not bool((ids[lo:hi] == mask).any()):
@@ -206,9 +207,10 @@ def d2f(
     pad = left_padding_mask(input_ids, attention_mask)
     meter = Meter(model, ("step",))
     counts = {"row_steps": 0, "active_blocks": 0, "pipeline_max": 0}
+    meter.track(input_ids.shape[0], k.gen_length, input_ids.device)
     rows = [
         _decode_row(b, row[m.bool()], kn, None if k.no_cache else DynamicCache(config=model.config),
-                    make_generator(input_ids.device, k.seed), counts)
+                    make_generator(input_ids.device, k.seed), counts, meter)
         for b, (row, m) in enumerate(zip(input_ids, pad))
     ]
     responses = drive_rows(model, meter, rows)

@@ -300,6 +300,7 @@ def llada(
     meter = Meter(model, ("step",))
     x, attn, pos = _start(model, input_ids, attention_mask, gen_length, mask)
     p0, per_block = input_ids.shape[1], steps // n_blocks
+    meter.track(x.shape[0], gen_length, x.device)
     # Tokens unmasked at each step of a block: block_length spread evenly, remainder first.
     schedule = [block_length // per_block + (i < block_length % per_block) for i in range(per_block)]
     for b in range(n_blocks):
@@ -312,6 +313,7 @@ def llada(
             block = x[:, lo:hi]
             conf = torch.where(block == mask, prob, torch.full_like(prob, -torch.inf))
             _commit_topk(block, x0, conf, torch.full((x.shape[0],), n_unmask, device=x.device))
+            meter.settle(x[:, p0:], mask)
         if k.stop_at_eos and _finished(x, p0, hi, eos):
             break
     responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
@@ -362,6 +364,7 @@ def fast_dllm(
     meter = Meter(model, ("full", "cached"))
     x, attn, pos = _start(model, input_ids, attention_mask, gen_length, mask)
     p0, total = input_ids.shape[1], x.shape[1]
+    meter.track(x.shape[0], gen_length, x.device)
     for b in range(gen_length // block_length):
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
         # Block token j is predicted by the logit at j - shift. Cached steps forward the window [a, ...):
@@ -403,6 +406,7 @@ def fast_dllm(
                 # Count per row: all that pass, at least one while the row has masks left.
                 n_unmask = torch.maximum(passed.sum(-1), masked.any(-1).long())
                 _commit_topk(block, x0, conf, n_unmask)
+            meter.settle(x[:, p0:], mask)
             first = False
         if k.stop_at_eos and _finished(x, p0, hi, eos):
             break
@@ -448,6 +452,7 @@ def dream(
     x, attn, pos = _start(model, input_ids, attention_mask, k.gen_length, mask)
     p0 = input_ids.shape[1]
     resp = x[:, p0:]  # [B, G] view: writes land in x
+    meter.track(x.shape[0], k.gen_length, x.device)
     # Dream's times, float32 on the decoding device as in the reference (the rounding of int() depends on it).
     times = torch.linspace(1, k.eps, steps + 1, dtype=torch.float32, device=x.device)
     for i in range(steps):
@@ -476,6 +481,7 @@ def dream(
                 _commit_sampled(resp, x0, conf / k.alg_temp, n, gen)
             else:
                 _commit_topk(resp, x0, conf, n)
+        meter.settle(resp, mask)
         if k.stop_at_eos and _settled(resp, mask, eos):
             break
     responses = [cut_after_eos(row, eos) for row in resp]

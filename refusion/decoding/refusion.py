@@ -41,6 +41,12 @@ empty across slots, so the prefix KV is held and read once. "replicated": the re
 layout, the committed cache copied once per picked slot (batch rows, shrunk as slots
 finish) and each slot decoded in its own row; same tokens, k times the prefix KV.
 
+Commit order (stats commit_forward / commit_kind, common.CommitLog): a committed token is dated
+by the forward that fixed it in the round that committed it: a slot's first token by the plan
+that picked the slot ("plan"), a token accepted by global verification by that forward
+("verify", also when its slot is then infilled from that prefix), a token accepted by a
+parallel-infill verify forward by that one ("infill"). So inside a slot the dates never go back.
+
 Batches: rows are left-padded prompts. Each row's decoding is a generator that yields one
 model request at a time; the driver answers every pending row with one model call (rows at
 different phases stacked, their caches left-padded, queries right-padded, all masked), so a
@@ -213,6 +219,9 @@ class _State:
     positions: torch.Tensor  # [n_slots, L] true position of every response token
     gen: torch.Generator | None
     counts: dict  # shared counters of the call
+    meter: Meter  # the call's counter: its forward index dates commits (stats commit_forward)
+    index: int = 0  # the row's index in the batch
+    lp: int = 0  # position of the first response token (= prompt length)
     done: dict[int, int] = field(default_factory=dict)  # position -> committed response token
     eos_pos: int | None = None  # position of the first committed EOS
     masked: list[int] = field(default_factory=list)  # masked slots of the current block
@@ -224,6 +233,8 @@ class _State:
     alive: list[int] = field(default_factory=list)  # picked-slot indices still being infilled
     finished: dict[int, int] = field(default_factory=dict)  # picked-slot index -> final length
     kv_store: dict[int, KV] = field(default_factory=dict)  # picked-slot index -> its accepted KV [1, h, n, d]
+    # per picked slot, (forward index, kind) of each token of its accepted prefix: when it was fixed
+    fixed: list[list[tuple[int, str]]] = field(default_factory=list)
     units: list[int] = field(default_factory=list)  # replicated layout: picked-slot index of each cache row
 
     def notify(self, kn: _Run, kind: str) -> None:
@@ -232,9 +243,15 @@ class _State:
             kn.on_commit(dict(kind=kind, ids=list(r.ids), pos=list(r.pos), base=list(r.base), start=list(r.start),
                               cache=self.cache))
 
+    def now(self) -> int:
+        """Index of the forward whose answer the row is processing (the latest call)."""
+        return self.meter.calls - 1
+
     def add(self, tokens: list[int], positions: list[int], eos: tuple[int, ...], base: int = 0,
-            start: int = 0) -> None:
+            start: int = 0, *, fixed: list[tuple[int, str]]) -> None:
+        """Commit response tokens at `positions`; `fixed`: (forward index, kind) when each was fixed."""
         self.row.add(tokens, positions, base, start)
+        self.meter.commit(self.index, [p - self.lp for p in positions], [f for f, _ in fixed], [k for _, k in fixed])
         for t, p in zip(tokens, positions):
             self.done[p] = t
             if t in eos and (self.eos_pos is None or p < self.eos_pos):
@@ -404,6 +421,7 @@ def _plan(st: _State, kn: _Run) -> Steps:
         picked = (conf[:, 0] > kn.slot_threshold).nonzero().flatten().tolist() or [int(conf[:, 0].argmax())]
     st.slots = [st.masked[i] for i in picked]  # position order
     st.drafts = tok[picked].clone()  # [k, L]
+    st.fixed = [[(st.now(), "plan")] for _ in picked]  # a picked slot's first token is always accepted
 
 
 def infill_seeds(probs: torch.Tensor, slot_size: int, token_threshold: float, rule: str = "global") -> list[int]:
@@ -436,8 +454,10 @@ def _global_verify(st: _State, kn: _Run) -> Steps:
     n_commit = int(hits[0, 0]) + 1 if hits.numel() else (n_acc // L) * L
     if not n_commit:
         st.accepted = infill_seeds(probs, L, kn.token_threshold, kn.infill_seed)
+        st.fixed = [f + [(st.now(), "verify")] * (n - 1) for f, n in zip(st.fixed, st.accepted)]
         return False
-    st.add(stream[:n_commit].tolist(), spos[:n_commit].tolist(), kn.eos)  # causal
+    fixed = [st.fixed[i // L][0] if i % L == 0 else (st.now(), "verify") for i in range(n_commit)]
+    st.add(stream[:n_commit].tolist(), spos[:n_commit].tolist(), kn.eos, fixed=fixed)  # causal
     if st.cache is not None:
         cache_append(st.cache, [[(ks[:, :, :n_commit], vs[:, :, :n_commit]) for ks, vs in kv]])
     st.counts["verify_commits"] += 1
@@ -497,6 +517,7 @@ def _infill_verify(st: _State, kn: _Run) -> Steps:
             n += 1
         hit = next((t for t in range(n) if eos[r][t]), None)
         st.accepted[i] = n if hit is None else hit + 1
+        st.fixed[i] = (st.fixed[i] + [(st.now(), "infill")] * L)[:st.accepted[i]]
         if part is not None:
             st.kv_store[i] = part(r, st.accepted[i])
         if st.accepted[i] == L or hit is not None:
@@ -545,7 +566,8 @@ def _commit_infill(st: _State, kn: _Run) -> None:
     first = st.c
     for i in order:
         n = st.finished[i]
-        st.add(st.drafts[i, :n].tolist(), st.positions[st.slots[i], :n].tolist(), kn.eos, base=st.c, start=first)
+        st.add(st.drafts[i, :n].tolist(), st.positions[st.slots[i], :n].tolist(), kn.eos, base=st.c, start=first,
+               fixed=st.fixed[i][:n])
         first += n
     if st.cache is not None:
         cache_append(st.cache, [st.kv_store[i] for i in order])
@@ -613,7 +635,8 @@ def refusion(
     for each knob; the modes are described in the module doc). on_commit(info)
     is called after every commit (tests) with the row's committed ids / positions / base /
     start, its cache (None under no_cache) and the commit kind ("verify", "infill",
-    "recompute"). Phases counted: plan, verify (global), draft and infill (infill draft /
+    "recompute"). stats commit_forward / commit_kind: see "Commit order" in the module doc.
+    Phases counted: plan, verify (global), draft and infill (infill draft /
     verify), recompute; one call serving rows at several phases counts once in nfe and
     once in each of them. stats["timings"]["forward_s"] is the time inside model calls.
     """
@@ -633,14 +656,15 @@ def refusion(
     counts = {"rounds": 0, "verify_commits": 0, "infill_rounds": 0, "infill_commits": 0, "slots_parallel_max": 0,
               "infill_slots": 0}
     rows = []
-    for row_ids, row_mask in zip(input_ids, pad):
+    meter.track(input_ids.shape[0], n_slots * slot_size, device)
+    for b, (row_ids, row_mask) in enumerate(zip(input_ids, pad)):
         prompt = row_ids[row_mask.bool()]
         lp = prompt.numel()
         st = _State(
             row=_Row(ids=prompt.tolist(), pos=list(range(lp))),
             cache=None if kn.no_cache else DynamicCache(config=model.config),
             positions=lp + torch.arange(n_slots * slot_size, device=device).view(n_slots, slot_size),
-            gen=make_generator(device, k.seed), counts=counts,
+            gen=make_generator(device, k.seed), counts=counts, meter=meter, index=b, lp=lp,
         )
         rows.append(_decode_row(st, kn))
 
