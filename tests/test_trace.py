@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -192,7 +190,7 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 
 @pytest.fixture()
-def browser():
+def browser(tmp_path):
     """A headless Chromium driven by Selenium with a fresh profile; skipped (one line) without one."""
     missing = [p for p in (BROWSER, DRIVER) if not Path(p).is_file()]
     try:
@@ -203,7 +201,7 @@ def browser():
     if missing:
         pytest.skip(f"no headless browser ({', '.join(missing)}): run `make browser-deps` "
                     "(apt-get install -y chromium chromium-driver)")
-    profile = tempfile.mkdtemp(prefix="trace-chromium-")
+    profile = tmp_path / "chromium-profile"  # inside pytest's folder: nothing left in the temp directory
     options = webdriver.ChromeOptions()
     options.binary_location = BROWSER
     for flag in FLAGS + (f"--user-data-dir={profile}",):
@@ -213,7 +211,6 @@ def browser():
         yield driver
     finally:
         driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 def test_page_steps_with_the_arrow_keys_in_a_headless_browser(traced, browser):
