@@ -2,7 +2,7 @@
 Dream-style shifted masked diffusion and D2F block-wise (diffusion-forcing) masked diffusion.
 
 Each objective is two plain functions: a *collate* from examples (prompt ids,
-response ids ending with EOS) to a batch of tensors, and a *loss* from
+response ids ending with EOS, or an open-ended response cut short without one) to a batch of tensors, and a *loss* from
 ``(model, batch)`` to a scalar. They work on any Qwen3-family causal LM from
 ``transformers`` — the tiny models here or a real checkpoint.
 
@@ -27,8 +27,20 @@ EPS = 1e-3  # p = (1 - eps) t + eps, docs/design.md §2 step 2
 
 @dataclass(frozen=True)
 class Example:
+    """One training item. ``open_ended``: the response is a prefix of a longer one (cut right after an
+    intermediate result, so no restatement of it follows), with no EOS: every objective trains its
+    tokens only, never an EOS after them nor EOS padding, so no model learns to stop there.
+    ``cuts``: token counts after which the trainer may cut this response into such an item."""
     prompt: list[int]
-    response: list[int]  # ends with EOS
+    response: list[int]  # ends with EOS unless open_ended
+    open_ended: bool = False
+    cuts: tuple[int, ...] = ()
+
+    def cut(self, n: int) -> "Example":
+        """The open-ended item made of the prompt and the first ``n`` response tokens."""
+        if not 0 < n < len(self.response):
+            raise ValueError(f"cut {n} outside the response (length {len(self.response)})")
+        return Example(self.prompt, self.response[:n], open_ended=True)
 
 
 @dataclass(frozen=True)
@@ -165,8 +177,9 @@ def ar_loss(model, batch) -> torch.Tensor:
 
 def _eos_padded(ex: Example, eos_token_id: int | None, pad_multiple: int) -> Example:
     """LLaDA / Dream SFT: the response padded with EOS up to the next multiple of ``pad_multiple``; the
-    pads are trained like response tokens, so the model learns to fill a fixed window's tail with EOS."""
-    if eos_token_id is None:
+    pads are trained like response tokens, so the model learns to fill a fixed window's tail with EOS.
+    An open-ended example gets no padding: nothing is known about what follows its last token."""
+    if eos_token_id is None or ex.open_ended:
         return ex
     target = -(-len(ex.response) // pad_multiple) * pad_multiple
     return Example(ex.prompt, ex.response + [eos_token_id] * (target - len(ex.response)))
