@@ -137,7 +137,18 @@ def has_point(data: dict, key: str, step: int, n: int, batch: int) -> bool:
 
 def record(path: Path, key: str, model: str, step: int, tokens_seen: int | None, result: dict, n: int,
            batch: int, source: str) -> None:
-    """Add (or replace) one point of run ``key`` in the curves JSON and redraw the figure beside it."""
+    """Add (or replace) one point of run ``key`` in the curves JSON and redraw the figure beside it.
+    Under an exclusive lock: models trained side by side record into one file."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _record_locked(path, key, model, step, tokens_seen, result, n, batch, source)
+
+
+def _record_locked(path: Path, key: str, model: str, step: int, tokens_seen: int | None, result: dict, n: int,
+                   batch: int, source: str) -> None:
     data = _load(path)
     run = data["runs"].setdefault(key, {"model": model, "preset": PRESET_OF[model], "points": []})
     run["points"] = [p for p in run["points"] if not (p["step"] == step and p["n_per_kind"] == n
@@ -145,7 +156,6 @@ def record(path: Path, key: str, model: str, step: int, tokens_seen: int | None,
     run["points"].append({"step": step, "tokens_seen": tokens_seen, "n_per_kind": n, "batch": batch,
                           "source": source, "kinds": result})
     run["points"].sort(key=lambda p: p["step"])
-    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, data)
     plot(data, path.with_suffix(".png"))
 

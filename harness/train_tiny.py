@@ -41,7 +41,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--curves-n", type=int, default=100, help="test items per kind (the first n)")
     g.add_argument("--curves-batch", type=int, default=16, help="rows per decoder call (1: the bench's TPF)")
     g.add_argument("--curves-kinds", default="math,code,choice", help="comma-separated embedded kinds")
-    g.add_argument("--curves-out", default=None, help="curves JSON (default: <out>/curves/curves.json)")
+    g.add_argument("--curves-out", default="reports/curves/curves.json", help="curves JSON (the figure beside it)")
 
 
 def make_hook(a: argparse.Namespace):
@@ -51,7 +51,7 @@ def make_hook(a: argparse.Namespace):
         raise SystemExit("error: --curves needs --snapshot-every N (the steps at which curves are evaluated)")
     from harness.curves import snapshot_hook
 
-    out = Path(a.curves_out) if a.curves_out else Path(a.out) / "curves" / "curves.json"
+    out = Path(a.curves_out)
     kinds = tuple(k.strip() for k in a.curves_kinds.split(",") if k.strip())
     return snapshot_hook(out, Path(a.out), a.curves_n, a.curves_batch, kinds)
 

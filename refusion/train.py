@@ -20,8 +20,10 @@ The byte-level BPE tokenizer is trained first on the training corpus and saved
 into every model folder. Each model folder is a Hugging Face checkpoint (config,
 safetensors, tokenizer with chat template) plus ``train_log.csv``, ``loss.png``
 and ``train_config.json``. A run that is interrupted resumes from its last state
-file (written atomically every ``--save-every`` steps); the finished folder
-replaces the old one atomically.
+file (model, optimizer, step, RNG states, log; written atomically every ``--save-every``
+steps and every ``--save-every-s`` seconds), bit-identically; the finished folder
+replaces the old one atomically. ``--snapshot-every`` keeps weights-only snapshots for
+learning curves; ``--open-share`` trains on the open-ended arithmetic mixture (``draw_items``).
 """
 
 from __future__ import annotations
