@@ -77,8 +77,8 @@ def evaluate(model, tokenizer, preset: str, n: int = DEFAULT_N, batch: int = DEF
 
     from harness.presets import PRESETS, paper_knobs
     from refusion.decoding import get_decoder, make_knobs
-    from tasks.scoring import score_many
     from tasks.info import task_info
+    from tasks.scoring import score_many
 
     spec = PRESETS[preset]
     decoder = get_decoder(spec.decoder)

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -75,15 +74,18 @@ def test_stopped_and_resumed_run_is_bit_identical(name, data, tmp_path):
     assert snaps == ["step-000003.pt", "step-000006.pt"]
 
 
+# The subprocess builds the same corpus, config and shape (their reprs are evaluable) and trains ar.
 SCRIPT = """
 import sys
-sys.path.insert(0, {repo!r})
-sys.path.insert(0, {tests!r})
 from pathlib import Path
-from test_train_resume import CFG, SHAPE, small_corpus
-from refusion.train import prepare, train_one
-tok, examples = prepare(CFG, small_corpus())
-train_one("ar", tok, examples, CFG, SHAPE, Path(sys.argv[1]), progress=False)
+from harness.train_tiny import math_cut_chars
+from refusion.train import ModelShape, TrainConfig, prepare, train_one
+from tasks.embedded import KINDS, load_split
+rows = {{k: load_split(k, "train")[:12] for k in KINDS}}
+for r in rows["math"]:
+    r["cut_chars"] = math_cut_chars(r["response"])
+tok, examples = prepare({cfg!r}, rows)
+train_one("ar", tok, examples, {cfg!r}, {shape!r}, Path(sys.argv[1]), progress=False)
 """
 
 
@@ -94,7 +96,7 @@ def test_sigkilled_subprocess_resumes_bit_identical(data, tmp_path):
 
     tok, examples = data
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests"))))
+    script.write_text(SCRIPT.format(cfg=CFG, shape=SHAPE))
     out = tmp_path / "killed"
     env = {**os.environ, PAUSE_ENV: "3", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, str(script), str(out)], env=env, stderr=subprocess.PIPE, text=True)
