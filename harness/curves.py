@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -115,7 +116,28 @@ def evaluate(model, tokenizer, preset: str, n: int = DEFAULT_N, batch: int = DEF
         scores = [s[primary] for s in score_many(unit, responses, docs)]
         out[kind] = {"quality": sum(scores) / len(scores) if scores else 0.0, "tpf": gen / nfe if nfe else 0.0,
                      "generated_tokens": gen, "nfe": nfe, "items": len(docs), "seconds": round(seconds, 2)}
+        if kind == "math":
+            out[kind].update(arithmetic(responses, docs))
     return out
+
+
+EQUATION = re.compile(r"(-?\d+) ([+-]) (-?\d+) = (-?\d+)")
+
+
+def arithmetic(responses: list[str], docs: list[dict]) -> dict[str, float]:
+    """Finer math signals than exact match of the final answer (which needs every step right):
+    ``arith_lines``, the share of generated "a + b = c" / "a - b = c" equations whose c is right for
+    their own a and b; ``first_result``, the share of responses whose first equation's result is the
+    gold solution's first intermediate result."""
+    right = total = first = 0
+    for resp, doc in zip(responses, docs):
+        eqs = EQUATION.findall(resp)
+        for a, op, b, c in eqs:
+            total += 1
+            right += int(c) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        gold = EQUATION.findall(doc["response"])
+        first += bool(eqs and gold and eqs[0][3] == gold[0][3])
+    return {"arith_lines": right / total if total else 0.0, "first_result": first / len(docs) if docs else 0.0}
 
 
 # ---------------------------------------------------------------- the record
@@ -177,6 +199,9 @@ def plot(data: dict, png: Path) -> None:
             steps = [p["step"] for p in sel]
             q = [100 * p["kinds"][kind]["quality"] for p in sel]
             axes[0][j].plot(steps, q, marker="o", ms=3, label=label)
+            if kind == "math" and all("arith_lines" in p["kinds"][kind] for p in sel) and sel:
+                axes[0][j].plot(steps, [100 * p["kinds"][kind]["arith_lines"] for p in sel], ls="--", marker=".",
+                                label=f"{label}: equations right")
             tok = [(p["tokens_seen"], 100 * p["kinds"][kind]["quality"]) for p in sel if p["tokens_seen"] is not None]
             axes[1][j].plot([t / 1e6 for t, _ in tok], [v for _, v in tok], marker="o", ms=3, label=label)
             axes[2][j].plot(steps, [p["kinds"][kind]["tpf"] for p in sel], marker="o", ms=3, label=label)

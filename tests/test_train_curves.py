@@ -64,6 +64,16 @@ def test_snapshots_of_a_run_become_curve_points(tmp_path, one_thread):
     assert curves.main(args) == 0 and (out / "curves.json").read_text() == before  # nothing new to evaluate
 
 
+def test_math_arithmetic_signals():
+    """Equations checked against their own operands; the first result against the gold's first."""
+    doc = {"response": "Ana starts with 90 apples.\nAfter getting 37: 90 + 37 = 127.\nAfter losing 4: 127 - 4 = 123."
+                       "\n#### 123"}
+    wrong_then_right = "Ana starts with 90 apples.\nAfter getting 37: 90 + 37 = 125.\nAfter losing 4: 125 - 4 = 121."
+    assert curves.arithmetic([doc["response"]], [doc]) == {"arith_lines": 1.0, "first_result": 1.0}
+    assert curves.arithmetic([wrong_then_right], [doc]) == {"arith_lines": 0.5, "first_result": 0.0}
+    assert curves.arithmetic(["no equation"], [doc]) == {"arith_lines": 0.0, "first_result": 0.0}
+
+
 def test_bad_arguments_are_one_line_errors(capsys):
     assert curves.main(["--models", "gpt"]) == 2
     assert "error:" in capsys.readouterr().err
