@@ -63,6 +63,18 @@ def draw_slot_plan(n_response: int, rng: random.Random, slot_sizes=(4, 8, 16, 32
     return SlotPlan(size, p, masked, tuple(clean))
 
 
+def draw_suffix_plan(n_response: int, rng: random.Random, slot_sizes=(4, 8, 16, 32)) -> SlotPlan:
+    """A plan as the decoder meets it (not the paper's): the slots from a uniformly drawn k on are masked,
+    those before it clean, so no masked slot ever sees a clean slot positioned after it; the loss weight
+    1/p uses the masked share p = (n - k) / n."""
+    size = rng.choice(list(slot_sizes))
+    n_slots = -(-n_response // size)
+    k = rng.randrange(n_slots)
+    clean = list(range(k))
+    rng.shuffle(clean)
+    return SlotPlan(size, (n_slots - k) / n_slots, tuple(i >= k for i in range(n_slots)), tuple(clean))
+
+
 def build_refusion_sequence(ex: Example, plan: SlotPlan, mask_token_id: int) -> dict[str, list]:
     """One ReFusion training sequence (docs/design.md §2 steps 3-4), as plain lists of length L.
 
@@ -114,10 +126,15 @@ def _pad(rows: list[list], value) -> torch.Tensor:
 
 
 def collate_refusion(examples: list[Example], rng: random.Random, mask_token_id: int, pad_token_id: int,
-                     slot_sizes=(4, 8, 16, 32)) -> dict[str, torch.Tensor]:
+                     slot_sizes=(4, 8, 16, 32), suffix_share: float = 0.0) -> dict[str, torch.Tensor]:
+    """``suffix_share``: the share of examples drawn with ``draw_suffix_plan`` instead of the paper's
+    random plan (0: the faithful objective, and no extra number is drawn)."""
     seqs, weights, resp_len = [], [], []
     for ex in examples:
-        plan = draw_slot_plan(len(ex.response), rng, slot_sizes)
+        if suffix_share > 0 and rng.random() < suffix_share:
+            plan = draw_suffix_plan(len(ex.response), rng, slot_sizes)
+        else:
+            plan = draw_slot_plan(len(ex.response), rng, slot_sizes)
         seq = build_refusion_sequence(ex, plan, mask_token_id)
         seqs.append(seq)
         weights.append([1.0 / plan.p if m else 0.0 for m in seq["is_mdm"]])

@@ -90,6 +90,9 @@ class TrainConfig:
     # Arithmetic-signal mixture: share of the items that have cut points (math: after each intermediate
     # result) replaced by an open-ended item cut there, so no restatement of the result follows it.
     open_share: float = 0.0
+    # refusion only: share of examples whose slot plan masks a suffix of slots (the decoder's condition:
+    # no clean slot after a masked one) instead of the paper's random slots (objective.draw_suffix_plan).
+    suffix_share: float = 0.0
     init_dir: str = ""         # folder of the checkpoints a model starts from ("": the output folder)
     refusion_init: str = "ar"  # "ar": start from the trained ar checkpoint in init_dir; "scratch"
     mdm_init: str = "ar"       # likewise for mdm
@@ -161,7 +164,8 @@ def collate(name: str, items: list, rng: random.Random, cfg: TrainConfig, tokeni
     from refusion import objective as obj
 
     if name == "refusion":
-        return obj.collate_refusion(items, rng, tokenizer.mask_token_id, tokenizer.pad_token_id, cfg.slot_sizes)
+        return obj.collate_refusion(items, rng, tokenizer.mask_token_id, tokenizer.pad_token_id, cfg.slot_sizes,
+                                    suffix_share=cfg.suffix_share)
     if name in ("mdm", "dream"):
         return obj.collate_mdm(items, rng, tokenizer.mask_token_id, tokenizer.pad_token_id,
                                eos_token_id=tokenizer.eos_token_id, shift=name == "dream")
@@ -210,7 +214,10 @@ def _load_state(state_path: Path, cfg: TrainConfig, shape: ModelShape, fingerpri
 
     state = torch.load(state_path, weights_only=False)
     want = {"config": recipe_fields(cfg), "shape": dataclasses.asdict(shape), "data": fingerprint}
-    have = {"config": {k: v for k, v in state.get("config", {}).items() if k not in OPERATIONAL},
+    # A field added to TrainConfig after the state was written counts as its default (which keeps the
+    # old behaviour), so a newer trainer still resumes an older run.
+    old = {**dataclasses.asdict(TrainConfig()), **state.get("config", {})}
+    have = {"config": {k: v for k, v in old.items() if k not in OPERATIONAL},
             "shape": state.get("shape"), "data": state.get("data")}
     diff = [f"{k}" for k in ("shape", "data") if have[k] != want[k]]
     diff += [f"{k} ({have['config'].get(k)!r} in the state, {v!r} now)" for k, v in want["config"].items()
@@ -499,6 +506,9 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     p.add_argument("--open-share", type=float, default=TrainConfig.open_share,
                    help="arithmetic-signal mixture: share of math items replaced by an open-ended item that stops "
                    "right after an intermediate result (no EOS, no loss after it); default 0, the faithful data")
+    p.add_argument("--suffix-share", type=float, default=TrainConfig.suffix_share,
+                   help="refusion only: share of examples whose slot plan masks every slot from a random one on "
+                   "(as decoding meets them) instead of random slots; default 0, the paper's objective")
     p.add_argument("--save-every", type=int, default=TrainConfig.save_every,
                    help="write the resumable state file every N steps ...")
     p.add_argument("--save-every-s", type=float, default=TrainConfig.save_every_s,
@@ -522,14 +532,14 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     if (a.steps is not None and a.steps < 1) or a.batch_size < 1 or (a.lr is not None and a.lr <= 0):
         print("error: --steps and --batch-size must be >= 1, --lr > 0", file=sys.stderr)
         return 2
-    if not 0 <= a.open_share <= 1 or a.save_every < 1 or a.save_every_s <= 0 or a.snapshot_every < 0 \
-            or a.warmup < 0:
-        print("error: --open-share must be in [0, 1], --save-every >= 1, --save-every-s > 0, --snapshot-every >= 0, "
-              "--warmup >= 0", file=sys.stderr)
+    if not (0 <= a.open_share <= 1 and 0 <= a.suffix_share <= 1) or a.save_every < 1 or a.save_every_s <= 0 \
+            or a.snapshot_every < 0 or a.warmup < 0:
+        print("error: --open-share and --suffix-share must be in [0, 1], --save-every >= 1, --save-every-s > 0, "
+              "--snapshot-every >= 0, --warmup >= 0", file=sys.stderr)
         return 2
     overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads, warmup=a.warmup,
-                     open_share=a.open_share, save_every=a.save_every, save_every_s=a.save_every_s,
-                     snapshot_every=a.snapshot_every, init_dir=a.init_dir,
+                     open_share=a.open_share, suffix_share=a.suffix_share, save_every=a.save_every,
+                     save_every_s=a.save_every_s, snapshot_every=a.snapshot_every, init_dir=a.init_dir,
                      **{f"{m}_init": getattr(a, f"{m}_init") for m in MODEL_NAMES[1:]})
     overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr)) if v is not None})
     base = TrainConfig(**overrides)

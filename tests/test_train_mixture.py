@@ -7,6 +7,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from refusion import objective as obj
 from refusion.train import TrainConfig, collate, draw_items, prepare
@@ -80,3 +81,27 @@ def test_cut_outside_the_response_is_refused():
         ex.cut(3)
     with pytest.raises(ValueError, match="outside the response"):
         ex.cut(0)
+
+
+def test_suffix_plan_never_leaves_a_clean_slot_after_a_masked_one():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 60)
+        plan = obj.draw_suffix_plan(n, rng, slot_sizes=(4, 8, 16))
+        k = plan.masked.index(True)  # at least the last slot is masked
+        assert all(plan.masked[k:]) and not any(plan.masked[:k])
+        assert sorted(plan.clean_order) == list(range(k)) and plan.p == (len(plan.masked) - k) / len(plan.masked)
+
+
+def test_suffix_share_in_the_refusion_collate():
+    ex = obj.Example(prompt=[1, 2], response=list(range(20, 40)) + [2])
+    # share 0 is the paper's objective, drawn exactly as before (no extra random number)
+    a = obj.collate_refusion([ex] * 4, random.Random(5), 9, 0, slot_sizes=(4,))
+    b = obj.collate_refusion([ex] * 4, random.Random(5), 9, 0, slot_sizes=(4,), suffix_share=0.0)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # share 1: in every row each masked position comes after every clean response position
+    c = obj.collate_refusion([ex] * 8, random.Random(5), 9, 0, slot_sizes=(4,), suffix_share=1.0)
+    for row in range(8):
+        pos, mdm = c["position_ids"][row], c["is_mdm"][row]
+        clean_resp = pos[(~mdm) & (pos >= 2)]
+        assert mdm.any() and (clean_resp.numel() == 0 or pos[mdm].min() > clean_resp.max())

@@ -141,3 +141,15 @@ def test_cli_reports_a_mismatched_state_as_an_error(tmp_path, capsys):
                     corpus=small_corpus, entry="harness.train_tiny")
     err = capsys.readouterr().err
     assert rc == 2 and "error:" in err and ".ar.state.pt" in err and "--fresh" in err
+
+
+def test_state_without_a_later_added_field_resumes_as_its_default(data, tmp_path):
+    """A state written before a TrainConfig field existed resumes when the run keeps that field's default."""
+    tok, examples = data
+    train_one("ar", tok, examples, CFG, SHAPE, tmp_path / "old", progress=False, stop_after=2)
+    path = tmp_path / "old" / ".ar.state.pt"
+    state = torch.load(path, weights_only=False)
+    del state["config"]["suffix_share"]
+    torch.save(state, path)
+    resumed = train_one("ar", tok, examples, CFG, SHAPE, tmp_path / "old", progress=False)
+    assert_same_weights(resumed, train_one("ar", tok, examples, CFG, SHAPE, tmp_path / "full", progress=False))
