@@ -206,6 +206,9 @@ def plot(data: dict, png: Path) -> None:
             axes[1][j].plot([t / 1e6 for t, _ in tok], [v for _, v in tok], marker="o", ms=3, label=label)
             axes[2][j].plot(steps, [p["kinds"][kind]["tpf"] for p in sel], marker="o", ms=3, label=label)
     for j, kind in enumerate(kinds):
+        if not axes[1][j].lines or not any(len(ln.get_xdata()) for ln in axes[1][j].lines):
+            axes[1][j].text(0.5, 0.5, "no run recorded tokens seen\n(checkpoints trained before the count)",
+                            ha="center", va="center", transform=axes[1][j].transAxes, fontsize=8)
         axes[0][j].set_title(f"embedded {kind}")
         axes[0][j].set_xlabel("step")
         axes[1][j].set_xlabel("training tokens seen (M)")
