@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test eval report compare sweep trace browser-deps validate-tasks train-tiny bench-decoders bench-kernels regress regress-update clean
+.PHONY: help setup test eval report compare sweep trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -98,8 +98,17 @@ browser-deps: ## the headless browser of the trace page test: Debian's chromium 
 validate-tasks: setup ## score every task's gold answers, one line per task
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness validate-tasks
 
-train-tiny: setup ## train the tiny models: ar from scratch; refusion, mdm, dream from its weights; d2f from mdm's
-	HF_HUB_OFFLINE=1 $(PY) -m harness train-tiny
+TRAIN_ARGS ?=
+CURVES_ARGS ?=
+override TRAIN_ARGS := $(value TRAIN_ARGS)
+override CURVES_ARGS := $(value CURVES_ARGS)
+export TRAIN_ARGS CURVES_ARGS
+
+train-tiny: setup ## train the tiny models (resumes an interrupted run): make train-tiny TRAIN_ARGS='--models refusion ...'
+	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness train-tiny $$TRAIN_ARGS
+
+curves: setup ## learning curves from snapshots and checkpoints: make curves CURVES_ARGS='--root runs-exp/x --models refusion'
+	@set -f; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness.curves $$CURVES_ARGS
 
 bench-decoders: setup ## benchmark every decoder on the embedded suite, JSON to results/
 	HF_HUB_OFFLINE=1 $(PY) -m harness bench-decoders

@@ -2,7 +2,7 @@
 Dream-style shifted masked diffusion and D2F block-wise (diffusion-forcing) masked diffusion.
 
 Each objective is two plain functions: a *collate* from examples (prompt ids,
-response ids ending with EOS) to a batch of tensors, and a *loss* from
+response ids ending with EOS, or an open-ended response cut short without one) to a batch of tensors, and a *loss* from
 ``(model, batch)`` to a scalar. They work on any Qwen3-family causal LM from
 ``transformers`` — the tiny models here or a real checkpoint.
 
@@ -27,8 +27,20 @@ EPS = 1e-3  # p = (1 - eps) t + eps, docs/design.md §2 step 2
 
 @dataclass(frozen=True)
 class Example:
+    """One training item. ``open_ended``: the response is a prefix of a longer one (cut right after an
+    intermediate result, so no restatement of it follows), with no EOS: every objective trains its
+    tokens only, never an EOS after them nor EOS padding, so no model learns to stop there.
+    ``cuts``: token counts after which the trainer may cut this response into such an item."""
     prompt: list[int]
-    response: list[int]  # ends with EOS
+    response: list[int]  # ends with EOS unless open_ended
+    open_ended: bool = False
+    cuts: tuple[int, ...] = ()
+
+    def cut(self, n: int) -> "Example":
+        """The open-ended item made of the prompt and the first ``n`` response tokens."""
+        if not 0 < n < len(self.response):
+            raise ValueError(f"cut {n} outside the response (length {len(self.response)})")
+        return Example(self.prompt, self.response[:n], open_ended=True)
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,18 @@ def draw_slot_plan(n_response: int, rng: random.Random, slot_sizes=(4, 8, 16, 32
     clean = [i for i, m in enumerate(masked) if not m]
     rng.shuffle(clean)
     return SlotPlan(size, p, masked, tuple(clean))
+
+
+def draw_suffix_plan(n_response: int, rng: random.Random, slot_sizes=(4, 8, 16, 32)) -> SlotPlan:
+    """A plan as the decoder meets it (not the paper's): the slots from a uniformly drawn k on are masked,
+    those before it clean, so no masked slot ever sees a clean slot positioned after it; the loss weight
+    1/p uses the masked share p = (n - k) / n."""
+    size = rng.choice(list(slot_sizes))
+    n_slots = -(-n_response // size)
+    k = rng.randrange(n_slots)
+    clean = list(range(k))
+    rng.shuffle(clean)
+    return SlotPlan(size, (n_slots - k) / n_slots, tuple(i >= k for i in range(n_slots)), tuple(clean))
 
 
 def build_refusion_sequence(ex: Example, plan: SlotPlan, mask_token_id: int) -> dict[str, list]:
@@ -102,10 +126,15 @@ def _pad(rows: list[list], value) -> torch.Tensor:
 
 
 def collate_refusion(examples: list[Example], rng: random.Random, mask_token_id: int, pad_token_id: int,
-                     slot_sizes=(4, 8, 16, 32)) -> dict[str, torch.Tensor]:
+                     slot_sizes=(4, 8, 16, 32), suffix_share: float = 0.0) -> dict[str, torch.Tensor]:
+    """``suffix_share``: the share of examples drawn with ``draw_suffix_plan`` instead of the paper's
+    random plan (0: the faithful objective, and no extra number is drawn)."""
     seqs, weights, resp_len = [], [], []
     for ex in examples:
-        plan = draw_slot_plan(len(ex.response), rng, slot_sizes)
+        if suffix_share > 0 and rng.random() < suffix_share:
+            plan = draw_suffix_plan(len(ex.response), rng, slot_sizes)
+        else:
+            plan = draw_slot_plan(len(ex.response), rng, slot_sizes)
         seq = build_refusion_sequence(ex, plan, mask_token_id)
         seqs.append(seq)
         weights.append([1.0 / plan.p if m else 0.0 for m in seq["is_mdm"]])
@@ -165,8 +194,9 @@ def ar_loss(model, batch) -> torch.Tensor:
 
 def _eos_padded(ex: Example, eos_token_id: int | None, pad_multiple: int) -> Example:
     """LLaDA / Dream SFT: the response padded with EOS up to the next multiple of ``pad_multiple``; the
-    pads are trained like response tokens, so the model learns to fill a fixed window's tail with EOS."""
-    if eos_token_id is None:
+    pads are trained like response tokens, so the model learns to fill a fixed window's tail with EOS.
+    An open-ended example gets no padding: nothing is known about what follows its last token."""
+    if eos_token_id is None or ex.open_ended:
         return ex
     target = -(-len(ex.response) // pad_multiple) * pad_multiple
     return Example(ex.prompt, ex.response + [eos_token_id] * (target - len(ex.response)))

@@ -20,8 +20,10 @@ The byte-level BPE tokenizer is trained first on the training corpus and saved
 into every model folder. Each model folder is a Hugging Face checkpoint (config,
 safetensors, tokenizer with chat template) plus ``train_log.csv``, ``loss.png``
 and ``train_config.json``. A run that is interrupted resumes from its last state
-file (written atomically every ``--save-every`` steps); the finished folder
-replaces the old one atomically.
+file (model, optimizer, step, RNG states, log; written atomically every ``--save-every``
+steps and every ``--save-every-s`` seconds), bit-identically; the finished folder
+replaces the old one atomically. ``--snapshot-every`` keeps weights-only snapshots for
+learning curves; ``--open-share`` trains on the open-ended arithmetic mixture (``draw_items``).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import argparse
 import copy
 import csv
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -50,6 +54,8 @@ RECIPES: dict[str, tuple[int, float]] = {"ar": (3000, 2e-3), "refusion": (1500, 
                                          "dream": (1800, 1e-3), "d2f": (1800, 1e-3)}
 # Bidirectional (LLaDA, Dream) or block-causal (D2F, explicit masks) attention: not causal.
 NON_CAUSAL = ("mdm", "dream", "d2f")
+# TrainConfig fields a resumed run may change (how often it saves, how many threads): the rest must match.
+OPERATIONAL = ("threads", "save_every", "save_every_s", "snapshot_every")
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,17 @@ class TrainConfig:
     threads: int = 2
     slot_sizes: tuple[int, ...] = (4, 8, 16)  # responses here are 16-80 tokens; 32 would be one slot
     vocab_size: int = 1024
-    save_every: int = 200
-    refusion_init: str = "ar"  # "ar": start from the trained ar checkpoint in the same folder; "scratch"
+    save_every: int = 200        # state file (model, optimizer, RNG, log) every this many steps ...
+    save_every_s: float = 180.0  # ... and after this many seconds of wall clock, whichever comes first
+    snapshot_every: int = 0      # weights-only snapshot every this many steps, for learning curves (0: none)
+    # Arithmetic-signal mixture: share of the items that have cut points (math: after each intermediate
+    # result) replaced by an open-ended item cut there, so no restatement of the result follows it.
+    open_share: float = 0.0
+    # refusion only: share of examples whose slot plan masks a suffix of slots (the decoder's condition:
+    # no clean slot after a masked one) instead of the paper's random slots (objective.draw_suffix_plan).
+    suffix_share: float = 0.0
+    init_dir: str = ""         # folder of the checkpoints a model starts from ("": the output folder)
+    refusion_init: str = "ar"  # "ar": start from the trained ar checkpoint in init_dir; "scratch"
     mdm_init: str = "ar"       # likewise for mdm
     dream_init: str = "ar"     # Dream is initialised from an AR model
     d2f_init: str = "mdm"      # D2F starts from a trained masked-diffusion model
@@ -126,30 +141,111 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def make_batch(name: str, examples, step: int, cfg: TrainConfig, tokenizer):
-    """Batch for ``step``: a pure function of (seed, step), so a resumed run sees the same data."""
-    from refusion import objective as obj
-
+def draw_items(examples: dict[str, list], step: int, cfg: TrainConfig) -> tuple[list, random.Random]:
+    """The items of ``step``'s batch and the generator the collate goes on drawing from: a pure
+    function of (seed, step), so a resumed run sees the same data. With ``open_share`` > 0 each
+    drawn item that has cut points becomes, with that probability, an open-ended item cut at one
+    of them (refusion/objective.py ``Example.cut``); with 0 no extra number is drawn, so the
+    default batches are those of the faithful recipe."""
     rng = random.Random(f"{cfg.seed}/{step}")
     weights = dict(cfg.kind_weights)
     kinds = [k for k in examples if weights.get(k, 0) > 0]
     if not kinds:
         raise ValueError(f"no training kind has a positive weight: {sorted(examples)} vs {weights}")
     drawn = rng.choices(kinds, [weights[k] for k in kinds], k=cfg.batch_size)
-    batch = [rng.choice(examples[k]) for k in drawn]
+    items = [rng.choice(examples[k]) for k in drawn]
+    if cfg.open_share > 0:
+        items = [ex.cut(rng.choice(ex.cuts)) if ex.cuts and rng.random() < cfg.open_share else ex for ex in items]
+    return items, rng
+
+
+def collate(name: str, items: list, rng: random.Random, cfg: TrainConfig, tokenizer):
+    """The batch tensors of objective ``name`` for ``items`` (the collate draws its masks from ``rng``)."""
+    from refusion import objective as obj
+
     if name == "refusion":
-        return obj.collate_refusion(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id, cfg.slot_sizes)
+        return obj.collate_refusion(items, rng, tokenizer.mask_token_id, tokenizer.pad_token_id, cfg.slot_sizes,
+                                    suffix_share=cfg.suffix_share)
     if name in ("mdm", "dream"):
-        return obj.collate_mdm(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id,
+        return obj.collate_mdm(items, rng, tokenizer.mask_token_id, tokenizer.pad_token_id,
                                eos_token_id=tokenizer.eos_token_id, shift=name == "dream")
     if name == "d2f":
-        return obj.collate_d2f(batch, rng, tokenizer.mask_token_id, tokenizer.pad_token_id,
+        return obj.collate_d2f(items, rng, tokenizer.mask_token_id, tokenizer.pad_token_id,
                                block_size=cfg.d2f_block_size, eos_token_id=tokenizer.eos_token_id)
-    return obj.collate_ar(batch, tokenizer.pad_token_id)
+    return obj.collate_ar(items, tokenizer.pad_token_id)
+
+
+def make_batch(name: str, examples, step: int, cfg: TrainConfig, tokenizer):
+    """Batch for ``step``: a pure function of (seed, step), so a resumed run sees the same data."""
+    items, rng = draw_items(examples, step, cfg)
+    return collate(name, items, rng, cfg, tokenizer)
+
+
+def data_fingerprint(examples: dict[str, list]) -> str:
+    """Hash of the tokenized corpus (ids, cut points): a state file is resumed only on the same data."""
+    h = hashlib.sha256()
+    for kind in sorted(examples):
+        h.update(kind.encode())
+        for ex in examples[kind]:
+            h.update(repr((ex.prompt, ex.response, ex.cuts)).encode())
+    return h.hexdigest()[:16]
+
+
+class StateMismatch(ValueError):
+    """A state file written by another configuration (or data) than the run asked for."""
+
+
+def recipe_fields(cfg: TrainConfig) -> dict:
+    """The configuration a state file must match to be resumed: everything but ``OPERATIONAL``."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in OPERATIONAL}
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    import torch
+
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _load_state(state_path: Path, cfg: TrainConfig, shape: ModelShape, fingerprint: str) -> dict:
+    """The state file's contents, or StateMismatch naming what differs (never resumed silently)."""
+    import torch
+
+    state = torch.load(state_path, weights_only=False)
+    want = {"config": recipe_fields(cfg), "shape": dataclasses.asdict(shape), "data": fingerprint}
+    # A field added to TrainConfig after the state was written counts as its default (which keeps the
+    # old behaviour), so a newer trainer still resumes an older run.
+    old = {**dataclasses.asdict(TrainConfig()), **state.get("config", {})}
+    have = {"config": {k: v for k, v in old.items() if k not in OPERATIONAL},
+            "shape": state.get("shape"), "data": state.get("data")}
+    diff = [f"{k}" for k in ("shape", "data") if have[k] != want[k]]
+    diff += [f"{k} ({have['config'].get(k)!r} in the state, {v!r} now)" for k, v in want["config"].items()
+             if have["config"].get(k) != v]
+    diff += [k for k in have["config"] if k not in want["config"]]
+    if diff:
+        raise StateMismatch(f"{state_path} was written by another configuration ({'; '.join(diff)}): rerun with "
+                            f"the settings it was started with, or pass --fresh to discard it and start over")
+    return state
+
+
+# Test hook (environment only, never a knob): after writing the state file at this step the trainer
+# stops and waits, so a kill-and-resume test interrupts it at a chosen point instead of racing a timer.
+PAUSE_ENV = "REFUSION_TRAIN_PAUSE_AFTER_STEP"
 
 
 def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShape, out_dir: Path,
-              progress: bool = True, bar_position: int = 0) -> Path:
+              progress: bool = True, bar_position: int = 0, fresh: bool = False,
+              on_snapshot: Callable | None = None, stop_after: int | None = None) -> Path | None:
+    """Train ``name`` and write its checkpoint folder ``out_dir/name``; returns its path.
+
+    Resumes from ``out_dir/.<name>.state.pt`` when one is there (model, optimizer, step, RNG states,
+    log): the weights then end bit-identical to an uninterrupted run's on the same thread count. A
+    state written by another configuration or corpus raises StateMismatch unless ``fresh`` (then it
+    is discarded with a message). ``on_snapshot(name, step, tokens_seen, model, tokenizer)`` is called
+    after each weights-only snapshot (``cfg.snapshot_every``), with the RNG states restored after it so
+    it cannot change the run. ``stop_after``: write the state after that step and return None (an
+    interruption at a chosen step, for tests)."""
     import torch
     from tqdm import tqdm
     from transformers import Qwen3ForCausalLM
@@ -160,32 +256,55 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
     model_cfg = make_config(tokenizer, shape, name)
     model = Qwen3ForCausalLM._from_config(copy.deepcopy(model_cfg), attn_implementation="sdpa")
-    init = init_of(name, cfg)
-    if init != "scratch":
-        _load_init(model, tokenizer, out_dir / init)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     loss_fn = OBJECTIVES[name]
+    fingerprint = data_fingerprint(examples)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state_path = out_dir / f".{name}.state.pt"
     log: list[dict] = []
-    start = 0
+    start, tokens_seen = 0, 0
+    state = None
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
-        if state["config"] == dataclasses.asdict(cfg) and state["shape"] == dataclasses.asdict(shape):
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optim"])
-            start, log = state["step"], state["log"]
-            print(f"[{name}] resuming at step {start}", file=sys.stderr)
+        try:
+            state = _load_state(state_path, cfg, shape, fingerprint)
+        except StateMismatch as e:
+            if not fresh:
+                raise
+            print(f"[{name}] discarding the state file: {e}", file=sys.stderr)
+            state_path.unlink()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        model.tie_weights()
+        opt.load_state_dict(state["optim"])
+        start, log, tokens_seen = state["step"], state["log"], state["tokens_seen"]
+        random.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        print(f"[{name}] resuming at step {start} from {state_path}", file=sys.stderr)
+    else:
+        init = init_of(name, cfg)
+        if init != "scratch":
+            _load_init(model, tokenizer, Path(cfg.init_dir or out_dir) / init)
 
+    def save_state(step: int) -> None:
+        _atomic_torch_save({"config": dataclasses.asdict(cfg), "shape": dataclasses.asdict(shape),
+                            "data": fingerprint, "step": step, "tokens_seen": tokens_seen,
+                            "model": model.state_dict(), "optim": opt.state_dict(), "log": log,
+                            "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}, state_path)
+
+    pause_at = int(os.environ.get(PAUSE_ENV, "0") or 0)
     model.train()
-    t0 = time.time()
+    t0 = time.time() - (log[-1]["elapsed_s"] if log else 0.0)
+    last_save = time.time()
     bar = tqdm(range(start, cfg.steps), desc=f"train {name}", disable=not progress, initial=start,
                total=cfg.steps, position=bar_position)
     for step in bar:
-        batch = make_batch(name, examples, step, cfg, tokenizer)
+        items, rng = draw_items(examples, step, cfg)
+        batch = collate(name, items, rng, cfg, tokenizer)
+        tokens_seen += sum(len(ex.prompt) + len(ex.response) for ex in items)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         loss = loss_fn(model, batch)
@@ -193,14 +312,24 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        log.append({"step": step + 1, "loss": loss.item(), "lr": opt.param_groups[0]["lr"],
+        done = step + 1
+        log.append({"step": done, "loss": loss.item(), "lr": opt.param_groups[0]["lr"], "tokens": tokens_seen,
                     "elapsed_s": round(time.time() - t0, 2)})
         bar.set_postfix(loss=f"{log[-1]['loss']:.3f}")
-        if (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            tmp = state_path.with_name(state_path.name + ".tmp")
-            torch.save({"config": dataclasses.asdict(cfg), "shape": dataclasses.asdict(shape), "step": step + 1,
-                        "model": model.state_dict(), "optim": opt.state_dict(), "log": log}, tmp)
-            os.replace(tmp, state_path)
+        if cfg.snapshot_every and done % cfg.snapshot_every == 0:
+            _snapshot(name, model, tokenizer, out_dir, done, tokens_seen, on_snapshot)
+        last = done == cfg.steps
+        if not last and (done % cfg.save_every == 0 or time.time() - last_save >= cfg.save_every_s
+                         or done in (stop_after, pause_at)):
+            save_state(done)
+            last_save = time.time()
+        if done == pause_at and not last:
+            print(f"{PAUSE_ENV}={pause_at}: state written, waiting to be killed", file=sys.stderr, flush=True)
+            while True:
+                signal.pause()
+        if done == stop_after and not last:
+            bar.close()
+            return None
 
     # Write the finished checkpoint next to its final place, then swap it in.
     final = out_dir / name
@@ -212,7 +341,7 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
     _write_log(staging, log, name)
     _atomic_write_text(staging / "train_config.json", json.dumps(
         {"model": name, "train": dataclasses.asdict(cfg), "shape": dataclasses.asdict(shape),
-         "parameters": sum(p.numel() for p in model.parameters()),
+         "parameters": sum(p.numel() for p in model.parameters()), "tokens_seen": tokens_seen,
          "train_seconds": log[-1]["elapsed_s"] if log else 0.0, "final_loss": log[-1]["loss"] if log else None},
         indent=2))
     old = out_dir / f".{name}.old"
@@ -223,6 +352,53 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
     shutil.rmtree(old, ignore_errors=True)
     state_path.unlink(missing_ok=True)
     return final
+
+
+SNAPSHOTS = ".snapshots"  # <out>/.snapshots/<model>/: config + tokenizer once, then step-NNNNNN.pt (ignored by git)
+
+
+def snapshot_dir(out_dir: Path, name: str) -> Path:
+    return Path(out_dir) / SNAPSHOTS / name
+
+
+def _snapshot(name: str, model, tokenizer, out_dir: Path, step: int, tokens_seen: int,
+              on_snapshot: Callable | None) -> None:
+    """Weights only (no optimizer) of step ``step``, written atomically; then ``on_snapshot``."""
+    import torch
+
+    folder = snapshot_dir(out_dir, name)
+    if not (folder / "config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(folder)
+        model.config.save_pretrained(folder)  # config.json last: its presence marks a complete folder
+    _atomic_torch_save({"step": step, "tokens_seen": tokens_seen,
+                        "model": {k: v.detach().clone() for k, v in model.state_dict().items()}},
+                       folder / f"step-{step:06d}.pt")
+    if on_snapshot is None:
+        return
+    py_state, torch_state = random.getstate(), torch.get_rng_state()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            on_snapshot(name, step, tokens_seen, model, tokenizer)
+    finally:
+        model.train(was_training)
+        random.setstate(py_state)
+        torch.set_rng_state(torch_state)
+
+
+def load_snapshot(path: Path):
+    """(model in eval mode, tokenizer, step, tokens_seen) of one snapshot file."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, Qwen3ForCausalLM
+
+    folder = Path(path).parent
+    snap = torch.load(path, weights_only=True)
+    model = Qwen3ForCausalLM._from_config(AutoConfig.from_pretrained(str(folder)), attn_implementation="sdpa")
+    model.load_state_dict(snap["model"])
+    model.tie_weights()
+    return model.eval(), AutoTokenizer.from_pretrained(str(folder)), int(snap["step"]), int(snap["tokens_seen"])
 
 
 def _load_init(model, tokenizer, init_dir: Path) -> None:
@@ -243,7 +419,7 @@ def _load_init(model, tokenizer, init_dir: Path) -> None:
 
 def _write_log(folder: Path, log: list[dict], name: str) -> None:
     with open(folder / "train_log.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["step", "loss", "lr", "elapsed_s"])
+        w = csv.DictWriter(f, fieldnames=["step", "loss", "lr", "tokens", "elapsed_s"], extrasaction="ignore")
         w.writeheader()
         w.writerows(log)
     import matplotlib
@@ -267,26 +443,42 @@ def _write_log(folder: Path, log: list[dict], name: str) -> None:
     plt.close(fig)
 
 
-Corpus = dict[str, list[dict]]  # kind -> training rows with "query" and "response" texts
+Corpus = dict[str, list[dict]]  # kind -> training rows with "query" and "response" texts (+ optional "cut_chars")
 
 
 def prepare(cfg: TrainConfig, rows: Corpus):
-    """Train the tokenizer on the corpus and tokenize its rows (shared by every model)."""
+    """Train the tokenizer on the corpus and tokenize its rows (shared by every model). A row's optional
+    ``cut_chars`` (character offsets in its response where an open-ended item may end) become token
+    cut points: the fewest response tokens that cover the offset."""
     from refusion.objective import Example
     from refusion.tokenizer import TokenizerConfig, encode_chat, encode_response, train_tokenizer
 
     texts = [t for kind_rows in rows.values() for r in kind_rows for t in (r["query"], r["response"])]
     tokenizer = train_tokenizer(texts, TokenizerConfig(vocab_size=cfg.vocab_size))
-    examples = {kind: [Example(encode_chat(tokenizer, r["query"]), encode_response(tokenizer, r["response"]))
+    examples = {kind: [Example(encode_chat(tokenizer, r["query"]), encode_response(tokenizer, r["response"]),
+                               cuts=token_cuts(tokenizer, r["response"], r.get("cut_chars", ())))
                        for r in kind_rows] for kind, kind_rows in rows.items()}
     return tokenizer, examples
 
 
+def token_cuts(tokenizer, text: str, cut_chars) -> tuple[int, ...]:
+    """Token counts n such that the first n tokens of ``text`` end exactly at one of ``cut_chars``
+    (offsets where a token ends; an offset inside a token is dropped, so a cut never splits one)."""
+    if not cut_chars:
+        return ()
+    ends = [e for _, e in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+    want = set(cut_chars)
+    return tuple(i + 1 for i, e in enumerate(ends) if e in want)
+
+
 def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = None,
-         entry: str | None = None) -> int:
+         entry: str | None = None, add_options: Callable[[argparse.ArgumentParser], None] | None = None,
+         make_hook: Callable[[argparse.Namespace], Callable | None] | None = None) -> int:
     """Command line of the trainer. ``corpus()`` returns the training rows per kind (the harness
     passes the embedded suite's training split: this package does not import the tasks);
-    ``entry`` is the module that side-by-side children are started as (``python -m entry``)."""
+    ``entry`` is the module that side-by-side children are started as (``python -m entry``).
+    ``add_options(parser)`` adds the caller's options and ``make_hook(args)`` turns them into the
+    ``on_snapshot`` callback of ``train_one`` (the harness evaluates learning curves there)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if corpus is None or entry is None:
         print("error: the trainer needs a corpus: run it as `python -m harness train-tiny`", file=sys.stderr)
@@ -300,16 +492,37 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
                    + ", ".join(f"{k} {v[0]}" for k, v in RECIPES.items()) + ")")
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate for every model (default: the recipe's)")
+    p.add_argument("--warmup", type=int, default=TrainConfig.warmup, help="linear warm-up steps")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--threads", type=int, default=TrainConfig.threads)
     for m in MODEL_NAMES[1:]:
         default = getattr(TrainConfig, f"{m}_init")
-        p.add_argument(f"--{m}-init", choices=[default, "scratch"], default=default,
-                       help=f"start {m} from the trained {default} checkpoint (default) or from random weights")
+        p.add_argument(f"--{m}-init", choices=[*MODEL_NAMES, "scratch"], default=default,
+                       help=f"start {m} from this model's trained checkpoint in --init-dir (default {default}) "
+                       "or from random weights (scratch)")
+    p.add_argument("--init-dir", default="",
+                   help="folder of the checkpoints models start from (default: --out); e.g. --out runs-exp/x "
+                   "--init-dir checkpoints/tiny --refusion-init refusion continues the committed refusion model")
+    p.add_argument("--open-share", type=float, default=TrainConfig.open_share,
+                   help="arithmetic-signal mixture: share of math items replaced by an open-ended item that stops "
+                   "right after an intermediate result (no EOS, no loss after it); default 0, the faithful data")
+    p.add_argument("--suffix-share", type=float, default=TrainConfig.suffix_share,
+                   help="refusion only: share of examples whose slot plan masks every slot from a random one on "
+                   "(as decoding meets them) instead of random slots; default 0, the paper's objective")
+    p.add_argument("--save-every", type=int, default=TrainConfig.save_every,
+                   help="write the resumable state file every N steps ...")
+    p.add_argument("--save-every-s", type=float, default=TrainConfig.save_every_s,
+                   help="... and at least every this many seconds (wall clock)")
+    p.add_argument("--snapshot-every", type=int, default=TrainConfig.snapshot_every,
+                   help="weights-only snapshot every N steps under <out>/.snapshots/<model>/ (0: none)")
+    p.add_argument("--fresh", action="store_true",
+                   help="discard a state file written by another configuration instead of stopping with an error")
     p.add_argument("--sequential", action="store_true",
                    help="train the models of one stage (those starting from the same trained model) one after "
                    "the other with all threads (default: side by side, threads split between them)")
     p.add_argument("--bar-position", type=int, default=0, help=argparse.SUPPRESS)
+    if add_options is not None:
+        add_options(p)
     a = p.parse_args(argv)
     names = [n.strip() for n in a.models.split(",") if n.strip()]
     bad = [n for n in names if n not in MODEL_NAMES]
@@ -319,12 +532,23 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     if (a.steps is not None and a.steps < 1) or a.batch_size < 1 or (a.lr is not None and a.lr <= 0):
         print("error: --steps and --batch-size must be >= 1, --lr > 0", file=sys.stderr)
         return 2
-    overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads,
+    if not (0 <= a.open_share <= 1 and 0 <= a.suffix_share <= 1) or a.save_every < 1 or a.save_every_s <= 0 \
+            or a.snapshot_every < 0 or a.warmup < 0:
+        print("error: --open-share and --suffix-share must be in [0, 1], --save-every >= 1, --save-every-s > 0, "
+              "--snapshot-every >= 0, --warmup >= 0", file=sys.stderr)
+        return 2
+    overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads, warmup=a.warmup,
+                     open_share=a.open_share, suffix_share=a.suffix_share, save_every=a.save_every,
+                     save_every_s=a.save_every_s, snapshot_every=a.snapshot_every, init_dir=a.init_dir,
                      **{f"{m}_init": getattr(a, f"{m}_init") for m in MODEL_NAMES[1:]})
     overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr)) if v is not None})
     base = TrainConfig(**overrides)
+    hook = make_hook(a) if make_hook is not None else None
     prepared = None
-    for stage in stages(sorted(set(names), key=MODEL_NAMES.index), base):
+    # With --init-dir elsewhere every start checkpoint is already on disk: one stage.
+    groups = [names] if a.init_dir and Path(a.init_dir).resolve() != Path(a.out).resolve() else \
+        stages(sorted(set(names), key=MODEL_NAMES.index), base)
+    for stage in groups:
         if len(stage) > 1 and not a.sequential and a.threads >= 2:
             # Models of one stage depend only on earlier stages: one process each, threads split.
             code = _side_by_side(stage, a, argv, entry)
@@ -333,7 +557,11 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
             continue
         prepared = prepared or prepare(base, corpus())
         for name in stage:
-            _train_timed(name, *prepared, recipe(name, **overrides), Path(a.out), a.bar_position)
+            try:
+                _train_timed(name, *prepared, recipe(name, **overrides), Path(a.out), a.bar_position, a.fresh, hook)
+            except StateMismatch as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
     return 0
 
 
@@ -343,16 +571,18 @@ def stages(names: list[str], cfg: TrainConfig) -> list[list[str]]:
     stage or already on disk."""
     def depth(n: str) -> int:
         init = init_of(n, cfg)
-        return 1 + depth(init) if init in names else 0
+        return 1 + depth(init) if init in names and init != n else 0
     out: dict[int, list[str]] = {}
     for n in names:
         out.setdefault(depth(n), []).append(n)
     return [out[d] for d in sorted(out)]
 
 
-def _train_timed(name: str, tokenizer, examples, cfg: TrainConfig, out: Path, bar_position: int) -> None:
+def _train_timed(name: str, tokenizer, examples, cfg: TrainConfig, out: Path, bar_position: int, fresh: bool,
+                 hook: Callable | None) -> None:
     t0 = time.time()
-    path = train_one(name, tokenizer, examples, cfg, ModelShape(), out, bar_position=bar_position)
+    path = train_one(name, tokenizer, examples, cfg, ModelShape(), out, bar_position=bar_position, fresh=fresh,
+                     on_snapshot=hook)
     print(f"{name}: {path} in {time.time() - t0:.0f}s", flush=True)
 
 

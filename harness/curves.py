@@ -1,0 +1,321 @@
+"""`make curves`: learning curves of the tiny models, quality and TPF against training step and
+training tokens seen.
+
+    python -m harness.curves [--root checkpoints/tiny] [--models ar,refusion,mdm,dream,d2f]
+                             [--n 100] [--batch 16] [--out reports/curves]
+
+Each point evaluates one set of weights on a fixed slice of the embedded TEST split (the first
+``--n`` items of every kind) with the model's own preset decoder (``PRESET_OF``: ar -> ar,
+refusion -> refusion, mdm -> llada, dream -> dream, d2f -> d2f; knobs as `make eval` sets them:
+the task table's budget under the preset's knobs), called in-process through the decoder registry
+in left-padded batches of ``--batch`` where the decoder batches, and scored by the tasks' own
+scoring (tasks/scoring.py). The weights are the trainer's snapshots
+(``<root>/.snapshots/<model>/step-NNNNNN.pt``, written with ``train-tiny --snapshot-every N``)
+and the finished checkpoint ``<root>/<model>``. `train-tiny --curves` evaluates each snapshot as
+it is written instead (harness/train_tiny.py).
+
+TPF is generated tokens over NFE with a row charged every forward of its batch, as `harness eval`
+counts it: at ``--batch 1`` it is the bench's figure; in larger batches it is lower, as a batch
+runs until its slowest row is done. Points already in the JSON (same run, step, slice and batch)
+are kept, so an interrupted or repeated call only evaluates what is new. Output:
+``<out>/curves.json`` and ``<out>/curves.png`` (one figure, every run), written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from harness.store import atomic_save_figure, atomic_write_json
+
+PRESET_OF = {"ar": "ar", "refusion": "refusion", "mdm": "llada", "dream": "dream", "d2f": "d2f"}
+DEFAULT_N = 100
+DEFAULT_BATCH = 16
+DEFAULT_OUT = Path("reports/curves")
+KIND_ORDER = ("math", "code", "choice")
+
+
+def test_slice(kind: str, n: int) -> list[dict]:
+    """The first ``n`` items of one kind of the embedded test split (the split itself is frozen)."""
+    from tasks.embedded import load_split
+
+    return load_split(kind, "test")[:n]
+
+
+def _special_ids(model, tokenizer) -> tuple[list[int], int | None]:
+    """EOS ids and mask id by the adapter's rules (harness/lm_adapter.py ``_special_ids``)."""
+    from refusion.decoding.common import eos_ids, mask_id
+
+    eos = list(eos_ids(model, None))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(int(tokenizer.eos_token_id))
+    try:
+        mask = mask_id(model, None)
+    except ValueError:  # a causal checkpoint without a mask id (ar)
+        mask = getattr(tokenizer, "mask_token_id", None)
+    return eos, mask
+
+
+def prompt_ids(tokenizer, query: str) -> list[int]:
+    """The prompt as `make eval` builds it: the chat template as text, then encoded without extra specials."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": query}], tokenize=False,
+                                         add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def evaluate(model, tokenizer, preset: str, n: int = DEFAULT_N, batch: int = DEFAULT_BATCH,
+             kinds: tuple[str, ...] = KIND_ORDER) -> dict[str, dict]:
+    """Quality and TPF of ``model`` under preset ``preset`` on the first ``n`` test items of each kind.
+
+    Returns {kind: {"quality": mean task score (0..1), "tpf", "generated_tokens", "nfe", "items", "seconds"}}.
+    """
+    import torch
+
+    from harness.presets import PRESETS, paper_knobs
+    from refusion.decoding import get_decoder, make_knobs
+    from tasks.info import task_info
+    from tasks.scoring import score_many
+
+    spec = PRESETS[preset]
+    decoder = get_decoder(spec.decoder)
+    accepted = set(decoder.knobs.names())
+    eos, mask = _special_ids(model, tokenizer)
+    bs = batch if decoder.batched else 1
+    out: dict[str, dict] = {}
+    for kind in kinds:
+        unit = f"embedded_{kind}"
+        knobs = make_knobs(spec.decoder, {**paper_knobs(unit, spec.decoder, accepted), **spec.knobs})
+        docs = test_slice(kind, n)
+        prompts = [prompt_ids(tokenizer, d["query"]) for d in docs]
+        responses, gen, nfe = [], 0, 0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for i in range(0, len(prompts), bs):
+                chunk = prompts[i:i + bs]
+                if len(chunk) == 1:
+                    ids, attn = torch.tensor(chunk, dtype=torch.long), None
+                else:  # left padding, as the adapter does (the mask tells the decoder what is real)
+                    padded = tokenizer.pad({"input_ids": chunk}, padding=True, padding_side="left",
+                                           return_tensors="pt")
+                    ids, attn = padded["input_ids"], padded["attention_mask"]
+                tokens, stats = decoder(model, ids, attn, knobs, eos_token_id=eos, mask_token_id=mask)
+                for row in tokens:
+                    toks = [int(t) for t in row.tolist()]  # cut after the first EOS by the decoder
+                    gen += len(toks)
+                    nfe += int(stats["nfe"])  # every row is charged its batch's forwards
+                    if toks and toks[-1] in eos:
+                        toks = toks[:-1]
+                    responses.append(tokenizer.decode(toks, skip_special_tokens=True))
+        seconds = time.perf_counter() - t0
+        primary = task_info(unit).primary
+        scores = [s[primary] for s in score_many(unit, responses, docs)]
+        out[kind] = {"quality": sum(scores) / len(scores) if scores else 0.0, "tpf": gen / nfe if nfe else 0.0,
+                     "generated_tokens": gen, "nfe": nfe, "items": len(docs), "seconds": round(seconds, 2)}
+        if kind == "math":
+            out[kind].update(arithmetic(responses, docs))
+    return out
+
+
+EQUATION = re.compile(r"(-?\d+) ([+-]) (-?\d+) = (-?\d+)")
+
+
+def arithmetic(responses: list[str], docs: list[dict]) -> dict[str, float]:
+    """Finer math signals than exact match of the final answer (which needs every step right):
+    ``arith_lines``, the share of generated "a + b = c" / "a - b = c" equations whose c is right for
+    their own a and b; ``first_result``, the share of responses whose first equation's result is the
+    gold solution's first intermediate result."""
+    right = total = first = 0
+    for resp, doc in zip(responses, docs):
+        eqs = EQUATION.findall(resp)
+        for a, op, b, c in eqs:
+            total += 1
+            right += int(c) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        gold = EQUATION.findall(doc["response"])
+        first += bool(eqs and gold and eqs[0][3] == gold[0][3])
+    return {"arith_lines": right / total if total else 0.0, "first_result": first / len(docs) if docs else 0.0}
+
+
+# ---------------------------------------------------------------- the record
+
+def _load(path: Path) -> dict:
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"split": "embedded test", "kinds": list(KIND_ORDER), "runs": {}}
+
+
+def run_key(root: Path | str, model: str) -> str:
+    return f"{Path(root).as_posix().rstrip('/')}/{model}"
+
+
+def has_point(data: dict, key: str, step: int, n: int, batch: int) -> bool:
+    run = data["runs"].get(key, {})
+    return any(p["step"] == step and p["n_per_kind"] == n and p["batch"] == batch for p in run.get("points", []))
+
+
+def record(path: Path, key: str, model: str, step: int, tokens_seen: int | None, result: dict, n: int,
+           batch: int, source: str) -> None:
+    """Add (or replace) one point of run ``key`` in the curves JSON and redraw the figure beside it.
+    Under an exclusive lock: models trained side by side record into one file."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _record_locked(path, key, model, step, tokens_seen, result, n, batch, source)
+
+
+def _record_locked(path: Path, key: str, model: str, step: int, tokens_seen: int | None, result: dict, n: int,
+                   batch: int, source: str) -> None:
+    data = _load(path)
+    run = data["runs"].setdefault(key, {"model": model, "preset": PRESET_OF[model], "points": []})
+    run["points"] = [p for p in run["points"] if not (p["step"] == step and p["n_per_kind"] == n
+                                                       and p["batch"] == batch)]
+    run["points"].append({"step": step, "tokens_seen": tokens_seen, "n_per_kind": n, "batch": batch,
+                          "source": source, "kinds": result})
+    run["points"].sort(key=lambda p: p["step"])
+    atomic_write_json(path, data)
+    plot(data, path.with_suffix(".png"))
+
+
+def plot(data: dict, png: Path) -> None:
+    """One figure: quality vs step, quality vs training tokens and TPF vs step, one column per kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = data.get("kinds", list(KIND_ORDER))
+    fig, axes = plt.subplots(3, len(kinds), figsize=(4.2 * len(kinds), 9), squeeze=False)
+    for key, run in sorted(data["runs"].items()):
+        pts = run["points"]
+        label = f"{key} ({run['preset']})"
+        for j, kind in enumerate(kinds):
+            sel = [p for p in pts if kind in p["kinds"]]
+            steps = [p["step"] for p in sel]
+            q = [100 * p["kinds"][kind]["quality"] for p in sel]
+            axes[0][j].plot(steps, q, marker="o", ms=3, label=label)
+            if kind == "math" and all("arith_lines" in p["kinds"][kind] for p in sel) and sel:
+                axes[0][j].plot(steps, [100 * p["kinds"][kind]["arith_lines"] for p in sel], ls="--", marker=".",
+                                label=f"{label}: equations right")
+            tok = [(p["tokens_seen"], 100 * p["kinds"][kind]["quality"]) for p in sel if p["tokens_seen"] is not None]
+            axes[1][j].plot([t / 1e6 for t, _ in tok], [v for _, v in tok], marker="o", ms=3, label=label)
+            axes[2][j].plot(steps, [p["kinds"][kind]["tpf"] for p in sel], marker="o", ms=3, label=label)
+    for j, kind in enumerate(kinds):
+        if not axes[1][j].lines or not any(len(ln.get_xdata()) for ln in axes[1][j].lines):
+            axes[1][j].text(0.5, 0.5, "no run recorded tokens seen\n(checkpoints trained before the count)",
+                            ha="center", va="center", transform=axes[1][j].transAxes, fontsize=8)
+        axes[0][j].set_title(f"embedded {kind}")
+        axes[0][j].set_xlabel("step")
+        axes[1][j].set_xlabel("training tokens seen (M)")
+        axes[2][j].set_xlabel("step")
+    axes[0][0].set_ylabel("quality (%)")
+    axes[1][0].set_ylabel("quality (%)")
+    axes[2][0].set_ylabel("TPF")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    atomic_save_figure(fig, png)
+
+
+# ---------------------------------------------------------------- sources of weights
+
+def snapshot_hook(path: Path, root: Path, n: int = DEFAULT_N, batch: int = DEFAULT_BATCH,
+                  kinds: tuple[str, ...] = KIND_ORDER) -> Callable:
+    """``on_snapshot`` for refusion/train.py: evaluate each snapshot as it is written, record it."""
+    def hook(name: str, step: int, tokens_seen: int, model, tokenizer) -> None:
+        key = run_key(root, name)
+        if has_point(_load(path), key, step, n, batch):
+            return
+        t0 = time.time()
+        res = evaluate(model, tokenizer, PRESET_OF[name], n, batch, kinds)
+        record(path, key, name, step, tokens_seen, res, n, batch, source="during training")
+        summary = ", ".join(f"{k} {100 * v['quality']:.1f}% tpf {v['tpf']:.2f}" for k, v in res.items())
+        print(f"[curves] {name} step {step}: {summary} ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    return hook
+
+
+def sources(root: Path, model: str) -> list[tuple[int, Path]]:
+    """(step, file or folder) of every snapshot of ``model`` under ``root`` and of its finished checkpoint."""
+    from refusion.train import snapshot_dir
+
+    found = {}
+    for f in sorted(snapshot_dir(root, model).glob("step-*.pt")):
+        found[int(f.stem.split("-")[1])] = f
+    final = root / model
+    cfg = final / "train_config.json"
+    if cfg.is_file():
+        found.setdefault(int(json.loads(cfg.read_text())["train"]["steps"]), final)
+    return sorted(found.items())
+
+
+def _load_weights(src: Path):
+    """(model, tokenizer, tokens_seen or None) of a snapshot file or a checkpoint folder."""
+    if src.is_file():
+        from refusion.train import load_snapshot
+
+        model, tok, _, tokens = load_snapshot(src)
+        return model, tok, tokens
+    from harness.lm_adapter import load_checkpoint
+
+    model, tok = load_checkpoint(src)
+    return model, tok, json.loads((src / "train_config.json").read_text()).get("tokens_seen")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.curves", description=__doc__.split("\n\n")[0])
+    p.add_argument("--root", action="append", default=None,
+                   help="trainer output folder holding <model>/ and .snapshots/<model>/ (repeatable; default "
+                   "checkpoints/tiny)")
+    p.add_argument("--models", default=",".join(PRESET_OF), help="comma-separated subset of " + ",".join(PRESET_OF))
+    p.add_argument("--n", type=int, default=DEFAULT_N, help="test items per kind (the first n)")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per decoder call where it batches")
+    p.add_argument("--kinds", default=",".join(KIND_ORDER), help="comma-separated embedded kinds")
+    p.add_argument("--every", type=int, default=1, help="evaluate every k-th snapshot only (the final one always)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="folder of curves.json and curves.png")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    kinds = tuple(k.strip() for k in a.kinds.split(",") if k.strip())
+    bad = [m for m in models if m not in PRESET_OF] + [k for k in kinds if k not in KIND_ORDER]
+    if bad or not models or not kinds or a.n < 1 or a.batch < 1 or a.every < 1:
+        print(f"error: unknown model/kind {', '.join(bad)}; valid models {', '.join(PRESET_OF)}, kinds "
+              f"{', '.join(KIND_ORDER)}; --n, --batch, --every >= 1", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(a.threads)
+    path = Path(a.out) / "curves.json"
+    roots = [Path(r) for r in (a.root or ["checkpoints/tiny"])]
+    todo = 0
+    for root in roots:
+        for model in models:
+            srcs = sources(root, model)
+            if not srcs:
+                print(f"[curves] {root}: no snapshot or checkpoint of {model}", file=sys.stderr)
+            for i, (step, src) in enumerate(srcs):
+                if i % a.every and i != len(srcs) - 1:
+                    continue
+                key = run_key(root, model)
+                if has_point(_load(path), key, step, a.n, a.batch):
+                    continue
+                todo += 1
+                net, tok, tokens = _load_weights(src)
+                t0 = time.time()
+                res = evaluate(net, tok, PRESET_OF[model], a.n, a.batch, kinds)
+                record(path, key, model, step, tokens, res, a.n, a.batch, source=str(src))
+                summary = ", ".join(f"{k} {100 * v['quality']:.1f}% tpf {v['tpf']:.2f}" for k, v in res.items())
+                print(f"[curves] {key} step {step}: {summary} ({time.time() - t0:.0f}s)", flush=True)
+    if path.is_file():
+        plot(_load(path), path.with_suffix(".png"))
+        print(f"{path} ({todo} new points), {path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
