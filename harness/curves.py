@@ -261,9 +261,10 @@ def _load_weights(src: Path):
 
         model, tok, _, tokens = load_snapshot(src)
         return model, tok, tokens
-    from harness.lm_adapter import load_checkpoint
+    from harness.checkpoints import load_model
 
-    model, tok = load_checkpoint(src)
+    loaded = load_model(src)
+    model, tok = loaded.model, loaded.tokenizer
     return model, tok, json.loads((src / "train_config.json").read_text()).get("tokens_seen")
 
 

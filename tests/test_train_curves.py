@@ -19,9 +19,10 @@ def test_preset_of_every_objective_is_a_preset():
 
 def test_refusion_batched_and_single_give_the_same_quality(tiny_checkpoint, one_thread):
     """The committed refusion checkpoint through its preset: batched calls score as batch 1 (same tokens)."""
-    from harness.lm_adapter import load_checkpoint
+    from harness.checkpoints import load_model
 
-    model, tok = load_checkpoint(tiny_checkpoint("refusion"))
+    loaded = load_model(tiny_checkpoint("refusion"))
+    model, tok = loaded.model, loaded.tokenizer
     one = curves.evaluate(model, tok, "refusion", n=6, batch=1, kinds=("code", "choice"))
     many = curves.evaluate(model, tok, "refusion", n=6, batch=4, kinds=("code", "choice"))
     for kind in ("code", "choice"):
