@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test eval report compare sweep trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels regress regress-update clean
+.PHONY: help setup test test-slow eval report compare sweep trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -33,8 +33,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	@touch $(STAMP)
 
-test: setup ## run the test suite (CPU, tiny models)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+test: setup ## run the test suite (CPU, tiny models; what CI runs), without the slow end-to-end process tests
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: setup ## the slow end-to-end tests: kill/signal/resume of real runs, 2 processes, the sweep, every released family
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 # The knobs reach the CLI through the environment, never pasted into the recipe's shell
 # text: a value with quotes, ';' or '$(...)' stays one argument (and an unknown task).

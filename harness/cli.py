@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("harness.paper_report", "the paper's Table 1, speedups and figures from one or more runs"),
     "sweep": ("harness.sweep", "ReFusion accuracy vs tokens/s as its knobs vary (ablation view)"),
     "compare": ("harness.compare", "the same models in two or more runs side by side, with ratios"),
+    "curves": ("harness.curves", "learning curves: preset decoders on 100 test items per kind vs training step"),
     "trace": ("harness.trace", "how each decoder fills one answer, forward by forward (figures, GIFs, HTML)"),
 }
 

@@ -116,6 +116,7 @@ def test_bad_knobs_and_decoder_are_clear_errors(ckpt):
         RefusionBenchLM(pretrained=str(ckpt) + "_missing", decoder="ar")
 
 
+@pytest.mark.slow
 def test_lm_eval_cli_runs_registered_model(ckpt, write_task, tmp_path):
     """lm-eval's own command line, with the model registered, end to end."""
     import subprocess

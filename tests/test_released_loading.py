@@ -134,6 +134,7 @@ def test_decoders_give_the_authors_greedy_tokens(name, loaded):
                        "fast_dllm.dream.diffusion_generate(generation_utils_block)"}, skipped
 
 
+@pytest.mark.slow
 def test_make_eval_path_runs_every_family_and_writes_metrics(write_task, tmp_path):
     """`harness eval` (the runner `make eval` calls) on the released layouts, 2 items each: every folder loads
     (the adapters' bases llada/ and dream_base/ with them), an adapter with its base, a Dream-family shift

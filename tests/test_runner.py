@@ -85,6 +85,7 @@ def test_reference_run_records_everything(reference):
     assert (reference / "models" / "a" / "lm_eval_results.json").exists()
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9(setup, reference):
     """The worker freezes itself after PAUSE_AT journaled samples (a test hook), so the kill lands
     at a chosen point by construction, however fast or slow the machine is."""
@@ -116,6 +117,7 @@ def test_resume_after_kill_9(setup, reference):
     assert _deterministic(run_dir) == _deterministic(reference)
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(setup, reference, tmp_path):
     # accelerate/torchrun create a torchelastic_* folder in TMPDIR: the runner gives each worker a
     # temp folder of its own inside the run folder and removes it, so the caller's TMPDIR stays empty.
@@ -219,6 +221,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_runner_and_worker_and_run_resumes(setup, reference, sig):
     from harness.lm_adapter import PAUSE_ENV
@@ -252,6 +255,7 @@ def test_signal_stops_runner_and_worker_and_run_resumes(setup, reference, sig):
     assert _deterministic(run_dir) == _deterministic(reference)
 
 
+@pytest.mark.slow
 def test_worker_dies_with_its_runner(setup):
     from harness.lm_adapter import PAUSE_ENV
 
@@ -276,6 +280,7 @@ def test_worker_dies_with_its_runner(setup):
     assert workers and not any(_alive(w) for w in workers)
 
 
+@pytest.mark.slow
 def test_run_folder_is_locked(setup, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom pathlib import Path\n"
                                "from harness.runner import lock_run_dir\n"
