@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.families import FAMILIES, Family, family_of, model_is_causal
+from harness.families import Family, family_of, model_is_causal
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -106,10 +106,6 @@ def safetensors_names(path: Path) -> list[str]:
         raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: truncated ({size} bytes, "
                               f"its header needs {8 + n + end})")
     return [k for k in header if k != "__metadata__"]
-
-
-def check_safetensors(path: Path) -> None:
-    safetensors_names(path)
 
 
 def _weight_names(p: Path) -> list[str]:
@@ -371,7 +367,3 @@ def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: str = "fl
         model.config.mask_token_id = mask  # the decoders read it from the config (refusion/decoding/common.py)
     model.generation_config.eos_token_id = list(eos)
     return Loaded(model.eval(), tokenizer, info, mask, eos)
-
-
-def family_names() -> list[str]:
-    return sorted(FAMILIES)

@@ -84,10 +84,6 @@ def checkpoint_knobs(info: CheckpointInfo, decoder: str) -> dict[str, Any]:
     return out
 
 
-def is_causal_model(model) -> bool:
-    return bool(getattr(model.config, "is_causal", True))
-
-
 def parse_chat_template_args(value: str | dict | None) -> dict[str, Any]:
     """``enable_thinking=false;x=1`` (or a dict) -> keyword arguments of ``apply_chat_template``."""
     if value is None or value == "":
