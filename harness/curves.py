@@ -69,10 +69,12 @@ def prompt_ids(tokenizer, query: str) -> list[int]:
 
 
 def evaluate(model, tokenizer, preset: str, n: int = DEFAULT_N, batch: int = DEFAULT_BATCH,
-             kinds: tuple[str, ...] = KIND_ORDER) -> dict[str, dict]:
+             kinds: tuple[str, ...] = KIND_ORDER, probe_as: str | None = None) -> dict[str, dict]:
     """Quality and TPF of ``model`` under preset ``preset`` on the first ``n`` test items of each kind.
 
-    Returns {kind: {"quality": mean task score (0..1), "tpf", "generated_tokens", "nfe", "items", "seconds"}}.
+    Returns {kind: {"quality": mean task score (0..1), "tpf", "generated_tokens", "nfe", "items", "seconds"}};
+    math also gets the finer signals of ``arithmetic`` and, with ``probe_as`` (the model's name in
+    PRESET_OF), the teacher-forced result-digit probe (harness/probe.py).
     """
     import torch
 
@@ -118,7 +120,18 @@ def evaluate(model, tokenizer, preset: str, n: int = DEFAULT_N, batch: int = DEF
                      "generated_tokens": gen, "nfe": nfe, "items": len(docs), "seconds": round(seconds, 2)}
         if kind == "math":
             out[kind].update(arithmetic(responses, docs))
+            if probe_as is not None:
+                out[kind].update(probe(model, tokenizer, probe_as, docs))
     return out
+
+
+def probe(model, tokenizer, name: str, docs: list[dict]) -> dict[str, float]:
+    """The result-digit probe of harness/probe.py with the model's own mask and EOS ids."""
+    from harness.probe import result_digit_accuracy
+
+    eos, mask = _special_ids(model, tokenizer)
+    pad_eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos[0]  # training's EOS pad
+    return result_digit_accuracy(model, tokenizer, name, docs, mask, pad_eos)
 
 
 EQUATION = re.compile(r"(-?\d+) ([+-]) (-?\d+) = (-?\d+)")
@@ -152,9 +165,32 @@ def run_key(root: Path | str, model: str) -> str:
     return f"{Path(root).as_posix().rstrip('/')}/{model}"
 
 
-def has_point(data: dict, key: str, step: int, n: int, batch: int) -> bool:
+def find_point(data: dict, key: str, step: int, n: int, batch: int) -> dict | None:
     run = data["runs"].get(key, {})
-    return any(p["step"] == step and p["n_per_kind"] == n and p["batch"] == batch for p in run.get("points", []))
+    return next((p for p in run.get("points", []) if p["step"] == step and p["n_per_kind"] == n
+                 and p["batch"] == batch), None)
+
+
+def has_point(data: dict, key: str, step: int, n: int, batch: int) -> bool:
+    return find_point(data, key, step, n, batch) is not None
+
+
+def lacks_probe(point: dict) -> bool:
+    """A math point recorded before the result-digit probe existed (its decoding figures are kept)."""
+    return "math" in point["kinds"] and "probe_result_digits" not in point["kinds"]["math"]
+
+
+def add_probe(path: Path, key: str, step: int, n: int, batch: int, values: dict) -> None:
+    """Add the probe's figures to an existing math point, under the same lock as ``record``."""
+    import fcntl
+
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = _load(path)
+        point = find_point(data, key, step, n, batch)
+        point["kinds"]["math"].update(values)
+        atomic_write_json(path, data)
+        plot(data, path.with_suffix(".png"))
 
 
 def record(path: Path, key: str, model: str, step: int, tokens_seen: int | None, result: dict, n: int,
@@ -182,30 +218,67 @@ def _record_locked(path: Path, key: str, model: str, step: int, tokens_seen: int
     plot(data, path.with_suffix(".png"))
 
 
+# The bottom row: finer math signals than exact match, one per panel (key in the math point, title).
+MATH_SIGNALS = (("probe_result_digits", "math: result digits from a clean prefix\n(teacher-forced probe)"),
+                ("probe_first_digits", "math: leading result digits\n(teacher-forced probe)"),
+                ("arith_lines", "math: generated equations right"))
+
+
+def merge(path: Path, other: dict) -> int:
+    """Add the points of curves data ``other`` that ``path`` lacks (same run, step, slice and batch);
+    returns how many were added."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    added = 0
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = _load(path)
+        for key, run in other.get("runs", {}).items():
+            mine = data["runs"].setdefault(key, {"model": run["model"], "preset": run["preset"], "points": []})
+            for pt in run["points"]:
+                if find_point(data, key, pt["step"], pt["n_per_kind"], pt["batch"]) is None:
+                    mine["points"].append(pt)
+                    added += 1
+            mine["points"].sort(key=lambda q: q["step"])
+        if added:
+            atomic_write_json(path, data)
+    return added
+
+
 def plot(data: dict, png: Path) -> None:
-    """One figure: quality vs step, quality vs training tokens and TPF vs step, one column per kind."""
+    """One figure: quality vs step, quality vs training tokens and TPF vs step, one column per kind;
+    a last row of math signals finer than exact match (harness/probe.py, ``arithmetic``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     kinds = data.get("kinds", list(KIND_ORDER))
-    fig, axes = plt.subplots(3, len(kinds), figsize=(4.2 * len(kinds), 9), squeeze=False)
+    cols = max(len(kinds), len(MATH_SIGNALS))
+    fig, axes = plt.subplots(4, cols, figsize=(4.2 * cols, 12), squeeze=False)
     for key, run in sorted(data["runs"].items()):
         pts = run["points"]
-        label = f"{key} ({run['preset']})"
+        label = f"{'/'.join(key.split('/')[-2:])} ({run['preset']})"  # run folder/model (preset)
         for j, kind in enumerate(kinds):
             sel = [p for p in pts if kind in p["kinds"]]
             steps = [p["step"] for p in sel]
             q = [100 * p["kinds"][kind]["quality"] for p in sel]
             axes[0][j].plot(steps, q, marker="o", ms=3, label=label)
-            if kind == "math" and all("arith_lines" in p["kinds"][kind] for p in sel) and sel:
-                axes[0][j].plot(steps, [100 * p["kinds"][kind]["arith_lines"] for p in sel], ls="--", marker=".",
-                                label=f"{label}: equations right")
             tok = [(p["tokens_seen"], 100 * p["kinds"][kind]["quality"]) for p in sel if p["tokens_seen"] is not None]
             axes[1][j].plot([t / 1e6 for t, _ in tok], [v for _, v in tok], marker="o", ms=3, label=label)
             axes[2][j].plot(steps, [p["kinds"][kind]["tpf"] for p in sel], marker="o", ms=3, label=label)
-    for j, kind in enumerate(kinds):
+        math = [p for p in pts if "math" in p["kinds"]]
+        for j, (field, _) in enumerate(MATH_SIGNALS):
+            sel = [p for p in math if field in p["kinds"]["math"]]
+            axes[3][j].plot([p["step"] for p in sel], [100 * p["kinds"]["math"][field] for p in sel], marker="o",
+                            ms=3, label=label)
+    for j in range(cols):
+        if j >= len(kinds):
+            for r in range(3):
+                axes[r][j].set_visible(False)
+            continue
+        kind = kinds[j]
         if not axes[1][j].lines or not any(len(ln.get_xdata()) for ln in axes[1][j].lines):
             axes[1][j].text(0.5, 0.5, "no run recorded tokens seen\n(checkpoints trained before the count)",
                             ha="center", va="center", transform=axes[1][j].transAxes, fontsize=8)
@@ -213,9 +286,16 @@ def plot(data: dict, png: Path) -> None:
         axes[0][j].set_xlabel("step")
         axes[1][j].set_xlabel("training tokens seen (M)")
         axes[2][j].set_xlabel("step")
+    for j, (_, title) in enumerate(MATH_SIGNALS):
+        axes[3][j].set_title(title, fontsize=9)
+        axes[3][j].set_xlabel("step")
+        axes[3][j].set_ylim(-3, 103)
+    for j in range(len(MATH_SIGNALS), cols):
+        axes[3][j].set_visible(False)
     axes[0][0].set_ylabel("quality (%)")
     axes[1][0].set_ylabel("quality (%)")
     axes[2][0].set_ylabel("TPF")
+    axes[3][0].set_ylabel("accuracy (%)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8)
@@ -233,24 +313,51 @@ def snapshot_hook(path: Path, root: Path, n: int = DEFAULT_N, batch: int = DEFAU
         if has_point(_load(path), key, step, n, batch):
             return
         t0 = time.time()
-        res = evaluate(model, tokenizer, PRESET_OF[name], n, batch, kinds)
+        res = evaluate(model, tokenizer, PRESET_OF[name], n, batch, kinds, probe_as=name)
         record(path, key, name, step, tokens_seen, res, n, batch, source="during training")
         summary = ", ".join(f"{k} {100 * v['quality']:.1f}% tpf {v['tpf']:.2f}" for k, v in res.items())
         print(f"[curves] {name} step {step}: {summary} ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
     return hook
 
 
+def _start(folder: Path, model: str) -> tuple[Path | None, int, int]:
+    """Where the run that wrote checkpoint ``folder`` started: (the checkpoint it continued, or None for
+    a run from random weights or from another model's weights in its own output folder; the steps and
+    training tokens of continuation runs before it). A run that continued a trained checkpoint
+    (``--init-dir X --<model>-init Y``) starts from X/Y; if X/Y was itself written by such a run, its
+    steps and tokens count too, so a run continued in pieces reads as one curve."""
+    cfg = folder / "train_config.json"
+    if not cfg.is_file():
+        return None, 0, 0
+    train = json.loads(cfg.read_text())["train"]
+    init, init_dir = train.get(f"{model}_init"), train.get("init_dir")
+    if not init or init == "scratch" or not init_dir:
+        return None, 0, 0
+    start = Path(init_dir) / init
+    if start.resolve() == folder.resolve() or not (start / "config.json").is_file():
+        return None, 0, 0
+    before, steps, tokens = _start(start, model)
+    if before is None:  # the chain's first run: its start is the base the curve's steps count from
+        return start, 0, 0
+    conf = json.loads((start / "train_config.json").read_text())
+    return start, steps + int(conf["train"]["steps"]), tokens + int(conf.get("tokens_seen") or 0)
+
+
 def sources(root: Path, model: str) -> list[tuple[int, Path]]:
-    """(step, file or folder) of every snapshot of ``model`` under ``root`` and of its finished checkpoint."""
+    """(step, file or folder) of every snapshot of ``model`` under ``root`` and of its finished checkpoint;
+    a continuation run also gets the checkpoint it started from, at its first step (``_start``)."""
     from refusion.train import snapshot_dir
 
+    final = root / model
+    start, offset, _ = _start(final, model)
     found = {}
     for f in sorted(snapshot_dir(root, model).glob("step-*.pt")):
-        found[int(f.stem.split("-")[1])] = f
-    final = root / model
+        found[offset + int(f.stem.split("-")[1])] = f
     cfg = final / "train_config.json"
     if cfg.is_file():
-        found.setdefault(int(json.loads(cfg.read_text())["train"]["steps"]), final)
+        found.setdefault(offset + int(json.loads(cfg.read_text())["train"]["steps"]), final)
+    if start is not None:
+        found.setdefault(offset, start)
     return sorted(found.items())
 
 
@@ -278,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per decoder call where it batches")
     p.add_argument("--kinds", default=",".join(KIND_ORDER), help="comma-separated embedded kinds")
     p.add_argument("--every", type=int, default=1, help="evaluate every k-th snapshot only (the final one always)")
+    p.add_argument("--merge", action="append", default=[],
+                   help="a curves JSON written elsewhere (e.g. by train-tiny --curves --curves-out); its points are "
+                   "added to --out first, so only what neither has is evaluated (repeatable)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(DEFAULT_OUT), help="folder of curves.json and curves.png")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -292,23 +402,38 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(a.threads)
     path = Path(a.out) / "curves.json"
+    for other in a.merge:
+        if not Path(other).is_file():
+            print(f"error: --merge {other}: no such file", file=sys.stderr)
+            return 2
+        merge(path, json.loads(Path(other).read_text()))
     roots = [Path(r) for r in (a.root or ["checkpoints/tiny"])]
     todo = 0
     for root in roots:
+        if not any(sources(root, model) for model in models):  # a run folder usually holds one model
+            print(f"[curves] {root}: no snapshot or checkpoint of {', '.join(models)}", file=sys.stderr)
         for model in models:
             srcs = sources(root, model)
-            if not srcs:
-                print(f"[curves] {root}: no snapshot or checkpoint of {model}", file=sys.stderr)
             for i, (step, src) in enumerate(srcs):
                 if i % a.every and i != len(srcs) - 1:
                     continue
                 key = run_key(root, model)
-                if has_point(_load(path), key, step, a.n, a.batch):
+                point = find_point(_load(path), key, step, a.n, a.batch)
+                if point is not None:
+                    if lacks_probe(point):  # cheap: no decoding, one teacher-forced pass
+                        net, tok, _ = _load_weights(src)
+                        values = probe(net, tok, model, test_slice("math", a.n))
+                        add_probe(path, key, step, a.n, a.batch, values)
+                        print(f"[curves] {key} step {step}: probe added, result digits "
+                              f"{100 * values['probe_result_digits']:.1f}%", flush=True)
                     continue
                 todo += 1
                 net, tok, tokens = _load_weights(src)
+                start, _, token_offset = _start(root / model, model)
+                if tokens is not None and src != start:  # this run's own count, after the runs it continued
+                    tokens += token_offset
                 t0 = time.time()
-                res = evaluate(net, tok, PRESET_OF[model], a.n, a.batch, kinds)
+                res = evaluate(net, tok, PRESET_OF[model], a.n, a.batch, kinds, probe_as=model)
                 record(path, key, model, step, tokens, res, a.n, a.batch, source=str(src))
                 summary = ", ".join(f"{k} {100 * v['quality']:.1f}% tpf {v['tpf']:.2f}" for k, v in res.items())
                 print(f"[curves] {key} step {step}: {summary} ({time.time() - t0:.0f}s)", flush=True)

@@ -30,17 +30,42 @@ class Example:
     """One training item. ``open_ended``: the response is a prefix of a longer one (cut right after an
     intermediate result, so no restatement of it follows), with no EOS: every objective trains its
     tokens only, never an EOS after them nor EOS padding, so no model learns to stop there.
-    ``cuts``: token counts after which the trainer may cut this response into such an item."""
+    ``cuts``: token counts after which the trainer may cut this response into such an item.
+    ``starts``: for each cut, the token index where the result that the cut ends begins (the first
+    digit of "127" in "= 127."), or empty. ``numbers``: [start, end) token spans of every number of
+    the response (operands, results, the final answer), or empty."""
     prompt: list[int]
     response: list[int]  # ends with EOS unless open_ended
     open_ended: bool = False
     cuts: tuple[int, ...] = ()
+    starts: tuple[int, ...] = ()
+    numbers: tuple[tuple[int, int], ...] = ()
 
     def cut(self, n: int) -> "Example":
         """The open-ended item made of the prompt and the first ``n`` response tokens."""
         if not 0 < n < len(self.response):
             raise ValueError(f"cut {n} outside the response (length {len(self.response)})")
         return Example(self.prompt, self.response[:n], open_ended=True)
+
+    def result(self, i: int) -> "Example":
+        """The open-ended item whose prompt runs up to the ``i``-th cut's result and whose response is
+        that result and its period ("127."): the response is computed from a context that is all
+        clean, for every objective, the condition a decoder meets."""
+        start, end = self.starts[i], self.cuts[i]
+        if not 0 < start < end < len(self.response):
+            raise ValueError(f"result {i} at [{start}, {end}) outside the response (length {len(self.response)})")
+        return Example(self.prompt + self.response[:start], self.response[start:end], open_ended=True)
+
+    def number(self, i: int) -> "Example":
+        """The open-ended item whose prompt runs up to the ``i``-th number of the response and whose
+        response is that number and the token after it ("29 +", "127."; the final answer's EOS is never
+        included): copying an operand or the answer, or computing a result, from a clean context."""
+        start, end = self.numbers[i]
+        last = len(self.response) - (0 if self.open_ended else 1)  # tokens before the EOS
+        if not 0 < start < end <= last:
+            raise ValueError(f"number {i} at [{start}, {end}) outside the response (length {len(self.response)})")
+        return Example(self.prompt + self.response[:start], self.response[start:min(end + 1, last)],
+                       open_ended=True)
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,16 @@ class TrainConfig:
     # Arithmetic-signal mixture: share of the items that have cut points (math: after each intermediate
     # result) replaced by an open-ended item cut there, so no restatement of the result follows it.
     open_share: float = 0.0
+    # Result items: share of the items with cut points replaced by one whose prompt runs up to an
+    # intermediate result and whose response is that result (Example.result). Drawn after open_share.
+    result_share: float = 0.0
+    # Number items: likewise for any number of the solution (operand, result, answer; Example.number).
+    number_share: float = 0.0
     # refusion only: share of examples whose slot plan masks a suffix of slots (the decoder's condition:
     # no clean slot after a masked one) instead of the paper's random slots (objective.draw_suffix_plan).
     suffix_share: float = 0.0
     init_dir: str = ""         # folder of the checkpoints a model starts from ("": the output folder)
+    ar_init: str = "scratch"   # ar trains from random weights; "ar" continues a trained ar checkpoint
     refusion_init: str = "ar"  # "ar": start from the trained ar checkpoint in init_dir; "scratch"
     mdm_init: str = "ar"       # likewise for mdm
     dream_init: str = "ar"     # Dream is initialised from an AR model
@@ -154,9 +160,23 @@ def draw_items(examples: dict[str, list], step: int, cfg: TrainConfig) -> tuple[
         raise ValueError(f"no training kind has a positive weight: {sorted(examples)} vs {weights}")
     drawn = rng.choices(kinds, [weights[k] for k in kinds], k=cfg.batch_size)
     items = [rng.choice(examples[k]) for k in drawn]
-    if cfg.open_share > 0:
+    if cfg.result_share > 0 or cfg.number_share > 0:
+        # one draw u per item with cut points: [0, open) open-ended, then result item, then number item
+        items = [_mix(ex, rng, cfg) if ex.cuts else ex for ex in items]
+    elif cfg.open_share > 0:  # the draws of runs made before result items existed, unchanged
         items = [ex.cut(rng.choice(ex.cuts)) if ex.cuts and rng.random() < cfg.open_share else ex for ex in items]
     return items, rng
+
+
+def _mix(ex, rng: random.Random, cfg: TrainConfig):
+    u = rng.random()
+    if u < cfg.open_share:
+        return ex.cut(rng.choice(ex.cuts))
+    if u < cfg.open_share + cfg.result_share:  # a corpus without result offsets keeps the item
+        return ex.result(rng.randrange(len(ex.cuts))) if ex.starts else ex
+    if u < cfg.open_share + cfg.result_share + cfg.number_share and ex.numbers:
+        return ex.number(rng.randrange(len(ex.numbers)))
+    return ex
 
 
 def collate(name: str, items: list, rng: random.Random, cfg: TrainConfig, tokenizer):
@@ -187,7 +207,8 @@ def data_fingerprint(examples: dict[str, list]) -> str:
     for kind in sorted(examples):
         h.update(kind.encode())
         for ex in examples[kind]:
-            h.update(repr((ex.prompt, ex.response, ex.cuts)).encode())
+            extra = ((ex.starts,) if ex.starts else ()) + ((ex.numbers,) if ex.numbers else ())
+            h.update(repr((ex.prompt, ex.response, ex.cuts) + extra).encode())
     return h.hexdigest()[:16]
 
 
@@ -449,14 +470,17 @@ Corpus = dict[str, list[dict]]  # kind -> training rows with "query" and "respon
 def prepare(cfg: TrainConfig, rows: Corpus):
     """Train the tokenizer on the corpus and tokenize its rows (shared by every model). A row's optional
     ``cut_chars`` (character offsets in its response where an open-ended item may end) become token
-    cut points: the fewest response tokens that cover the offset."""
+    cut points: the fewest response tokens that cover the offset; its optional ``result_chars`` (where
+    the result each cut ends begins) become ``Example.starts`` the same way."""
     from refusion.objective import Example
     from refusion.tokenizer import TokenizerConfig, encode_chat, encode_response, train_tokenizer
 
     texts = [t for kind_rows in rows.values() for r in kind_rows for t in (r["query"], r["response"])]
     tokenizer = train_tokenizer(texts, TokenizerConfig(vocab_size=cfg.vocab_size))
     examples = {kind: [Example(encode_chat(tokenizer, r["query"]), encode_response(tokenizer, r["response"]),
-                               cuts=token_cuts(tokenizer, r["response"], r.get("cut_chars", ())))
+                               cuts=token_cuts(tokenizer, r["response"], r.get("cut_chars", ())),
+                               starts=token_cuts(tokenizer, r["response"], r.get("result_chars", ())),
+                               numbers=token_spans(tokenizer, r["response"], r.get("number_spans", ())))
                        for r in kind_rows] for kind, kind_rows in rows.items()}
     return tokenizer, examples
 
@@ -469,6 +493,17 @@ def token_cuts(tokenizer, text: str, cut_chars) -> tuple[int, ...]:
     ends = [e for _, e in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
     want = set(cut_chars)
     return tuple(i + 1 for i, e in enumerate(ends) if e in want)
+
+
+def token_spans(tokenizer, text: str, spans) -> tuple[tuple[int, int], ...]:
+    """[start, end) token spans of character spans ``spans`` of ``text``, for those whose both ends fall
+    on token boundaries (a span that starts or ends inside a token is dropped)."""
+    if not spans:
+        return ()
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    first = {s: i for i, (s, _) in enumerate(offsets)}
+    after = {e: i + 1 for i, (_, e) in enumerate(offsets)}
+    return tuple((first[a], after[b]) for a, b in spans if a in first and b in after)
 
 
 def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = None,
@@ -495,7 +530,7 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     p.add_argument("--warmup", type=int, default=TrainConfig.warmup, help="linear warm-up steps")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--threads", type=int, default=TrainConfig.threads)
-    for m in MODEL_NAMES[1:]:
+    for m in MODEL_NAMES:
         default = getattr(TrainConfig, f"{m}_init")
         p.add_argument(f"--{m}-init", choices=[*MODEL_NAMES, "scratch"], default=default,
                        help=f"start {m} from this model's trained checkpoint in --init-dir (default {default}) "
@@ -506,6 +541,14 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     p.add_argument("--open-share", type=float, default=TrainConfig.open_share,
                    help="arithmetic-signal mixture: share of math items replaced by an open-ended item that stops "
                    "right after an intermediate result (no EOS, no loss after it); default 0, the faithful data")
+    p.add_argument("--result-share", type=float, default=TrainConfig.result_share,
+                   help="arithmetic-signal mixture: share of math items replaced by a result item, whose prompt runs "
+                   "up to an intermediate result and whose response is that result ('127.'; no EOS); "
+                   "default 0, the faithful data")
+    p.add_argument("--number-share", type=float, default=TrainConfig.number_share,
+                   help="arithmetic-signal mixture: share of math items replaced by a number item, whose prompt runs "
+                   "up to any number of the solution (operand, result, answer) and whose response is that number "
+                   "and the token after it; default 0, the faithful data")
     p.add_argument("--suffix-share", type=float, default=TrainConfig.suffix_share,
                    help="refusion only: share of examples whose slot plan masks every slot from a random one on "
                    "(as decoding meets them) instead of random slots; default 0, the paper's objective")
@@ -532,15 +575,19 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     if (a.steps is not None and a.steps < 1) or a.batch_size < 1 or (a.lr is not None and a.lr <= 0):
         print("error: --steps and --batch-size must be >= 1, --lr > 0", file=sys.stderr)
         return 2
-    if not (0 <= a.open_share <= 1 and 0 <= a.suffix_share <= 1) or a.save_every < 1 or a.save_every_s <= 0 \
-            or a.snapshot_every < 0 or a.warmup < 0:
-        print("error: --open-share and --suffix-share must be in [0, 1], --save-every >= 1, --save-every-s > 0, "
+    shares = (a.open_share, a.result_share, a.number_share)
+    if not (all(0 <= x <= 1 for x in shares) and sum(shares) <= 1 and 0 <= a.suffix_share <= 1) \
+            or a.save_every < 1 or a.save_every_s <= 0 or a.snapshot_every < 0 or a.warmup < 0:
+        print("error: --open-share, --result-share, --number-share (and their sum) and --suffix-share must be in "
+              "[0, 1], "
+              "--save-every >= 1, --save-every-s > 0, "
               "--snapshot-every >= 0, --warmup >= 0", file=sys.stderr)
         return 2
     overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads, warmup=a.warmup,
-                     open_share=a.open_share, suffix_share=a.suffix_share, save_every=a.save_every,
+                     open_share=a.open_share, result_share=a.result_share, number_share=a.number_share,
+                     suffix_share=a.suffix_share, save_every=a.save_every,
                      save_every_s=a.save_every_s, snapshot_every=a.snapshot_every, init_dir=a.init_dir,
-                     **{f"{m}_init": getattr(a, f"{m}_init") for m in MODEL_NAMES[1:]})
+                     **{f"{m}_init": getattr(a, f"{m}_init") for m in MODEL_NAMES})
     overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr)) if v is not None})
     base = TrainConfig(**overrides)
     hook = make_hook(a) if make_hook is not None else None

@@ -63,6 +63,34 @@ def test_snapshots_of_a_run_become_curve_points(tmp_path, one_thread):
     assert (out / "curves.png").stat().st_size > 0
     before = (out / "curves.json").read_text()
     assert curves.main(args) == 0 and (out / "curves.json").read_text() == before  # nothing new to evaluate
+    assert all(0 <= p["kinds"]["math"]["probe_result_digits"] <= 1 for p in points)
+
+    # A point recorded before the probe existed gets the probe only; its decoding figures stay.
+    for p in data["runs"][key]["points"]:
+        for field in ("probe_result_digits", "probe_first_digits"):
+            del p["kinds"]["math"][field]
+    (out / "curves.json").write_text(json.dumps(data))
+    assert curves.main(args) == 0
+    assert json.loads((out / "curves.json").read_text()) == json.loads(before)
+
+    # A run continuing that ar checkpoint (--init-dir run --refusion-init ar) has it as its step 0.
+    from dataclasses import replace
+
+    cont = tmp_path / "cont"
+    train_one("refusion", tok, examples, replace(cfg, steps=3, init_dir=str(run), refusion_init="ar"), shape, cont,
+              progress=False)
+    assert [step for step, _ in curves.sources(cont, "refusion")] == [0, 3]
+    assert curves.sources(cont, "refusion")[0] == (0, run / "ar")
+    assert curves.sources(run, "ar")[0][0] == 3  # trained from random weights: no step 0
+    # ... and a run continuing that one reads as the same curve, its steps counted after the first's.
+    more = tmp_path / "more"
+    train_one("refusion", tok, examples, replace(cfg, steps=3, init_dir=str(cont), refusion_init="refusion"), shape,
+              more, progress=False)
+    assert [step for step, _ in curves.sources(more, "refusion")] == [3, 6]
+    assert curves.sources(more, "refusion")[0] == (3, cont / "refusion")
+    first_tokens = json.loads((cont / "refusion" / "train_config.json").read_text())["tokens_seen"]
+    assert curves._start(more / "refusion", "refusion") == (cont / "refusion", 3, first_tokens)
+    assert curves._start(cont / "refusion", "refusion") == (run / "ar", 0, 0)
 
 
 def test_math_arithmetic_signals():
@@ -85,3 +113,20 @@ def test_curves_during_training_need_snapshots():
 
     with pytest.raises(SystemExit, match="--snapshot-every"):
         train_tiny.main(["--models", "ar", "--curves", "--out", "/nonexistent-out"])
+
+
+def test_merge_adds_only_missing_points(tmp_path):
+    def point(step, q):
+        return {"step": step, "tokens_seen": None, "n_per_kind": 2, "batch": 1, "source": "x",
+                "kinds": {"choice": {"quality": q, "tpf": 1.0}}}
+
+    path = tmp_path / "curves.json"
+    curves.merge(path, {"runs": {"r/ar": {"model": "ar", "preset": "ar", "points": [point(3, 0.5)]}}})
+    other = {"runs": {"r/ar": {"model": "ar", "preset": "ar", "points": [point(6, 1.0), point(3, 0.0)]},
+                      "s/mdm": {"model": "mdm", "preset": "llada", "points": [point(3, 0.25)]}}}
+    assert curves.merge(path, other) == 2  # step 6 of r/ar and s/mdm; r/ar step 3 is kept as it was
+    data = json.loads(path.read_text())
+    assert [(p["step"], p["kinds"]["choice"]["quality"]) for p in data["runs"]["r/ar"]["points"]] == [(3, 0.5), (6, 1.0)]
+    assert data["runs"]["s/mdm"]["preset"] == "llada"
+    assert curves.merge(path, other) == 0
+    assert curves.main(["--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2

@@ -1,5 +1,6 @@
-"""The arithmetic-signal mixture (refusion/train.py ``open_share``): open-ended items end right after an
-intermediate result, and no objective trains an EOS (or EOS padding, or any target) after their end."""
+"""The arithmetic-signal mixtures (refusion/train.py ``open_share``, ``result_share``): open-ended items end
+right after an intermediate result, result items are that result after a clean context, and no objective
+trains an EOS (or EOS padding, or any target) after their end."""
 
 from __future__ import annotations
 
@@ -17,12 +18,9 @@ CFG = TrainConfig(batch_size=16, open_share=1.0)
 
 @pytest.fixture(scope="module")
 def data():
-    from harness.train_tiny import math_cut_chars
-    from tasks.embedded import KINDS, load_split
+    from harness.train_tiny import embedded_corpus
 
-    rows = {k: load_split(k, "train")[:20] for k in KINDS}
-    for r in rows["math"]:
-        r["cut_chars"] = math_cut_chars(r["response"])
+    rows = {k: v[:20] for k, v in embedded_corpus().items()}  # the trainer's rows, with their cut points
     return prepare(CFG, rows)
 
 
@@ -105,3 +103,108 @@ def test_suffix_share_in_the_refusion_collate():
         pos, mdm = c["position_ids"][row], c["is_mdm"][row]
         clean_resp = pos[(~mdm) & (pos >= 2)]
         assert mdm.any() and (clean_resp.numel() == 0 or pos[mdm].min() > clean_resp.max())
+
+
+def test_result_items_are_the_result_after_a_clean_context(data):
+    tok, examples = data
+    for full in examples["math"]:
+        assert len(full.starts) == len(full.cuts)
+        for i, (start, end) in enumerate(zip(full.starts, full.cuts)):
+            ex = full.result(i)
+            assert ex.open_ended and ex.prompt == full.prompt + full.response[:start]
+            assert ex.response == full.response[start:end]
+            text = tok.decode(ex.response)
+            assert text[:-1].isdigit() and text.endswith(".")  # "127."
+            assert tok.decode(ex.prompt).endswith("= ")
+    with pytest.raises(ValueError, match="outside the response"):
+        obj.Example([1], [5, 6, 7, 2], starts=(2,), cuts=(2,)).result(0)
+
+
+def unmixed(examples, step: int, cfg):
+    """The items of ``step``'s batch as drawn before any mixture rule, and the generator after them
+    (written out here as refusion/train.py ``draw_items`` draws them)."""
+    rng = random.Random(f"{cfg.seed}/{step}")
+    weights = dict(cfg.kind_weights)
+    kinds = [k for k in examples if weights.get(k, 0) > 0]
+    drawn = rng.choices(kinds, [weights[k] for k in kinds], k=cfg.batch_size)
+    return [rng.choice(examples[k]) for k in drawn], rng
+
+
+@pytest.mark.parametrize("share, make", [("result_share", "result"), ("number_share", "number")])
+def test_share_one_replaces_every_math_item(data, share, make):
+    _, examples = data
+    only = dataclasses.replace(CFG, open_share=0.0, **{share: 1.0})
+    for step in range(3):
+        base, _ = draw_items(examples, step, dataclasses.replace(CFG, open_share=0.0))
+        mixed, _ = draw_items(examples, step, only)
+        for b, m in zip(base, mixed):  # every math item becomes one of its items of that kind, the rest unchanged
+            if b.cuts:
+                n = len(b.cuts) if make == "result" else len(b.numbers)
+                assert m.open_ended and any(m == getattr(b, make)(i) for i in range(n))
+            else:
+                assert m == b
+
+
+def test_result_share_zero_keeps_earlier_draws(data):
+    _, examples = data
+    # result_share 0 keeps the draws of open_share alone exactly (runs started before it resume the same):
+    # the rule as it was written before result items existed
+    half = dataclasses.replace(CFG, open_share=0.5)
+    for step in range(3):
+        old, rng = unmixed(examples, step, half)
+        old = [ex.cut(rng.choice(ex.cuts)) if ex.cuts and rng.random() < half.open_share else ex for ex in old]
+        new, rnew = draw_items(examples, step, half)
+        assert new == old and rnew.random() == rng.random()
+    # both: each math item is open-ended, a result item, or kept, by one draw
+    both = dataclasses.replace(CFG, open_share=0.4, result_share=0.4, batch_size=256)
+    items, _ = draw_items(examples, 0, both)
+    kinds = {"cut": 0, "result": 0, "full": 0}
+    for m in items:
+        if m.open_ended:
+            kinds["result" if tok_is_result(m) else "cut"] += 1
+        elif m.cuts:
+            kinds["full"] += 1
+    assert all(v > 0 for v in kinds.values()), kinds
+
+
+def tok_is_result(ex) -> bool:
+    """A result item's response is a few digits and a period; an open-ended cut keeps a whole solution."""
+    return len(ex.response) <= 5
+
+
+def test_number_items_cover_every_number_of_the_solution(data):
+    tok, examples = data
+    for full in examples["math"]:
+        text = tok.decode(full.response[:-1])
+        numbers = [tok.decode(full.response[a:b]) for a, b in full.numbers]
+        assert numbers == probe_numbers(text)  # operands, results and the answer, in order
+        for i, (start, end) in enumerate(full.numbers):
+            ex = full.number(i)
+            assert ex.open_ended and ex.prompt == full.prompt + full.response[:start]
+            assert tok.eos_token_id not in ex.response and ex.response[:end - start] == full.response[start:end]
+            assert len(ex.response) == end - start + (1 if end < len(full.response) - 1 else 0)
+
+
+def probe_numbers(text: str) -> list[str]:
+    import re
+
+    return re.findall(r"\d+", text)
+
+
+def test_number_share_zero_keeps_earlier_draws(data):
+    _, examples = data
+    # number_share 0 keeps the draws of open_share + result_share: the rule as written before number items
+    mix = dataclasses.replace(CFG, open_share=0.2, result_share=0.4)
+    for step in range(3):
+        items, rng = unmixed(examples, step, mix)
+        old = []
+        for ex in items:
+            if ex.cuts:
+                u = rng.random()
+                if u < 0.2:
+                    ex = ex.cut(rng.choice(ex.cuts))
+                elif u < 0.6:
+                    ex = ex.result(rng.randrange(len(ex.cuts)))
+            old.append(ex)
+        new, rnew = draw_items(examples, step, mix)
+        assert new == old and rnew.random() == rng.random()

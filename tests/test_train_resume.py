@@ -21,19 +21,15 @@ from refusion.train import ModelShape, StateMismatch, TrainConfig, prepare, trai
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = ModelShape(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
-# Steps 0..5; open-ended items in the mixture so the draw path that cuts them is covered too.
-CFG = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup=2, threads=1, save_every=100, open_share=0.5,
-                  refusion_init="scratch", mdm_init="scratch", snapshot_every=3)
+# Steps 0..5; open-ended, result and number items in the mixture so every draw path is covered too.
+CFG = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup=2, threads=1, save_every=100, open_share=0.3,
+                  result_share=0.3, number_share=0.2, refusion_init="scratch", mdm_init="scratch", snapshot_every=3)
 
 
 def small_corpus() -> dict[str, list[dict]]:
-    from harness.train_tiny import math_cut_chars
-    from tasks.embedded import KINDS, load_split
+    from harness.train_tiny import embedded_corpus
 
-    rows = {k: load_split(k, "train")[:12] for k in KINDS}
-    for r in rows["math"]:
-        r["cut_chars"] = math_cut_chars(r["response"])
-    return rows
+    return {k: v[:12] for k, v in embedded_corpus().items()}  # the trainer's rows, with their cut points
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +74,9 @@ def test_stopped_and_resumed_run_is_bit_identical(name, data, tmp_path):
 SCRIPT = """
 import sys
 from pathlib import Path
-from harness.train_tiny import math_cut_chars
+from harness.train_tiny import embedded_corpus
 from refusion.train import ModelShape, TrainConfig, prepare, train_one
-from tasks.embedded import KINDS, load_split
-rows = {{k: load_split(k, "train")[:12] for k in KINDS}}
-for r in rows["math"]:
-    r["cut_chars"] = math_cut_chars(r["response"])
+rows = {{k: v[:12] for k, v in embedded_corpus().items()}}
 tok, examples = prepare({cfg!r}, rows)
 train_one("ar", tok, examples, {cfg!r}, {shape!r}, Path(sys.argv[1]), progress=False)
 """
