@@ -9,9 +9,9 @@
 # intermediate result, 40% replaced by a result item (docs/design.md, Training runs), the rest as they
 # are; ar, already at 95% on math, for 600 steps on the same mixture. Two models train at a time, one
 # thread each (about 25 min per 1200-step model on a 2-core CPU; llada's and dream's curve points take
-# 3-4 min each). Three more refusion runs show what else was tried: the open-ended mixture alone (60%),
-# the result-mixture run continued for 1200 more steps at peak lr 5e-4, and 600 steps on a mixture
-# with number items (20% open-ended, 20% result items, 30% number items). Then `make curves`
+# 3-4 min each). The result-mixture refusion run is then continued at peak lr 5e-4 for 1200 and 1500
+# more steps, dream for 1200; two more refusion runs show what else was tried: the open-ended mixture
+# alone (60%) and 600 steps on a mixture with number items (20% open-ended, 20% result, 30% number). Then `make curves`
 # evaluates every snapshot on the first 100 test items per kind (batch 16) and draws one figure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,19 +27,24 @@ run() {  # run <name> <model> [train-tiny options...]: one continuation, logged 
     > "$RUNS/$name.log" 2>&1
 }
 MIX=(--open-share 0.2 --result-share 0.4)
+more() {  # more <name> <model> <run it continues> <steps>: the same mixture at peak lr 5e-4
+  "$PY" -m harness train-tiny --models "$2" --out "$RUNS/$1" --init-dir "$3" --"$2"-init "$2" "${MIX[@]}" \
+    --steps "$4" --lr 5e-4 --warmup 50 --threads 1 --snapshot-every 300 > "$RUNS/$1.log" 2>&1
+}
 
 { run refusion-result refusion "${MIX[@]}"
-  "$PY" -m harness train-tiny --models refusion --out "$RUNS/refusion-result2" \
-    --init-dir "$RUNS/refusion-result" --refusion-init refusion "${MIX[@]}" --steps 1200 --lr 5e-4 --warmup 50 \
-    --threads 1 --snapshot-every 300 > "$RUNS/refusion-result2.log" 2>&1
+  more refusion-result2 refusion "$RUNS/refusion-result" 1200
+  more refusion-result3 refusion "$RUNS/refusion-result2" 1500
   run refusion-number refusion --open-share 0.2 --result-share 0.2 --number-share 0.3 --steps 600
   run d2f d2f "${MIX[@]}"
   run ar ar "${MIX[@]}" --steps 600; } &
 { run refusion-faith refusion --open-share 0.6
   run mdm mdm "${MIX[@]}"
-  run dream dream "${MIX[@]}"; } &
+  run dream dream "${MIX[@]}"
+  more dream2 dream "$RUNS/dream" 1200; } &
 wait
 
 roots=()
-for r in refusion-result refusion-result2 refusion-number refusion-faith mdm dream d2f ar; do roots+=(--root "$RUNS/$r"); done
+for r in refusion-result refusion-result2 refusion-result3 refusion-number refusion-faith mdm dream dream2 d2f ar
+do roots+=(--root "$RUNS/$r"); done
 "$PY" -m harness.curves "${roots[@]}" --batch 16 --threads 2 --out reports/curves
