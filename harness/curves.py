@@ -29,6 +29,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from harness.store import atomic_save_figure, atomic_write_json
@@ -180,42 +181,41 @@ def lacks_probe(point: dict) -> bool:
     return "math" in point["kinds"] and "probe_result_digits" not in point["kinds"]["math"]
 
 
-def add_probe(path: Path, key: str, step: int, n: int, batch: int, values: dict) -> None:
-    """Add the probe's figures to an existing math point, under the same lock as ``record``."""
-    import fcntl
-
-    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data = _load(path)
-        point = find_point(data, key, step, n, batch)
-        point["kinds"]["math"].update(values)
-        atomic_write_json(path, data)
-        plot(data, path.with_suffix(".png"))
-
-
-def record(path: Path, key: str, model: str, step: int, tokens_seen: int | None, result: dict, n: int,
-           batch: int, source: str) -> None:
-    """Add (or replace) one point of run ``key`` in the curves JSON and redraw the figure beside it.
-    Under an exclusive lock: models trained side by side record into one file."""
+@contextmanager
+def _locked(path: Path):
+    """The curves data at ``path``, loaded under an exclusive lock held until the block ends: models
+    trained side by side, and `make curves` beside them, write one file."""
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(f".{path.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _record_locked(path, key, model, step, tokens_seen, result, n, batch, source)
+        yield _load(path)
 
 
-def _record_locked(path: Path, key: str, model: str, step: int, tokens_seen: int | None, result: dict, n: int,
-                   batch: int, source: str) -> None:
-    data = _load(path)
-    run = data["runs"].setdefault(key, {"model": model, "preset": PRESET_OF[model], "points": []})
-    run["points"] = [p for p in run["points"] if not (p["step"] == step and p["n_per_kind"] == n
-                                                       and p["batch"] == batch)]
-    run["points"].append({"step": step, "tokens_seen": tokens_seen, "n_per_kind": n, "batch": batch,
-                          "source": source, "kinds": result})
-    run["points"].sort(key=lambda p: p["step"])
+def _save(path: Path, data: dict) -> None:
     atomic_write_json(path, data)
     plot(data, path.with_suffix(".png"))
+
+
+def add_probe(path: Path, key: str, step: int, n: int, batch: int, values: dict) -> None:
+    """Add the probe's figures to an existing math point."""
+    with _locked(path) as data:
+        find_point(data, key, step, n, batch)["kinds"]["math"].update(values)
+        _save(path, data)
+
+
+def record(path: Path, key: str, model: str, step: int, tokens_seen: int | None, result: dict, n: int,
+           batch: int, source: str) -> None:
+    """Add (or replace) one point of run ``key`` in the curves JSON and redraw the figure beside it."""
+    with _locked(path) as data:
+        run = data["runs"].setdefault(key, {"model": model, "preset": PRESET_OF[model], "points": []})
+        run["points"] = [p for p in run["points"] if not (p["step"] == step and p["n_per_kind"] == n
+                                                           and p["batch"] == batch)]
+        run["points"].append({"step": step, "tokens_seen": tokens_seen, "n_per_kind": n, "batch": batch,
+                              "source": source, "kinds": result})
+        run["points"].sort(key=lambda p: p["step"])
+        _save(path, data)
 
 
 # The bottom row: finer math signals than exact match, one per panel (key in the math point, title).
@@ -227,13 +227,8 @@ MATH_SIGNALS = (("probe_result_digits", "math: result digits from a clean prefix
 def merge(path: Path, other: dict) -> int:
     """Add the points of curves data ``other`` that ``path`` lacks (same run, step, slice and batch);
     returns how many were added."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
     added = 0
-    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        data = _load(path)
+    with _locked(path) as data:
         for key, run in other.get("runs", {}).items():
             mine = data["runs"].setdefault(key, {"model": run["model"], "preset": run["preset"], "points": []})
             for pt in run["points"]:
@@ -410,10 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     roots = [Path(r) for r in (a.root or ["checkpoints/tiny"])]
     todo = 0
     for root in roots:
-        if not any(sources(root, model) for model in models):  # a run folder usually holds one model
+        found = {model: sources(root, model) for model in models}
+        if not any(found.values()):  # a run folder usually holds one model
             print(f"[curves] {root}: no snapshot or checkpoint of {', '.join(models)}", file=sys.stderr)
-        for model in models:
-            srcs = sources(root, model)
+        for model, srcs in found.items():
+            start, _, token_offset = _start(root / model, model)
             for i, (step, src) in enumerate(srcs):
                 if i % a.every and i != len(srcs) - 1:
                     continue
@@ -429,7 +425,6 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 todo += 1
                 net, tok, tokens = _load_weights(src)
-                start, _, token_offset = _start(root / model, model)
                 if tokens is not None and src != start:  # this run's own count, after the runs it continued
                     tokens += token_offset
                 t0 = time.time()

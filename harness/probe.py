@@ -88,11 +88,10 @@ def result_digit_accuracy(model, tokenizer, name: str, docs: list[dict], mask_id
     if name not in PROBED:
         raise KeyError(f"unknown model {name!r}; probed: {', '.join(PROBED)}")
     model.eval()
-    right = total = lead_right = lead_total = 0
+    hits: list[tuple[bool, bool]] = []  # (predicted right, is a leading digit) per probed digit
     pending: list[tuple] = []  # (row, index, target, is_leading)
 
     def flush() -> None:
-        nonlocal right, total, lead_right, lead_total
         if not pending:
             return
         rows = [p[0] for p in pending]
@@ -105,24 +104,15 @@ def result_digit_accuracy(model, tokenizer, name: str, docs: list[dict], mask_id
             batch = _mdm_batch(rows, mask_id, tokenizer.pad_token_id, shift=False,
                                block_size=D2F_BLOCK if name == "d2f" else None)
         pred = _logits(model, batch).argmax(-1)  # [B, L]
-        for b, (_, idx, target, lead) in enumerate(pending):
-            ok = int(pred[b, idx]) == target
-            right += ok
-            total += 1
-            lead_right += ok and lead
-            lead_total += lead
+        hits.extend((int(pred[b, idx]) == target, lead) for b, (_, idx, target, lead) in enumerate(pending))
         pending.clear()
 
     for doc in docs:
         prompt = encode_chat(tokenizer, doc["query"])
         response, targets = result_targets(tokenizer, doc["response"])
         if name == "ar":  # one causal forward scores every position at once
-            batch = collate_ar([Example(prompt, response)], tokenizer.pad_token_id)
-            pred = _logits(model, batch).argmax(-1)[0]
-            for j, lead in targets:
-                ok = int(pred[len(prompt) + j - 1]) == response[j]
-                right, total = right + ok, total + 1
-                lead_right, lead_total = lead_right + (ok and lead), lead_total + lead
+            pred = _logits(model, collate_ar([Example(prompt, response)], tokenizer.pad_token_id)).argmax(-1)[0]
+            hits.extend((int(pred[len(prompt) + j - 1]) == response[j], lead) for j, lead in targets)
             continue
         rows, idx = _probe_rows(name, prompt, response, [j for j, _ in targets], mask_id, eos_id)
         for row, i, (j, lead) in zip(rows, idx, targets):
@@ -130,5 +120,6 @@ def result_digit_accuracy(model, tokenizer, name: str, docs: list[dict], mask_id
             if len(pending) >= chunk:
                 flush()
     flush()
-    return {"probe_result_digits": right / total if total else 0.0,
-            "probe_first_digits": lead_right / lead_total if lead_total else 0.0}
+    leads = [ok for ok, lead in hits if lead]
+    return {"probe_result_digits": sum(ok for ok, _ in hits) / len(hits) if hits else 0.0,
+            "probe_first_digits": sum(leads) / len(leads) if leads else 0.0}

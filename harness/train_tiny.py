@@ -31,21 +31,15 @@ def math_number_spans(response: str) -> list[tuple[int, int]]:
     return [m.span() for m in NUMBER.finditer(response)]
 
 
-def math_result_chars(response: str) -> list[int]:
-    """Character offsets where each of those results begins (the "1" of "= 127."), one per cut."""
-    return [m.start() + 2 for m in RESULT_LINE.finditer(response)]
-
-
 def embedded_corpus() -> dict[str, list[dict]]:
     """Training rows of every embedded kind (query / response texts), generated deterministically; math
-    rows carry ``cut_chars``, ``result_chars`` and ``number_spans`` (the mixtures' cut points, where each
-    cut's result begins, every number; the rows and texts are the same either way)."""
+    rows carry ``cut_chars`` and ``number_spans`` (the mixtures' cut points and every number; the rows
+    and texts are the same either way)."""
     from tasks.embedded import KINDS, load_split
 
     rows = {kind: load_split(kind, "train") for kind in KINDS}
     for r in rows["math"]:
         r["cut_chars"] = math_cut_chars(r["response"])
-        r["result_chars"] = math_result_chars(r["response"])
         r["number_spans"] = math_number_spans(r["response"])
     return rows
 

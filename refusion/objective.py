@@ -31,14 +31,12 @@ class Example:
     intermediate result, so no restatement of it follows), with no EOS: every objective trains its
     tokens only, never an EOS after them nor EOS padding, so no model learns to stop there.
     ``cuts``: token counts after which the trainer may cut this response into such an item.
-    ``starts``: for each cut, the token index where the result that the cut ends begins (the first
-    digit of "127" in "= 127."), or empty. ``numbers``: [start, end) token spans of every number of
-    the response (operands, results, the final answer), or empty."""
+    ``numbers``: [start, end) token spans of every number of the response (operands, results, the
+    final answer), or empty; the result a cut ends is the number right before its period."""
     prompt: list[int]
     response: list[int]  # ends with EOS unless open_ended
     open_ended: bool = False
     cuts: tuple[int, ...] = ()
-    starts: tuple[int, ...] = ()
     numbers: tuple[tuple[int, int], ...] = ()
 
     def cut(self, n: int) -> "Example":
@@ -51,7 +49,10 @@ class Example:
         """The open-ended item whose prompt runs up to the ``i``-th cut's result and whose response is
         that result and its period ("127."): the response is computed from a context that is all
         clean, for every objective, the condition a decoder meets."""
-        start, end = self.starts[i], self.cuts[i]
+        end = self.cuts[i]
+        start = next((a for a, b in self.numbers if b == end - 1), None)  # "127" of "127." ends before "."
+        if start is None:
+            raise ValueError(f"no number ends right before cut {i} (at {end})")
         if not 0 < start < end < len(self.response):
             raise ValueError(f"result {i} at [{start}, {end}) outside the response (length {len(self.response)})")
         return Example(self.prompt + self.response[:start], self.response[start:end], open_ended=True)

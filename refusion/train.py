@@ -160,20 +160,19 @@ def draw_items(examples: dict[str, list], step: int, cfg: TrainConfig) -> tuple[
         raise ValueError(f"no training kind has a positive weight: {sorted(examples)} vs {weights}")
     drawn = rng.choices(kinds, [weights[k] for k in kinds], k=cfg.batch_size)
     items = [rng.choice(examples[k]) for k in drawn]
-    if cfg.result_share > 0 or cfg.number_share > 0:
-        # one draw u per item with cut points: [0, open) open-ended, then result item, then number item
+    if cfg.open_share + cfg.result_share + cfg.number_share > 0:
         items = [_mix(ex, rng, cfg) if ex.cuts else ex for ex in items]
-    elif cfg.open_share > 0:  # the draws of runs made before result items existed, unchanged
-        items = [ex.cut(rng.choice(ex.cuts)) if ex.cuts and rng.random() < cfg.open_share else ex for ex in items]
     return items, rng
 
 
 def _mix(ex, rng: random.Random, cfg: TrainConfig):
+    """One draw u per item with cut points: [0, open) open-ended, then a result item, then a number
+    item, else the item itself (with only open_share set, the draws of runs made before the others)."""
     u = rng.random()
     if u < cfg.open_share:
         return ex.cut(rng.choice(ex.cuts))
     if u < cfg.open_share + cfg.result_share:  # a corpus without result offsets keeps the item
-        return ex.result(rng.randrange(len(ex.cuts))) if ex.starts else ex
+        return ex.result(rng.randrange(len(ex.cuts))) if ex.numbers else ex
     if u < cfg.open_share + cfg.result_share + cfg.number_share and ex.numbers:
         return ex.number(rng.randrange(len(ex.numbers)))
     return ex
@@ -207,8 +206,7 @@ def data_fingerprint(examples: dict[str, list]) -> str:
     for kind in sorted(examples):
         h.update(kind.encode())
         for ex in examples[kind]:
-            extra = ((ex.starts,) if ex.starts else ()) + ((ex.numbers,) if ex.numbers else ())
-            h.update(repr((ex.prompt, ex.response, ex.cuts) + extra).encode())
+            h.update(repr((ex.prompt, ex.response, ex.cuts) + ((ex.numbers,) if ex.numbers else ())).encode())
     return h.hexdigest()[:16]
 
 
@@ -470,8 +468,8 @@ Corpus = dict[str, list[dict]]  # kind -> training rows with "query" and "respon
 def prepare(cfg: TrainConfig, rows: Corpus):
     """Train the tokenizer on the corpus and tokenize its rows (shared by every model). A row's optional
     ``cut_chars`` (character offsets in its response where an open-ended item may end) become token
-    cut points: the fewest response tokens that cover the offset; its optional ``result_chars`` (where
-    the result each cut ends begins) become ``Example.starts`` the same way."""
+    cut points: the fewest response tokens that cover the offset; its optional ``number_spans``
+    (character spans of its numbers) become ``Example.numbers``, token spans."""
     from refusion.objective import Example
     from refusion.tokenizer import TokenizerConfig, encode_chat, encode_response, train_tokenizer
 
@@ -479,7 +477,6 @@ def prepare(cfg: TrainConfig, rows: Corpus):
     tokenizer = train_tokenizer(texts, TokenizerConfig(vocab_size=cfg.vocab_size))
     examples = {kind: [Example(encode_chat(tokenizer, r["query"]), encode_response(tokenizer, r["response"]),
                                cuts=token_cuts(tokenizer, r["response"], r.get("cut_chars", ())),
-                               starts=token_cuts(tokenizer, r["response"], r.get("result_chars", ())),
                                numbers=token_spans(tokenizer, r["response"], r.get("number_spans", ())))
                        for r in kind_rows] for kind, kind_rows in rows.items()}
     return tokenizer, examples
@@ -579,9 +576,7 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     if not (all(0 <= x <= 1 for x in shares) and sum(shares) <= 1 and 0 <= a.suffix_share <= 1) \
             or a.save_every < 1 or a.save_every_s <= 0 or a.snapshot_every < 0 or a.warmup < 0:
         print("error: --open-share, --result-share, --number-share (and their sum) and --suffix-share must be in "
-              "[0, 1], "
-              "--save-every >= 1, --save-every-s > 0, "
-              "--snapshot-every >= 0, --warmup >= 0", file=sys.stderr)
+              "[0, 1], --save-every >= 1, --save-every-s > 0, --snapshot-every >= 0, --warmup >= 0", file=sys.stderr)
         return 2
     overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads, warmup=a.warmup,
                      open_share=a.open_share, result_share=a.result_share, number_share=a.number_share,

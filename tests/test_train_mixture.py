@@ -108,16 +108,18 @@ def test_suffix_share_in_the_refusion_collate():
 def test_result_items_are_the_result_after_a_clean_context(data):
     tok, examples = data
     for full in examples["math"]:
-        assert len(full.starts) == len(full.cuts)
-        for i, (start, end) in enumerate(zip(full.starts, full.cuts)):
+        for i, end in enumerate(full.cuts):  # every cut has its result
             ex = full.result(i)
+            start = len(ex.prompt) - len(full.prompt)
             assert ex.open_ended and ex.prompt == full.prompt + full.response[:start]
             assert ex.response == full.response[start:end]
             text = tok.decode(ex.response)
             assert text[:-1].isdigit() and text.endswith(".")  # "127."
             assert tok.decode(ex.prompt).endswith("= ")
     with pytest.raises(ValueError, match="outside the response"):
-        obj.Example([1], [5, 6, 7, 2], starts=(2,), cuts=(2,)).result(0)
+        obj.Example([1], [5, 6, 7, 2], numbers=((2, 3),), cuts=(4,)).result(0)
+    with pytest.raises(ValueError, match="no number ends right before cut"):
+        obj.Example([1], [5, 6, 7, 2], numbers=((1, 2),), cuts=(2,)).result(0)
 
 
 def unmixed(examples, step: int, cfg):
