@@ -54,6 +54,9 @@ PRESETS: dict[str, ModelSpec] = {
                                                    "decoded_token_threshold": 0.95, "skip_threshold": 0.9}),
 }
 DEFAULT_MODELS = ("ar", "refusion", "llada", "fast_dllm")
+# make regress: the default run plus the other diffusion decoders (Dream, D2F), so a changed math figure of
+# any diffusion decoder fails the check.
+REGRESS_MODELS = (*DEFAULT_MODELS, "dream", "d2f")
 # make bench-decoders: every decoder and ReFusion ablation.
 BENCH_MODELS = ("ar", "refusion", "refusion_left_to_right", "refusion_recompute_kv", "refusion_no_cache",
                 "refusion_replicated", "llada", "fast_dllm", "dream", "dream_fast_dllm", "d2f")

@@ -3,9 +3,11 @@
     python -m harness regress                         # run, compare with results/baseline/embedded.json
     python -m harness regress-update --reason "..."   # run, rewrite the baseline, append to history.jsonl
 
-Both run the default embedded evaluation (the default decoders on the committed
-tiny checkpoints) at a fixed LIMIT, seed and thread count, through the same
-runner as ``make eval``, into an ignored folder (``results/runs/regress-*``).
+Both run the embedded evaluation of the default decoders plus Dream and D2F
+(``REGRESS_MODELS``: every diffusion decoder, so a changed math figure of any of
+them fails) on the committed tiny checkpoints at a fixed LIMIT, seed and thread
+count, through the same runner as ``make eval``, into an ignored folder
+(``results/runs/regress-*``).
 
 What is compared, per (model, task):
 
@@ -36,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.presets import DEFAULT_MODELS, PRESETS
+from harness.presets import PRESETS, REGRESS_MODELS
 from harness.store import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +74,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def settings(models: tuple[str, ...] = DEFAULT_MODELS, limit: int = LIMIT) -> dict:
+def settings(models: tuple[str, ...] = REGRESS_MODELS, limit: int = LIMIT) -> dict:
     """Everything that must match for two runs to be comparable."""
     specs = [PRESETS[m] for m in models]
     ckpts = sorted({s.checkpoint for s in specs})
@@ -251,7 +253,7 @@ def _parser(update: bool) -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(REPO / "results" / "runs"), help="run folder parent (ignored by git)")
     p.add_argument("--run", default=None, help="use this finished run folder instead of running the evaluation")
     p.add_argument("--limit", type=int, default=LIMIT, help="documents per task (default: %(default)s)")
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="preset names (default: %(default)s)")
+    p.add_argument("--models", default=",".join(REGRESS_MODELS), help="preset names (default: %(default)s)")
     p.add_argument("--report", default=str(REPORT), help="Markdown report (default: %(default)s)")
     if update:
         p.add_argument("--reason", required=True, help="why the baseline changes (kept in history.jsonl)")

@@ -46,7 +46,7 @@ def embedded_corpus() -> dict[str, list[dict]]:
 
 def add_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("learning curves (harness/curves.py)")
-    g.add_argument("--curves", action="store_true",
+    g.add_argument("--curves", action=argparse.BooleanOptionalAction, default=False,
                    help="evaluate every snapshot (--snapshot-every) as it is written on the embedded test slice "
                    "with the model's preset decoder; record to --curves-out")
     g.add_argument("--curves-n", type=int, default=100, help="test items per kind (the first n)")

@@ -47,11 +47,18 @@ from pathlib import Path
 
 MODEL_NAMES = ("ar", "refusion", "mdm", "dream", "d2f")  # training order (each after the model it starts from)
 
-# Per-model recipe (steps, peak lr): ar learns the tasks from scratch; the others adapt trained
-# weights to their objective, as ReFusion fine-tunes Qwen3-8B, Dream starts from Qwen2.5 and D2F
-# distils a trained LLaDA / Dream. Each fits in under 60 minutes on 2 CPU cores (README: measured times).
-RECIPES: dict[str, tuple[int, float]] = {"ar": (3000, 2e-3), "refusion": (1500, 1e-3), "mdm": (1500, 1e-3),
-                                         "dream": (1800, 1e-3), "d2f": (1800, 1e-3)}
+# The committed recipe, one schedule per model (steps, peak lr; one warm-up, cosine decay, no restart):
+# ar learns the tasks from scratch; the four diffusion models adapt trained weights to their objective,
+# as ReFusion fine-tunes Qwen3-8B, Dream starts from Qwen2.5 and D2F distils a trained LLaDA / Dream. The
+# diffusion models get the same budget (steps x batch on the same draws: the same tokens seen), so their
+# comparison is fair. Sized so the whole recipe ends inside one 3-hour stretch of a 2-core CPU
+# (ar alone on both cores, then two diffusion models at a time on one core each: docs/design.md).
+RECIPES: dict[str, tuple[int, float]] = {"ar": (2400, 2e-3), "refusion": (1200, 1e-3), "mdm": (1200, 1e-3),
+                                         "dream": (1200, 1e-3), "d2f": (1200, 1e-3)}
+# The recipe's data mixture, the same for every model: of the math items, 20% open-ended (cut right after
+# an intermediate result) and 40% replaced by a result item (docs/design.md, Training runs). TrainConfig's
+# own defaults stay 0 (the faithful data), which is what a state file written before a field existed means.
+RECIPE_MIX: dict[str, float] = {"open_share": 0.2, "result_share": 0.4}
 # Bidirectional (LLaDA, Dream) or block-causal (D2F, explicit masks) attention: not causal.
 NON_CAUSAL = ("mdm", "dream", "d2f")
 # TrainConfig fields a resumed run may change (how often it saves, how many threads): the rest must match.
@@ -112,7 +119,19 @@ class TrainConfig:
 def recipe(name: str, **overrides) -> TrainConfig:
     """The committed training configuration of one tiny model; ``overrides`` replace fields."""
     steps, lr = RECIPES[name]
-    return dataclasses.replace(TrainConfig(steps=steps, lr=lr), **overrides)
+    return dataclasses.replace(TrainConfig(steps=steps, lr=lr, **RECIPE_MIX), **overrides)
+
+
+def recipe_fingerprint(cfg: TrainConfig | dict, shape: ModelShape | dict) -> str:
+    """Hash of what decides a model's weights (every TrainConfig field but ``OPERATIONAL``, and the
+    shape); ``train_config.json`` records it, and a test checks that each committed folder's equals
+    the recipe's (``recipe(name)``), so `make train-tiny` with its defaults is how they were made. A
+    dict (a recorded ``train`` / ``shape``) counts a field it lacks as its default."""
+    conf = dataclasses.asdict(cfg) if isinstance(cfg, TrainConfig) else {**dataclasses.asdict(TrainConfig()), **cfg}
+    shape = dataclasses.asdict(shape) if isinstance(shape, ModelShape) else dict(shape)
+    conf = {k: v for k, v in conf.items() if k not in OPERATIONAL}
+    blob = json.dumps({"config": conf, "shape": shape}, sort_keys=True)  # tuples and lists alike
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def init_of(name: str, cfg: TrainConfig) -> str:
@@ -360,6 +379,7 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
     _write_log(staging, log, name)
     _atomic_write_text(staging / "train_config.json", json.dumps(
         {"model": name, "train": dataclasses.asdict(cfg), "shape": dataclasses.asdict(shape),
+         "recipe_fingerprint": recipe_fingerprint(cfg, shape), "data": fingerprint,
          "parameters": sum(p.numel() for p in model.parameters()), "tokens_seen": tokens_seen,
          "train_seconds": log[-1]["elapsed_s"] if log else 0.0, "final_loss": log[-1]["loss"] if log else None},
         indent=2))
@@ -535,13 +555,14 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     p.add_argument("--init-dir", default="",
                    help="folder of the checkpoints models start from (default: --out); e.g. --out runs-exp/x "
                    "--init-dir checkpoints/tiny --refusion-init refusion continues the committed refusion model")
-    p.add_argument("--open-share", type=float, default=TrainConfig.open_share,
+    p.add_argument("--open-share", type=float, default=RECIPE_MIX["open_share"],
                    help="arithmetic-signal mixture: share of math items replaced by an open-ended item that stops "
-                   "right after an intermediate result (no EOS, no loss after it); default 0, the faithful data")
-    p.add_argument("--result-share", type=float, default=TrainConfig.result_share,
+                   "right after an intermediate result (no EOS, no loss after it); default %(default)s, the "
+                   "recipe's (0: the faithful data)")
+    p.add_argument("--result-share", type=float, default=RECIPE_MIX["result_share"],
                    help="arithmetic-signal mixture: share of math items replaced by a result item, whose prompt runs "
                    "up to an intermediate result and whose response is that result ('127.'; no EOS); "
-                   "default 0, the faithful data")
+                   "default %(default)s, the recipe's (0: the faithful data)")
     p.add_argument("--number-share", type=float, default=TrainConfig.number_share,
                    help="arithmetic-signal mixture: share of math items replaced by a number item, whose prompt runs "
                    "up to any number of the solution (operand, result, answer) and whose response is that number "
@@ -561,6 +582,7 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
                    help="train the models of one stage (those starting from the same trained model) one after "
                    "the other with all threads (default: side by side, threads split between them)")
     p.add_argument("--bar-position", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one model of a scheduled run
     if add_options is not None:
         add_options(p)
     a = p.parse_args(argv)
@@ -586,25 +608,60 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr)) if v is not None})
     base = TrainConfig(**overrides)
     hook = make_hook(a) if make_hook is not None else None
+    out = Path(a.out)
+    # Models a scheduled run already finished (an interrupted `make train-tiny` resumes where it was).
+    done = {n for n in names if _finished(out, n, recipe(n, **overrides))}
+    for n in sorted(done, key=MODEL_NAMES.index):
+        print(f"{n}: {out / n} was finished by this run (same recipe); kept", flush=True)
+    todo = [n for n in sorted(set(names), key=MODEL_NAMES.index) if n not in done]
+    if len(todo) > 1 and not a.sequential and a.threads >= 2:
+        code = _schedule(todo, base, a, argv, entry)
+    else:
+        code = _in_process(todo, base, overrides, a, corpus, hook)
+    if code == 0 and not a.child:
+        for n in names:  # the whole run is done: a later `make train-tiny` trains again from scratch
+            _done_marker(out, n).unlink(missing_ok=True)
+    return code
+
+
+def _in_process(names: list[str], base: TrainConfig, overrides: dict, a: argparse.Namespace,
+                corpus: Callable[[], Corpus], hook: Callable | None) -> int:
+    """Train ``names`` one after the other in this process, each after the model it starts from."""
     prepared = None
-    # With --init-dir elsewhere every start checkpoint is already on disk: one stage.
-    groups = [names] if a.init_dir and Path(a.init_dir).resolve() != Path(a.out).resolve() else \
-        stages(sorted(set(names), key=MODEL_NAMES.index), base)
-    for stage in groups:
-        if len(stage) > 1 and not a.sequential and a.threads >= 2:
-            # Models of one stage depend only on earlier stages: one process each, threads split.
-            code = _side_by_side(stage, a, argv, entry)
-            if code:
-                return code
-            continue
+    for stage in stages(names, base):
         prepared = prepared or prepare(base, corpus())
         for name in stage:
+            cfg = recipe(name, **overrides)
             try:
-                _train_timed(name, *prepared, recipe(name, **overrides), Path(a.out), a.bar_position, a.fresh, hook)
+                _train_timed(name, *prepared, cfg, Path(a.out), a.bar_position, a.fresh, hook)
             except StateMismatch as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
+            _atomic_write_text(_done_marker(Path(a.out), name), recipe_fingerprint(cfg, ModelShape()))
     return 0
+
+
+def _train_timed(name: str, tokenizer, examples, cfg: TrainConfig, out: Path, bar_position: int, fresh: bool,
+                 hook: Callable | None) -> None:
+    t0 = time.time()
+    path = train_one(name, tokenizer, examples, cfg, ModelShape(), out, bar_position=bar_position, fresh=fresh,
+                     on_snapshot=hook)
+    print(f"{name}: {path} in {time.time() - t0:.0f}s", flush=True)
+
+
+def _done_marker(out: Path, name: str) -> Path:
+    """``out/.<name>.done``: the recipe fingerprint of a model this run finished (ignored by git; removed
+    when the whole run is done), so rerunning an interrupted run keeps it instead of training it again."""
+    return out / f".{name}.done"
+
+
+def _finished(out: Path, name: str, cfg: TrainConfig) -> bool:
+    marker, conf = _done_marker(out, name), out / name / "train_config.json"
+    if not (marker.is_file() and conf.is_file()):
+        return False
+    want = recipe_fingerprint(cfg, ModelShape())
+    rec = json.loads(conf.read_text())
+    return marker.read_text().strip() == want == recipe_fingerprint(rec["train"], rec["shape"])
 
 
 def stages(names: list[str], cfg: TrainConfig) -> list[list[str]]:
@@ -620,39 +677,68 @@ def stages(names: list[str], cfg: TrainConfig) -> list[list[str]]:
     return [out[d] for d in sorted(out)]
 
 
-def _train_timed(name: str, tokenizer, examples, cfg: TrainConfig, out: Path, bar_position: int, fresh: bool,
-                 hook: Callable | None) -> None:
-    t0 = time.time()
-    path = train_one(name, tokenizer, examples, cfg, ModelShape(), out, bar_position=bar_position, fresh=fresh,
-                     on_snapshot=hook)
-    print(f"{name}: {path} in {time.time() - t0:.0f}s", flush=True)
-
-
-def _side_by_side(names: list[str], a: argparse.Namespace, argv: list[str], entry: str) -> int:
+def _schedule(names: list[str], cfg: TrainConfig, a: argparse.Namespace, argv: list[str], entry: str) -> int:
+    """Train ``names`` as child processes (``python -m entry --models <one>``), each started as soon as
+    the model it starts from is trained, at most ``a.threads`` at a time. Models that others wait on go
+    first (mdm before refusion and dream, since d2f starts from mdm). Threads: a model that is alone on
+    the machine gets all of them (ar), otherwise one each (the 2-core recipe: ar on both cores, then
+    mdm and refusion side by side, then d2f and dream). A failed model's dependents are not started."""
     import subprocess
 
+    local = not cfg.init_dir or Path(cfg.init_dir).resolve() == Path(a.out).resolve()
+    deps = {n: init_of(n, cfg) if local and init_of(n, cfg) in names and init_of(n, cfg) != n else None
+            for n in names}
+
+    def chain(n: str) -> int:  # length of the longest chain of models waiting on n
+        return 1 + max((chain(m) for m in names if deps[m] == n), default=0)
+
     keep = []  # the caller's options except those set per child below
-    skip = {"--models", "--threads", "--bar-position"}
+    skip = {"--models", "--threads", "--bar-position", "--child"}
     it = iter(argv)
     for tok in it:
         if tok.split("=")[0] in skip:
-            if "=" not in tok:
+            if "=" not in tok and tok != "--child":
                 next(it, None)
             continue
         keep.append(tok)
-    per = max(1, a.threads // len(names))
-    procs = [subprocess.Popen([sys.executable, "-m", entry, *keep, "--models", n, "--threads", str(per),
-                               "--bar-position", str(i)]) for i, n in enumerate(names)]
+    waiting = sorted(names, key=lambda n: (-chain(n), MODEL_NAMES.index(n)))
+    running: dict[str, tuple[subprocess.Popen, int]] = {}  # name -> (process, progress-bar slot)
+    finished: set[str] = set()
+    skipped: set[str] = set()  # not started: the model they start from failed
+    failed: dict[str, int] = {}  # name -> exit status
     try:
-        codes = [p.wait() for p in procs]
+        while waiting or running:
+            for n in [n for n in waiting if deps[n] in failed or deps[n] in skipped]:
+                waiting.remove(n)
+                skipped.add(n)
+            ready = [n for n in waiting if deps[n] is None or deps[n] in finished]
+            while ready and len(running) < a.threads:
+                n = ready.pop(0)
+                waiting.remove(n)
+                threads = max(1, (a.threads - len(running)) // (1 + len(ready)))
+                slot = min(set(range(a.threads)) - {s for _, s in running.values()})
+                print(f"{n}: training on {threads} thread(s)", flush=True)
+                running[n] = (subprocess.Popen([sys.executable, "-m", entry, *keep, "--models", n, "--threads",
+                                                str(threads), "--bar-position", str(slot), "--child"]), slot)
+            for n, (proc, _) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[n]
+                if proc.returncode == 0:
+                    finished.add(n)
+                else:
+                    failed[n] = proc.returncode
+            if running:
+                time.sleep(1)
     except BaseException:
-        for p in procs:
-            p.terminate()  # state files keep the progress: rerunning resumes
+        for proc, _ in running.values():
+            proc.terminate()  # state files keep the progress: rerunning resumes
         raise
-    for n, c in zip(names, codes):
-        if c != 0:
-            print(f"error: training {n} failed (exit {c}); rerun to resume from its last state", file=sys.stderr)
-    return max(codes)
+    for n, c in failed.items():
+        print(f"error: training {n} failed (exit {c}); rerun to resume from its last state", file=sys.stderr)
+    for n in sorted(skipped, key=MODEL_NAMES.index):
+        print(f"error: {n} was not trained: the model it starts from ({deps[n]}) was not", file=sys.stderr)
+    return 0 if not failed and not skipped else max([1, *(c for c in failed.values() if c > 0)])
 
 
 if __name__ == "__main__":

@@ -153,3 +153,23 @@ def test_bad_arguments(tmp_path, capsys):
     assert "--limit must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         regress.main_update([])  # --reason is required
+
+
+def test_committed_baseline_holds_every_diffusion_decoders_math_figure():
+    """`make regress` runs every diffusion decoder (REGRESS_MODELS), and a changed math quality of any one
+    of them, every other figure equal, fails the check."""
+    from harness.presets import PRESETS, REGRESS_MODELS
+    from refusion.decoding import DECODERS
+
+    base = regress.load_baseline(regress.BASELINE)
+    assert [m["name"] for m in base["settings"]["models"]] == list(REGRESS_MODELS)
+    diffusion = {PRESETS[m].decoder for m in REGRESS_MODELS} - {"ar"}
+    assert diffusion == {"refusion", "llada", "fast_dllm", "dream", "d2f"} and diffusion <= set(DECODERS)
+    for m in REGRESS_MODELS:
+        key = f"{m}/embedded_math"
+        q = base["figures"]["deterministic"][key]["quality"]
+        assert isinstance(q, float) and 0 <= q <= 1
+        now = json.loads(json.dumps(base["figures"]))
+        now["deterministic"][key]["quality"] = q + 0.05
+        bad = [r["figure"] for r in regress.compare(base["figures"], now) if not r["ok"]]
+        assert bad == [f"{key} quality"]
