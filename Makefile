@@ -107,10 +107,8 @@ override TRAIN_ARGS := $(value TRAIN_ARGS)
 override CURVES_ARGS := $(value CURVES_ARGS)
 export TRAIN_ARGS CURVES_ARGS
 
-# The committed recipe: every model, learning curves recorded every 400 steps (reports/curves/); TRAIN_ARGS
-# come after these defaults, so they override them (e.g. --no-curves, --models refusion).
-train-tiny: setup ## retrain every tiny model with the committed recipe, curves to reports/curves (resumes an interrupted run): make train-tiny TRAIN_ARGS='--models refusion ...'
-	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness train-tiny --snapshot-every 400 --curves $$TRAIN_ARGS
+train-tiny: setup ## retrain the tiny models with the committed recipe (resumes an interrupted run): make train-tiny TRAIN_ARGS='--models refusion ...'
+	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness train-tiny $$TRAIN_ARGS
 
 curves: setup ## learning curves from snapshots and checkpoints: make curves CURVES_ARGS='--root runs-exp/x --models refusion'
 	@set -f; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness.curves $$CURVES_ARGS

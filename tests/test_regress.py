@@ -8,20 +8,20 @@ from pathlib import Path
 import pytest
 
 from harness import regress
-from harness.presets import DEFAULT_MODELS
+from harness.presets import REGRESS_MODELS
 
 TASKS = ("embedded_math", "embedded_code")
 
 
 def fake_run(root: Path, tps: dict[str, float], nfe: int = 40, quality: float = 0.5) -> Path:
-    """A finished run folder with the default models: metrics files as the worker writes them."""
+    """A finished run folder with the regression check's models: metrics files as the worker writes them."""
     run = root / "run"
     (run / "metrics").mkdir(parents=True)
-    models = [{"name": m, "decoder": m} for m in DEFAULT_MODELS]
+    models = [{"name": m, "decoder": m} for m in REGRESS_MODELS]
     (run / "run.json").write_text(json.dumps({
         "models": models, "units": [{"name": t} for t in TASKS], "baseline": "ar", "limit": regress.LIMIT,
         "seed": regress.SEED, "threads": regress.THREADS}))
-    for m in DEFAULT_MODELS:
+    for m in REGRESS_MODELS:
         for t in TASKS:
             gen = 100
             (run / "metrics" / f"{m}__{t}.json").write_text(json.dumps({
@@ -31,7 +31,7 @@ def fake_run(root: Path, tps: dict[str, float], nfe: int = 40, quality: float = 
     return run
 
 
-BASE_TPS = {"ar": 100.0, "refusion": 300.0, "llada": 20.0, "fast_dllm": 80.0}
+BASE_TPS = {"ar": 100.0, "refusion": 300.0, "llada": 20.0, "fast_dllm": 80.0, "dream": 20.0, "d2f": 250.0}
 
 
 def test_figures_and_ratios(tmp_path):
@@ -142,7 +142,7 @@ def test_committed_baseline_matches_committed_checkpoints():
     """The baseline CI compares against must describe the checkpoints and presets in the repo."""
     data = regress.load_baseline(regress.BASELINE)
     regress.check_settings(data["settings"], regress.settings(), regress.BASELINE)
-    keys = {f"{m}/{t}" for m in DEFAULT_MODELS for t in ("embedded_math", "embedded_code", "embedded_choice")}
+    keys = {f"{m}/{t}" for m in REGRESS_MODELS for t in ("embedded_math", "embedded_code", "embedded_choice")}
     assert set(data["figures"]["deterministic"]) == keys
 
 

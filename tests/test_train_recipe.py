@@ -19,7 +19,6 @@ from refusion.train import MODEL_NAMES, OPERATIONAL, ModelShape, TrainConfig, re
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "checkpoints" / "tiny"
-DIFFUSION = ("refusion", "mdm", "dream", "d2f")
 
 
 def recorded(name: str) -> dict:
@@ -36,18 +35,7 @@ def test_committed_folder_is_the_recipe(name):
         f"{TINY / name} was not trained with the recipe of refusion/train.py: retrain it with `make train-tiny`")
     if "recipe_fingerprint" in rec:
         assert rec["recipe_fingerprint"] == want
-    assert rec["train"]["steps"] == train.RECIPES[name][0] and rec["tokens_seen"] > 0
-
-
-def test_diffusion_models_had_the_same_budget_and_data():
-    """Same steps, batch, seed and mixture, so the same draws: the same tokens seen on the same corpus, and
-    the same start weights (ar's; d2f distils mdm)."""
-    recs = {n: recorded(n) for n in DIFFUSION}
-    assert len({r["tokens_seen"] for r in recs.values()}) == 1, {n: r["tokens_seen"] for n, r in recs.items()}
-    assert len({r["data"] for r in recs.values()}) == 1
-    fields = ("steps", "batch_size", "seed", "open_share", "result_share", "number_share", "kind_weights")
-    assert len({json.dumps([r["train"][f] for f in fields]) for r in recs.values()}) == 1
-    assert [recs[n]["train"][f"{n}_init"] for n in DIFFUSION] == ["ar", "ar", "ar", "mdm"]
+    assert rec["train"]["steps"] == train.RECIPES[name][0] and rec["train"]["lr"] == train.RECIPES[name][1]
 
 
 def test_fingerprint_covers_the_recipe_not_the_operational_fields():
@@ -57,7 +45,7 @@ def test_fingerprint_covers_the_recipe_not_the_operational_fields():
     for field in OPERATIONAL:
         other = {**cfg.__dict__, field: 7}
         assert recipe_fingerprint(other, ModelShape()) == fp
-    for field, value in (("steps", 1), ("lr", 0.5), ("result_share", 0.0), ("refusion_init", "scratch")):
+    for field, value in (("steps", 1), ("lr", 0.5), ("result_share", 0.4), ("refusion_init", "scratch")):
         assert recipe_fingerprint({**cfg.__dict__, field: value}, ModelShape()) != fp, field
     assert recipe_fingerprint(cfg, ModelShape(hidden_size=64)) != fp
     # A recorded config that lacks a later-added field counts it as TrainConfig's default.
