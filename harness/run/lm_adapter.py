@@ -57,8 +57,8 @@ from lm_eval.models.utils import postprocess_generated_text
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from harness.checkpoints import CheckpointError, CheckpointInfo, inspect_checkpoint, load_model, resolve_dtype
-from harness.store import Journal, request_key
+from harness.models.checkpoints import CheckpointError, CheckpointInfo, inspect_checkpoint, load_model, resolve_dtype
+from harness.run.store import Journal, request_key
 
 MODEL_NAME = "refusion_bench"
 PAUSE_ENV = "REFUSION_BENCH_PAUSE_AFTER"  # test hook: see RefusionBenchLM._maybe_pause
@@ -66,7 +66,7 @@ PAUSE_ENV = "REFUSION_BENCH_PAUSE_AFTER"  # test hook: see RefusionBenchLM._mayb
 
 def checkpoint_knobs(info: CheckpointInfo, decoder: str) -> dict[str, Any]:
     """Decoder knobs a checkpoint sets for itself (below the task's settings and the model's knobs):
-    - a family whose logits are shifted (Dream, harness/families.py) sets ``shift=true`` for the decoders that
+    - a family whose logits are shifted (Dream, harness/models/families.py) sets ``shift=true`` for the decoders that
       have the knob (fast_dllm, d2f), so Dream + Fast-dLLM / D2F read the logit at i-1 for token i;
     - for ``dream``, the DreamGenerationConfig fields of its generation_config.json
       (refusion.decoding.mdm.dream_generation_defaults).
@@ -178,7 +178,7 @@ class RefusionBenchLM(TemplateLM):
         self.pretrained = str(pretrained)
         if trust_remote_code:
             raise ValueError("trust_remote_code: this harness runs no checkpoint's own code; released folders "
-                             "load onto transformers' classes by their family (harness/families.py)")
+                             "load onto transformers' classes by their family (harness/models/families.py)")
         self.chat_template_args = parse_chat_template_args(chat_template_args)
         self.dtype = resolve_dtype(dtype, str(self._device))
         loaded = load_model(pretrained, device=str(self._device), dtype=self.dtype, base=base, info=info)

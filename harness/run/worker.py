@@ -1,4 +1,4 @@
-"""One model of a run, in its own process: `python -m harness.worker --run-dir D --model NAME`.
+"""One model of a run, in its own process: `python -m harness.run.worker --run-dir D --model NAME`.
 
 Started by the runner (directly, or under ``accelerate launch`` for data
 parallelism). It evaluates every task of the run with lm-eval and the
@@ -18,8 +18,8 @@ import signal
 import sys
 from pathlib import Path
 
-from harness.metrics import aggregate, quality_metrics
-from harness.store import atomic_write_json, atomic_write_jsonl, read_json
+from harness.run.metrics import aggregate, quality_metrics
+from harness.run.store import atomic_write_json, atomic_write_jsonl, read_json
 
 
 def _peak_rss_bytes() -> int:
@@ -66,7 +66,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m harness.run.worker", description=__doc__)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--error-file", default=None,
@@ -76,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(ns)
     except Exception as e:  # noqa: BLE001 - sorted below: only the user's data and files get one line
-        from harness.runner import known_error
+        from harness.run.runner import known_error
 
         msg = None if ns.debug else known_error(e)
         if msg is None:
             raise
         if ns.error_file:
-            from harness.store import atomic_write_text
+            from harness.run.store import atomic_write_text
 
             atomic_write_text(Path(ns.error_file), msg + "\n")
         else:
@@ -103,14 +103,14 @@ def _main(ns: argparse.Namespace) -> int:
         return 2
     for name in ("lm_eval", "datasets", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from harness.quiet import quiet_libraries
+    from harness.run.quiet import quiet_libraries
 
     quiet_libraries()  # no per-task metadata hint, no weight-loading bar; warnings and errors stay
 
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from harness.lm_adapter import RefusionBenchLM, set_seed
+    from harness.run.lm_adapter import RefusionBenchLM, set_seed
 
     set_seed(cfg["seed"])
     mdir = run_dir / "models" / spec["name"]

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B attention
 CPU_BACKENDS = ("sdpa", "replicated", "flex")
 ALL_BACKENDS = ("sdpa", "replicated", "flex", "triton")
@@ -177,7 +177,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Packed slot attention, Qwen3-8B shapes (32/8 heads, head_dim 128)")
     fig.tight_layout()
-    from harness.store import atomic_save_figure
+    from harness.run.store import atomic_save_figure
 
     atomic_save_figure(fig, path)
 
@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from harness.runner import environment
-    from harness.store import atomic_write_json
+    from harness.run.runner import environment
+    from harness.run.store import atomic_write_json
     from refusion.kernels import missing
 
     if a.device == "cuda" and not torch.cuda.is_available():

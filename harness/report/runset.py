@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.store import read_json
+from harness.run.store import read_json
 
 # Settings that must agree when two runs measured the same model / (model, task).
 MODEL_KEYS = ("checkpoint", "decoder", "knobs")

@@ -38,10 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-from harness.presets import PRESETS, REGRESS_MODELS
-from harness.store import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
+from harness.run.presets import PRESETS, REGRESS_MODELS
+from harness.run.store import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASELINE = REPO / "results" / "baseline" / "embedded.json"
 HISTORY_NAME = "history.jsonl"
 REPORT = REPO / "reports" / "regress.md"

@@ -29,12 +29,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from harness import paper
-from harness.metrics import speedup
-from harness.paper_report import NOT_MEASURED, _show_path, check_name, quality_pct, tps
-from harness.runset import InputError, _read, device_text, resolve_runs
-from harness.report import resumed, sessions
-from harness.store import atomic_dir, atomic_write_json, atomic_write_text
+from harness.report import paper
+from harness.run.metrics import speedup
+from harness.report.paper_report import NOT_MEASURED, _show_path, check_name, quality_pct, tps
+from harness.report.runset import InputError, _read, device_text, resolve_runs
+from harness.run.summary import resumed, sessions
+from harness.run.store import atomic_dir, atomic_write_json, atomic_write_text
 
 
 def _speed(met: dict, *path: str) -> Any:
