@@ -94,7 +94,7 @@ def test_loglikelihood_mdm_monte_carlo_is_deterministic_and_unbiased_shape(mdm_c
     one = Instance("loglikelihood", {}, ("what is 3 plus 4", " ?"), 0, ("t", 1, 1))
     (ll1, _), = lm.loglikelihood([one])
     ctx, cont = lm._split("what is 3 plus 4", " ?")
-    x = torch.tensor([ctx + [lm._mask_id()] * len(cont)])
+    x = torch.tensor([ctx + [lm.scorer.mask_id()] * len(cont)])
     with torch.no_grad():
         logp = torch.log_softmax(lm.model(x).logits[0].float(), -1)
     if len(cont) == 1:

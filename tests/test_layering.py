@@ -177,7 +177,7 @@ def test_harness_top_holds_the_sub_packages_and_entry_points_only():
     top = REPO / "harness"
     files = {p.name for p in top.iterdir() if p.is_file() and p.suffix == ".py"}
     folders = {p.name for p in top.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert files <= TOP_FILES, f"new module at the top of harness/: {sorted(files - TOP_FILES)}; put it in a sub-package"
+    assert files <= TOP_FILES, f"modules at the top of harness/: {sorted(files - TOP_FILES)}; move them to a sub-package"
     assert folders == set(FLOORS), f"harness/ sub-packages {sorted(folders)} != the floors {sorted(FLOORS)}"
     assert all((top / f / "__init__.py").is_file() for f in folders)
 
@@ -228,8 +228,9 @@ def test_the_floor_check_fails_on_an_upward_import(tmp_path):
     assert upward_imports(graph) == [] and import_cycles(graph) == []
 
     cases = {  # file -> (added source, the one line the check must print)
-        "harness/models/checkpoints.py": ("def f():\n    from harness.run.runner import main\n",
-                                          "harness.models.checkpoints:3 imports harness.run.runner (run/ is above models/)"),
+        "harness/models/checkpoints.py": (
+            "def f():\n    from harness.run.runner import main\n",
+            "harness.models.checkpoints:3 imports harness.run.runner (run/ is above models/)"),
         "harness/run/store.py": ("from ..report import paper\n",
                                  "harness.run.store:1 imports harness.report.paper (report/ is above run/)"),
         "harness/speed/bench.py": ("import harness.report.paper as p\n",

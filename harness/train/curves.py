@@ -49,17 +49,11 @@ def test_slice(kind: str, n: int) -> list[dict]:
 
 
 def _special_ids(model, tokenizer) -> tuple[list[int], int | None]:
-    """EOS ids and mask id by the adapter's rules (harness/run/lm_adapter.py ``_special_ids``)."""
-    from refusion.decoding.common import eos_ids, mask_id
+    """EOS ids and mask id by the adapter's rules (harness/run/lm_decode.py ``special_ids``)."""
+    from harness.run.lm_decode import special_ids
 
-    eos = list(eos_ids(model, None))
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(int(tokenizer.eos_token_id))
-    try:
-        mask = mask_id(model, None)
-    except ValueError:  # a causal checkpoint without a mask id (ar)
-        mask = getattr(tokenizer, "mask_token_id", None)
-    return eos, mask
+    eos, mask = special_ids(model, tokenizer)
+    return list(eos), mask
 
 
 def prompt_ids(tokenizer, query: str) -> list[int]:
