@@ -6,7 +6,9 @@ ones resolved), never by importing anything.
   report/, train/ -> run/ -> models/. A sub-package imports its own modules and those of lower floors
   only: never one above it, never one beside it; no module imports harness's entry points, and the
   modules of harness import each other without a cycle.
-- harness/ itself holds the five sub-packages and the entry points only.
+- harness/ itself holds the five sub-packages and the entry points only; no function of harness is
+  longer than 80 lines, and the lm-eval model class (RefusionBenchLM) is a page: at most 150 lines, no
+  method over 60.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ ALLOWED = {"refusion": set(), "tasks": set(), "harness": {"refusion", "tasks"}}
 FLOORS = {"models": 0, "run": 1, "report": 2, "speed": 2, "train": 2}
 ENTRY_FLOOR = 3
 TOP_FILES = {"__init__.py", "__main__.py", "cli.py", "lm_eval_cli.py"}
+MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = {"RefusionBenchLM": 150}  # the lm-eval model: a page
+MAX_METHOD_LINES = 60  # each method of such a class
 
 
 def imported_names(source: str, parts: tuple[str, ...]) -> list[tuple[str, int]]:
@@ -146,6 +151,25 @@ def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return out
 
 
+def long_definitions(root: Path, package: str = "harness") -> list[str]:
+    """Functions over MAX_FUNCTION_LINES lines, classes named in MAX_CLASS_LINES over their limit and their
+    methods over MAX_METHOD_LINES."""
+    bad = []
+    for path in sorted((root / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            n = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and n > MAX_FUNCTION_LINES:
+                bad.append(f"{where} {node.name}: {n} lines > {MAX_FUNCTION_LINES}")
+            elif isinstance(node, ast.ClassDef) and node.name in MAX_CLASS_LINES:
+                if n > MAX_CLASS_LINES[node.name]:
+                    bad.append(f"{where} class {node.name}: {n} lines > {MAX_CLASS_LINES[node.name]}")
+                bad += [f"{path.relative_to(root)}:{f.lineno} {node.name}.{f.name}: {f.end_lineno - f.lineno + 1} "
+                        f"lines > {MAX_METHOD_LINES}" for f in node.body
+                        if isinstance(f, ast.FunctionDef) and f.end_lineno - f.lineno + 1 > MAX_METHOD_LINES]
+    return bad
+
+
 # ---------------------------------------------------------------- the repository
 
 
@@ -180,6 +204,11 @@ def test_harness_top_holds_the_sub_packages_and_entry_points_only():
     assert files <= TOP_FILES, f"modules at the top of harness/: {sorted(files - TOP_FILES)}; move them to a sub-package"
     assert folders == set(FLOORS), f"harness/ sub-packages {sorted(folders)} != the floors {sorted(FLOORS)}"
     assert all((top / f / "__init__.py").is_file() for f in folders)
+
+
+def test_harness_definitions_fit_a_page():
+    bad = long_definitions(REPO)
+    assert not bad, "\n".join(bad)
 
 
 # ---------------------------------------------------------------- the checkers themselves
@@ -250,3 +279,15 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     graph = import_graph(_tree(tmp_path, files))
     assert upward_imports(graph) == []  # same floor: only the cycle check sees it
     assert import_cycles(graph) == [["harness.run.runner", "harness.run.store"]]
+
+
+def test_the_length_check_finds_a_long_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    method = "".join(f"        x{i} = {i}\n" for i in range(MAX_METHOD_LINES))
+    root = _tree(tmp_path, {"harness/run/long.py": "def fits():\n" + body[: -len("    x79 = 79\n")]
+                            + "\n\ndef too_long():\n" + body
+                            + "\n\nclass RefusionBenchLM:\n    def too_long(self):\n" + method})
+    assert long_definitions(root) == [
+        f"harness/run/long.py:{MAX_FUNCTION_LINES + 3} too_long: {MAX_FUNCTION_LINES + 1} lines > {MAX_FUNCTION_LINES}",
+        f"harness/run/long.py:{2 * MAX_FUNCTION_LINES + 7} RefusionBenchLM.too_long: {MAX_METHOD_LINES + 1} lines > "
+        f"{MAX_METHOD_LINES}"]
