@@ -36,7 +36,8 @@ from pathlib import Path
 from harness.report import paper
 from harness.run.metrics import speedup
 # Loading lives in harness/report/runset.py; load_runs stays importable from here (harness.report.sweep, tests).
-from harness.report.runset import PAPER_ROW, InputError, RunSet, device_text, load_runs, resolve_runs
+from harness.report.runset import (PAPER_ROW, InputError, RunSet, device_text, load_runs, resolve_runs,
+                                   run_parser)
 from harness.run.store import atomic_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -483,16 +484,7 @@ def write_report(rs: RunSet, target: Path) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default=None, help="run folder or run id, or a comma list to merge, each optionally "
-                   "label=run (the label names the run's rows when a model differs between runs) "
-                   "(default: the newest run under --runs-root)")
-    p.add_argument("--runs-root", default="results/runs", help="where run ids are looked up (default: %(default)s)")
-    p.add_argument("--out", default="reports", help="reports folder (default: %(default)s)")
-    p.add_argument("--name", default=None, help="report folder name (default: the run id(s) joined by '+')")
-    p.add_argument("--allow-partial", action="store_true", help="report an unfinished run, missing cells marked")
-    return p
+    return run_parser("report", __doc__)
 
 
 def check_name(name: str) -> str:
