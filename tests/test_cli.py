@@ -33,7 +33,9 @@ def _callers() -> dict[str, str]:
 def test_every_command_names_a_function_that_exists():
     for command, (target, _) in COMMANDS.items():
         module, _, func = target.partition(":")
-        assert importlib.util.find_spec(module) is not None, f"{command}: no module {module}"
+        spec = importlib.util.find_spec(module)
+        assert spec is not None, f"{command}: no module {module}"
+        assert Path(spec.origin).resolve().is_relative_to(REPO), f"{command}: {module} found outside: {spec.origin}"
         assert callable(getattr(importlib.import_module(module), func or "main", None)), f"{command}: {target}"
 
 
