@@ -111,7 +111,7 @@ train-tiny: setup ## retrain the tiny models with the committed recipe (resumes 
 	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness train-tiny $$TRAIN_ARGS
 
 curves: setup ## learning curves from snapshots and checkpoints: make curves CURVES_ARGS='--root runs-exp/x --models refusion'
-	@set -f; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness.curves $$CURVES_ARGS
+	@set -f; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness curves $$CURVES_ARGS
 
 bench-decoders: setup ## benchmark every decoder on the embedded suite, JSON to results/
 	HF_HUB_OFFLINE=1 $(PY) -m harness bench-decoders

@@ -17,22 +17,22 @@ from typing import Iterator
 
 # command -> ("module" with main(argv) or "module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "eval": ("harness.runner", "run decoders on a task or suite and record quality and speed"),
+    "eval": ("harness.run.runner", "run decoders on a task or suite and record quality and speed"),
     "validate-tasks": ("tasks.validate", "score every task's gold answers (one line per task)"),
-    "train-tiny": ("harness.train_tiny", "train the tiny models (ar from scratch, the others from its weights)"),
-    "bench-decoders": ("harness.bench", "benchmark every decoder on the embedded suite (JSON to results/)"),
-    "bench-kernels": ("harness.bench_kernels", "time and memory of the slot-attention kernels (JSON to results/)"),
-    "bench-e2e": ("harness.bench_e2e", "end-to-end decode timing at the Qwen3-8B shape on random weights (GPU check)"),
-    "generate-eval": ("harness.hf_generate", "accuracy of causal checkpoints with plain model.generate (left to right)"),
-    "knobs": ("harness.knobs", "every decoder's knobs: defaults, accepted values, help"),
+    "train-tiny": ("harness.train.train_tiny", "train the tiny models (ar from scratch, the others from its weights)"),
+    "bench-decoders": ("harness.speed.bench", "benchmark every decoder on the embedded suite (JSON to results/)"),
+    "bench-kernels": ("harness.speed.bench_kernels", "time and memory of the slot-attention kernels (JSON to results/)"),
+    "bench-e2e": ("harness.speed.bench_e2e", "end-to-end decode timing at the Qwen3-8B shape on random weights (GPU check)"),
+    "generate-eval": ("harness.run.hf_generate", "accuracy of causal checkpoints with plain model.generate (left to right)"),
+    "knobs": ("harness.run.knobs", "every decoder's knobs: defaults, accepted values, help"),
     "data": ("tasks.data", "show where each benchmark's data is read from"),
-    "regress": ("harness.regress", "compare the default run with the committed baseline (CI regression check)"),
-    "regress-update": ("harness.regress:main_update", "rewrite the regression baseline on purpose (--reason)"),
-    "report": ("harness.paper_report", "the paper's Table 1, speedups and figures from one or more runs"),
-    "sweep": ("harness.sweep", "ReFusion accuracy vs tokens/s as its knobs vary (ablation view)"),
-    "compare": ("harness.compare", "the same models in two or more runs side by side, with ratios"),
-    "curves": ("harness.curves", "learning curves: preset decoders on 100 test items per kind vs training step"),
-    "trace": ("harness.trace", "how each decoder fills one answer, forward by forward (figures, GIFs, HTML)"),
+    "regress": ("harness.speed.regress", "compare the default run with the committed baseline (CI regression check)"),
+    "regress-update": ("harness.speed.regress:main_update", "rewrite the regression baseline on purpose (--reason)"),
+    "report": ("harness.report.paper_report", "the paper's Table 1, speedups and figures from one or more runs"),
+    "sweep": ("harness.report.sweep", "ReFusion accuracy vs tokens/s as its knobs vary (ablation view)"),
+    "compare": ("harness.report.compare", "the same models in two or more runs side by side, with ratios"),
+    "curves": ("harness.train.curves", "learning curves: preset decoders on 100 test items per kind vs training step"),
+    "trace": ("harness.report.trace", "how each decoder fills one answer, forward by forward (figures, GIFs, HTML)"),
 }
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-import harness.lm_adapter  # noqa: F401  (registers the model under its name)
+import harness.run.lm_adapter  # noqa: F401  (registers the model under its name)
 
 
 UNSAFE_HINT = "marked as unsafe"
@@ -31,7 +31,7 @@ UNSAFE_HINT = "marked as unsafe"
 def main() -> int:
     from lm_eval.__main__ import cli_evaluate
 
-    from harness.quiet import quiet_libraries
+    from harness.run.quiet import quiet_libraries
 
     quiet_libraries()
     try:

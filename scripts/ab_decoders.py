@@ -29,8 +29,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the working tree's packages, wherever the script is started from
 
-from harness.checkpoints import load_model  # noqa: E402
-from harness.presets import PRESETS  # noqa: E402
+from harness.models.checkpoints import load_model  # noqa: E402
+from harness.run.presets import PRESETS  # noqa: E402
 from tasks.embedded import load_split  # noqa: E402
 from tasks.info import TASKS  # noqa: E402
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the commit whose decoders are A")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--decoders", default=DEFAULT_DECODERS, help="presets (harness/presets.py), comma-separated")
+    p.add_argument("--decoders", default=DEFAULT_DECODERS, help="presets (harness/run/presets.py), comma-separated")
     ns = p.parse_args(argv)
     torch.set_num_threads(1)
     import refusion.decoding as new

@@ -47,4 +47,4 @@ wait
 roots=()
 for r in refusion-result refusion-result2 refusion-result3 refusion-number refusion-faith mdm dream dream2 d2f ar
 do roots+=(--root "$RUNS/$r"); done
-"$PY" -m harness.curves "${roots[@]}" --batch 16 --threads 2 --out reports/curves
+"$PY" -m harness curves "${roots[@]}" --batch 16 --threads 2 --out reports/curves

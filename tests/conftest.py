@@ -9,10 +9,12 @@ Fixtures:
   make_checkpoint(path, causal, seed) a random tiny Qwen3 saved with a small chat BPE tokenizer
   write_task(folder, name, n, ...)    a minimal local lm-eval YAML task over a JSONL file
   assert_close(actual, expected)      two float computations of the same math agree (dtype-aware tolerance)
+  fake_venv                           a VENV for `make` whose setup is done (its python is this one)
 """
 
 import json
 import os
+import sys
 import textwrap
 from pathlib import Path
 
@@ -285,3 +287,15 @@ def mdm_prompts(left_pad):
         return (rows, *left_pad(rows))
 
     return make
+
+
+@pytest.fixture
+def fake_venv(tmp_path) -> Path:
+    """A VENV for `make` whose setup is already done, so no target installs anything."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    wrapper = venv / "bin" / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    (venv / ".setup-done").touch()
+    return venv

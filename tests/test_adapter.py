@@ -32,7 +32,7 @@ def _evaluate(lm, task_dir: Path, task: str, **kw):
 
 def test_generate_round_trip_matches_decoder_directly(ckpt, write_task, tmp_path):
     """lm-eval -> adapter -> decoder: the text lm-eval records is the decoder's tokens, chat-templated prompt in."""
-    from harness.lm_adapter import RefusionBenchLM
+    from harness.run.lm_adapter import RefusionBenchLM
     from refusion.decoding import DECODERS
 
     lm = RefusionBenchLM(pretrained=str(ckpt), decoder="ar", journal_dir=str(tmp_path / "j"))
@@ -62,7 +62,7 @@ def test_generate_round_trip_matches_decoder_directly(ckpt, write_task, tmp_path
 
 
 def test_loglikelihood_causal_is_exact(ckpt, write_task, tmp_path, assert_close):
-    from harness.lm_adapter import RefusionBenchLM
+    from harness.run.lm_adapter import RefusionBenchLM
 
     lm = RefusionBenchLM(pretrained=str(ckpt), decoder="ar")
     res = _evaluate(lm, write_task(tmp_path / "tasks", "tiny_mc", output_type="multiple_choice"), "tiny_mc",
@@ -81,7 +81,7 @@ def test_loglikelihood_causal_is_exact(ckpt, write_task, tmp_path, assert_close)
 def test_loglikelihood_mdm_monte_carlo_is_deterministic_and_unbiased_shape(mdm_ckpt, tmp_path, assert_close):
     from lm_eval.api.instance import Instance
 
-    from harness.lm_adapter import RefusionBenchLM
+    from harness.run.lm_adapter import RefusionBenchLM
 
     lm = RefusionBenchLM(pretrained=str(mdm_ckpt), decoder="llada", mc_num=32, mc_batch=8)
     assert not lm.causal
@@ -94,7 +94,7 @@ def test_loglikelihood_mdm_monte_carlo_is_deterministic_and_unbiased_shape(mdm_c
     one = Instance("loglikelihood", {}, ("what is 3 plus 4", " ?"), 0, ("t", 1, 1))
     (ll1, _), = lm.loglikelihood([one])
     ctx, cont = lm._split("what is 3 plus 4", " ?")
-    x = torch.tensor([ctx + [lm._mask_id()] * len(cont)])
+    x = torch.tensor([ctx + [lm.scorer.mask_id()] * len(cont)])
     with torch.no_grad():
         logp = torch.log_softmax(lm.model(x).logits[0].float(), -1)
     if len(cont) == 1:
@@ -102,7 +102,7 @@ def test_loglikelihood_mdm_monte_carlo_is_deterministic_and_unbiased_shape(mdm_c
 
 
 def test_bad_knobs_and_decoder_are_clear_errors(ckpt):
-    from harness.lm_adapter import CheckpointError, RefusionBenchLM
+    from harness.run.lm_adapter import CheckpointError, RefusionBenchLM
     from refusion.decoding import make_knobs
 
     with pytest.raises(ValueError, match="unknown decoder 'nope'; valid decoders: .*ar"):

@@ -9,7 +9,7 @@ import pytest
 
 
 def test_bench_e2e_tiny_shape_writes_results(tmp_path, capsys):
-    from harness import bench_e2e
+    from harness.speed import bench_e2e
 
     out = tmp_path / "gpu_check.json"
     out.write_text(json.dumps({"kept": 1}))  # other sections of the file survive
@@ -32,7 +32,7 @@ def test_bench_e2e_tiny_shape_writes_results(tmp_path, capsys):
 @pytest.mark.parametrize("argv, msg", [(["--configs", "nope"], "unknown config"),
                                        (["--prompts", "0"], "must be >= 1")])
 def test_bench_e2e_bad_input_is_one_line(argv, msg, capsys):
-    from harness import bench_e2e
+    from harness.speed import bench_e2e
 
     assert bench_e2e.main(["--device", "cpu", "--shape", "tiny", *argv]) == 2
     err = capsys.readouterr().err.strip()

@@ -1,6 +1,6 @@
 """Checkpoint folders checked completely before any model runs, loaded by family, with the run's dtype,
-chat-template arguments and the knob values each (model, task) really uses (harness/checkpoints.py,
-harness/families.py, harness/runner.py). The released layouts themselves are tested against their
+chat-template arguments and the knob values each (model, task) really uses (harness/models/checkpoints.py,
+harness/models/families.py, harness/run/runner.py). The released layouts themselves are tested against their
 authors' own outputs in tests/test_released_fixtures.py.
 """
 
@@ -25,7 +25,7 @@ def setup(make_checkpoint, write_task, tmp_path_factory):
 
 def _error(capsys, out: Path, setup, models: str, *extra: str) -> str:
     """The runner's one stderr line for a bad MODELS, after checking exit 2 and that nothing was written."""
-    from harness import runner
+    from harness.run import runner
 
     rc = runner.main(["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--models", models,
                       "--out", str(out), "--run-id", "x", *extra])
@@ -70,7 +70,7 @@ def test_no_weights_and_truncated_shard_of_an_index(setup, tmp_path, capsys):
         save_file({k: state[k] for k in keys}, str(sharded / fname), metadata={"format": "pt"})
     (sharded / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}}))
-    from harness.checkpoints import load_model
+    from harness.models.checkpoints import load_model
 
     assert load_model(sharded).model.config.vocab_size > 0  # the sharded folder loads as it is
     capsys.readouterr()  # transformers' loading bar
@@ -106,7 +106,7 @@ def test_attention_guard_both_ways(setup, tmp_path, capsys):
     assert "decoder 'ar' needs a causal model" in err and "bidirectional" in err and "llada" in err, err
     err = _error(capsys, tmp_path / "o2", setup, f"c={setup['ckpt']}:llada")
     assert "decoder 'llada' needs a bidirectional model" in err, err
-    from harness.lm_adapter import RefusionBenchLM
+    from harness.run.lm_adapter import RefusionBenchLM
 
     with pytest.raises(ValueError, match="needs a bidirectional model"):
         RefusionBenchLM(pretrained=str(setup["ckpt"]), decoder="fast_dllm")
@@ -147,7 +147,7 @@ def test_lora_merge_equals_peft_forward(setup, tmp_path):
     x = torch.tensor([[5, 9, 33, 7, 40, 7]])
     with torch.no_grad():
         want = peft_model(x).logits
-    from harness.checkpoints import load_model
+    from harness.models.checkpoints import load_model
 
     loaded = load_model(adapter, base=setup["mdm"])
     assert loaded.info.adapter is not None and loaded.model.config.is_causal is False
@@ -158,7 +158,7 @@ def test_lora_merge_equals_peft_forward(setup, tmp_path):
 
 
 def test_dtype_and_chat_template_args_are_recorded_and_applied(setup, tmp_path, capsys):
-    from harness import runner
+    from harness.run import runner
 
     out = tmp_path / "out"
     rc = runner.main(["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--models", f"a={setup['ckpt']}:ar",
@@ -171,7 +171,7 @@ def test_dtype_and_chat_template_args_are_recorded_and_applied(setup, tmp_path, 
     metrics = json.loads(next((out / "r" / "metrics").glob("a__*.json")).read_text())
     assert metrics["run"]["dtype"] == "bfloat16"
 
-    from harness.lm_adapter import RefusionBenchLM
+    from harness.run.lm_adapter import RefusionBenchLM
 
     lm = RefusionBenchLM(pretrained=str(setup["ckpt"]), decoder="ar", dtype="auto",
                          chat_template_args="shout=true")
@@ -181,7 +181,7 @@ def test_dtype_and_chat_template_args_are_recorded_and_applied(setup, tmp_path, 
 
 
 def test_dry_run_prints_the_resolved_knobs_that_run_json_records(setup, tmp_path, capsys):
-    from harness import runner
+    from harness.run import runner
 
     out = tmp_path / "out"
     args = ["--task", "embedded_math,embedded_code", "--models", f"rf={setup['ckpt']}:refusion,refusion",

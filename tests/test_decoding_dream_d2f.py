@@ -367,7 +367,7 @@ def test_generation_config_reader(tmp_path):
 
 
 def test_adapter_applies_the_checkpoints_generation_config(tmp_path, tiny_checkpoint):
-    from harness.lm_adapter import RefusionBenchLM
+    from harness.run.lm_adapter import RefusionBenchLM
 
     ckpt = tmp_path / "dream"
     shutil.copytree(tiny_checkpoint("dream"), ckpt)

@@ -27,7 +27,7 @@ def setup(make_checkpoint, write_task, tmp_path_factory):
 
 def _eval(capsys, out: Path, *argv: str) -> str:
     """Run the runner in-process; return its one stderr line after checking exit 2 and no traceback."""
-    from harness import runner
+    from harness.run import runner
 
     assert runner.main([*argv, "--out", str(out), "--run-id", "x"]) == 2
     err = capsys.readouterr().err.strip()
@@ -116,7 +116,7 @@ def test_callback_hook_is_not_a_knob(setup, tmp_path, capsys):
     assert not out.exists()
 
     # --debug: the same error, raised with its traceback instead of the one line.
-    from harness import runner
+    from harness.run import runner
 
     with pytest.raises(runner.InputError, match="on_commit"):
         runner.main(["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--models",
@@ -149,7 +149,7 @@ def test_read_only_out_folder_is_refused_before_any_model_runs(setup, capsys):
 def test_worker_error_is_passed_on_as_one_line(setup, tmp_path, capsys, monkeypatch):
     """An error only the model's worker can meet (its one line left in the error file, exit 2) reaches
     the user as one runner line with the resume hint, instead of "failed (exit N)"."""
-    from harness import runner
+    from harness.run import runner
 
     def fake_worker(cmd, env):
         err_file = Path(cmd[cmd.index("--error-file") + 1])

@@ -119,22 +119,11 @@ def test_make_help_lists_targets():
         assert re.search(rf"^\s+{target}\s+\S", out.stdout, re.M), target
 
 
-def _fake_venv(tmp_path: Path) -> Path:
-    """A VENV for `make` whose setup is already done, so no target installs anything."""
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    wrapper = venv / "bin" / "python"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-    wrapper.chmod(0o755)
-    (venv / ".setup-done").touch()
-    return venv
-
-
 @pytest.mark.parametrize("task", ["embedded_math' ; echo INJECTED ; echo '",
                                   'embedded_math" ; echo INJECTED ; echo "',
                                   "$(shell echo INJECTED)"])
-def test_make_eval_passes_task_without_shell_reparse(tmp_path, task):
-    out = subprocess.run(["make", "-s", "eval", f"VENV={_fake_venv(tmp_path)}", f"TASK={task}",
+def test_make_eval_passes_task_without_shell_reparse(tmp_path, fake_venv, task):
+    out = subprocess.run(["make", "-s", "eval", f"VENV={fake_venv}", f"TASK={task}",
                           f"OUT={tmp_path / 'runs'}"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert "INJECTED" not in out.stdout.replace(task, "")
     assert out.returncode != 0 and "unknown task" in out.stderr and task in out.stderr, out.stderr[-500:]

@@ -267,7 +267,7 @@ def test_refusion_flex_gives_the_sdpa_tokens_on_the_tiny_checkpoint(tiny_refusio
     """20 embedded prompts (mostly math: code and choice commit in one plan + verify), the default
     run's refusion knobs: attn="flex" == attn="sdpa", token for token, with plan, global verify and
     parallel infill (several slots packed) all through the flex kernel (query buckets 16 to 256)."""
-    from harness.presets import TINY_REFUSION_KNOBS
+    from harness.run.presets import TINY_REFUSION_KNOBS
     from tasks.info import TASKS
     from refusion.decoding import DECODERS
 

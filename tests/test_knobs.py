@@ -46,7 +46,7 @@ def test_a_built_knob_set_passes_through_unchanged():
 
 
 def test_knobs_command_and_models_help(capsys):
-    from harness import knobs, runner
+    from harness.run import knobs, runner
 
     assert knobs.main(["refusion", "d2f"]) == 0
     out = capsys.readouterr().out

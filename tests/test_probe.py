@@ -1,4 +1,4 @@
-"""The teacher-forced result-digit probe (harness/probe.py) against an independent computation: one plain
+"""The teacher-forced result-digit probe (harness/train/probe.py) against an independent computation: one plain
 forward per probed digit, with the attention pattern written out here rather than taken from the
 training objective's builders."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import probe
+from harness.train import probe
 
 DOCS = 3  # first math test items
 
@@ -19,7 +19,7 @@ def _docs():
 
 
 def test_result_targets_are_the_digits_after_each_equals(tiny_checkpoint):
-    from harness.checkpoints import load_model
+    from harness.models.checkpoints import load_model
 
     tok = load_model(tiny_checkpoint("ar")).tokenizer
     doc = _docs()[0]
@@ -67,8 +67,8 @@ def _reference(model, tok, name: str, mask_id: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("name", probe.PROBED)
 def test_probe_matches_a_forward_per_digit(name, tiny_checkpoint, one_thread):
-    from harness.checkpoints import load_model
-    from harness.curves import probe as curves_probe
+    from harness.models.checkpoints import load_model
+    from harness.train.curves import probe as curves_probe
 
     loaded = load_model(tiny_checkpoint(name))
     model, tok = loaded.model, loaded.tokenizer
@@ -83,8 +83,8 @@ def test_probe_matches_a_forward_per_digit(name, tiny_checkpoint, one_thread):
 def test_probe_separates_the_causal_head_from_the_masked_head(tiny_checkpoint, one_thread):
     """The committed ar model computes results (95% of math); the committed refusion masked head does
     not (issue 21): the probe must show that gap on a handful of items."""
-    from harness.checkpoints import load_model
-    from harness.curves import probe as curves_probe
+    from harness.models.checkpoints import load_model
+    from harness.train.curves import probe as curves_probe
 
     acc = {}
     for name in ("ar", "refusion"):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import regress
-from harness.presets import REGRESS_MODELS
+from harness.run.presets import REGRESS_MODELS
+from harness.speed import regress
 
 TASKS = ("embedded_math", "embedded_code")
 
@@ -158,7 +158,7 @@ def test_bad_arguments(tmp_path, capsys):
 def test_committed_baseline_holds_every_diffusion_decoders_math_figure():
     """`make regress` runs every diffusion decoder (REGRESS_MODELS), and a changed math quality of any one
     of them, every other figure equal, fails the check."""
-    from harness.presets import PRESETS, REGRESS_MODELS
+    from harness.run.presets import PRESETS, REGRESS_MODELS
     from refusion.decoding import DECODERS
 
     base = regress.load_baseline(regress.BASELINE)

@@ -1,5 +1,5 @@
 """The released layouts (tests/fixtures/released/, made from the authors' own code by
-scripts/make_release_fixtures.py) through the path `make eval` uses: harness.checkpoints.load_model
+scripts/make_release_fixtures.py) through the path `make eval` uses: harness.models.checkpoints.load_model
 gives the authors' logits, the decoders give the authors' greedy tokens, and a run over every
 family writes its metrics.
 
@@ -38,7 +38,7 @@ def _ref(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def loaded():
-    from harness.checkpoints import load_model
+    from harness.models.checkpoints import load_model
 
     cache: dict = {}
 
@@ -108,7 +108,7 @@ def test_loader_recognises_the_family_and_gives_the_authors_logits(name, loaded,
 
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_decoders_give_the_authors_greedy_tokens(name, loaded):
-    from harness.lm_adapter import checkpoint_knobs
+    from harness.run.lm_adapter import checkpoint_knobs
     from refusion.decoding import DECODERS
 
     m = loaded(name)
@@ -140,7 +140,7 @@ def test_make_eval_path_runs_every_family_and_writes_metrics(write_task, tmp_pat
     (the adapters' bases llada/ and dream_base/ with them), an adapter with its base, a Dream-family shift
     from the family table; the tiny task is not in the task table, so gen_length is given as a knob.
     (llada and dream decode through the same loader in the token tests above.)"""
-    from harness import runner
+    from harness.run import runner
 
     tasks = write_task(tmp_path / "tasks", "tiny_gen", n=2)
     models = ",".join([

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from harness import figures, paper, paper_report
-from harness.paper_report import MISSING, NOT_MEASURED, main
+from harness.report import figures, paper, paper_report
+from harness.report.paper_report import MISSING, NOT_MEASURED, main
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The published Table 1 (ReFusion, arXiv 2512.13586), typed in independently of harness/paper_table1.json.
+# The published Table 1 (ReFusion, arXiv 2512.13586), typed in independently of harness/report/paper_table1.json.
 PUBLISHED = """\
 | Llama-3-8B-Instruct | 35.23 / 32.07 | 82.76 / 44.12 | 75.13 / 42.81 | 25.48 / 19.73 | 29.46 / 42.00 | 46.34 / 42.26 | 53.00 / 41.68 | 49.63 / 37.81 |
 | Qwen3-8B | 67.25 / 31.42 | 90.36 / 42.78 | 81.96 / 31.20 | 83.28 / 30.11 | 39.06 / 30.43 | 87.80 / 30.95 | 63.80 / 30.07 | 73.36 / 32.42 |
@@ -359,7 +359,7 @@ def test_sweep_end_to_end_on_a_tiny_model(make_checkpoint, write_task, tmp_path)
 
 
 def test_sweep_figure_series_and_grid_errors(capsys):
-    from harness import sweep
+    from harness.report import sweep
 
     grid = sweep.parse_grid("slot_threshold=0.3,0.6;slot_size=2,4,8")
     base = {"slot_size": 4, "slot_threshold": 0.6, "token_threshold": 0.3}
@@ -477,7 +477,7 @@ def test_compare_writes_each_figure_side_by_side_with_ratios(tmp_path, capsys):
              ["embedded_math", "gsm8k_cot_paper"], extra={"created": "2026-03-01T00:00:00", "prompts": "paper",
                                                           "device": "cuda",
                                                           "environment": {"gpu": "NVIDIA H200", "device": "cuda"}})
-    from harness import compare
+    from harness.report import compare
     from harness.cli import main as cli_main
 
     assert cli_main(["compare", "--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
@@ -564,7 +564,7 @@ def test_reports_are_ignored_by_git_and_world_readable(tmp_path):
     old = os.umask(0o022)
     try:
         assert main(["--run", str(run), "--out", str(repo / "reports")]) == 0
-        from harness import compare
+        from harness.report import compare
 
         other = _mixed_run(repo / "results" / "runs", "other", seed=1)
         assert compare.main(["--run", f"{run},{other}", "--out", str(repo / "reports")]) == 0

@@ -89,7 +89,7 @@ def test_reference_run_records_everything(reference):
 def test_resume_after_kill_9(setup, reference):
     """The worker freezes itself after PAUSE_AT journaled samples (a test hook), so the kill lands
     at a chosen point by construction, however fast or slow the machine is."""
-    from harness.lm_adapter import PAUSE_ENV
+    from harness.run.lm_adapter import PAUSE_ENV
 
     pause_at = 2
     run_dir = setup["out"] / "killed"
@@ -136,7 +136,7 @@ def test_two_processes_match_one(setup, reference, tmp_path):
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, tmp_path, capsys, monkeypatch):
     import re
 
-    from harness import runner
+    from harness.run import runner
 
     ck, tasks = setup["ckpt"], str(setup["tasks"])
     no_config = tmp_path / "noconfig"
@@ -177,7 +177,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, tmp_path, cap
 
 
 def test_models_spec_parsing():
-    from harness.runner import InputError, parse_models
+    from harness.run.runner import InputError, parse_models
 
     ms = parse_models("a=ck/x:ar:gen_length=8,temperature=0.5,b=ck/y:refusion:slot_size=4,llada,refusion:slot_size=8")
     assert [(m.name, m.checkpoint, m.decoder, m.knobs) for m in ms] == [
@@ -194,8 +194,8 @@ def test_models_spec_parsing():
 
 
 def test_models_all_is_every_preset():
-    from harness.presets import PRESETS
-    from harness.runner import InputError, parse_models
+    from harness.run.presets import PRESETS
+    from harness.run.runner import InputError, parse_models
 
     assert [m.name for m in parse_models("all")] == list(PRESETS)
     assert {"dream", "dream_fast_dllm", "d2f"} <= set(PRESETS)
@@ -224,7 +224,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_runner_and_worker_and_run_resumes(setup, reference, sig):
-    from harness.lm_adapter import PAUSE_ENV
+    from harness.run.lm_adapter import PAUSE_ENV
 
     run_id = f"stopped-{sig.name}"
     run_dir = setup["out"] / run_id
@@ -257,7 +257,7 @@ def test_signal_stops_runner_and_worker_and_run_resumes(setup, reference, sig):
 
 @pytest.mark.slow
 def test_worker_dies_with_its_runner(setup):
-    from harness.lm_adapter import PAUSE_ENV
+    from harness.run.lm_adapter import PAUSE_ENV
 
     run_id = "orphan"
     proc = subprocess.Popen(_cmd(setup, run_id), cwd=REPO, env={**_env(), PAUSE_ENV: "1"},
@@ -283,7 +283,7 @@ def test_worker_dies_with_its_runner(setup):
 @pytest.mark.slow
 def test_run_folder_is_locked(setup, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom pathlib import Path\n"
-                               "from harness.runner import lock_run_dir\n"
+                               "from harness.run.runner import lock_run_dir\n"
                                f"lock_run_dir(Path({str(setup['out'] / 'busy')!r}))\n"
                                "print('locked', flush=True)\nsys.stdin.read()\n"],
                               cwd=REPO, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -300,14 +300,14 @@ def test_run_folder_is_locked(setup, tmp_path):
 
 
 def test_default_run_ids_are_unique_within_a_second():
-    from harness.runner import default_run_id
+    from harness.run.runner import default_run_id
 
     ids = {default_run_id() for _ in range(50)}
     assert len(ids) == 50
 
 
 def test_result_files_are_group_readable(tmp_path):
-    from harness.store import atomic_write_json
+    from harness.run.store import atomic_write_json
 
     old = os.umask(0o022)
     try:

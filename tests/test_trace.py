@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import trace as trace_cmd
-from harness import trace_draw
-from harness.presets import PRESETS
+from harness.report import trace as trace_cmd
+from harness.report import trace_draw
+from harness.run.presets import PRESETS
 from refusion.decoding import DECODERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -253,8 +253,8 @@ def test_page_steps_with_the_arrow_keys_in_a_headless_browser(traced, browser):
 
 def test_report_links_the_trace_a_run_logged(tmp_path, tiny_checkpoint):
     """A logged sample (the adapter's record, as a run journals it) becomes a figure and a page in the report."""
-    from harness.lm_adapter import RefusionBenchLM
-    from harness.paper_report import RunSet
+    from harness.run.lm_adapter import RefusionBenchLM
+    from harness.report.paper_report import RunSet
 
     path = tiny_checkpoint("refusion")
     lm = RefusionBenchLM(pretrained=str(path), decoder="refusion", warmup=False, device="cpu",

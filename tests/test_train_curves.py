@@ -1,4 +1,4 @@
-"""Learning curves (harness/curves.py): in-process evaluation with the preset decoders, snapshots written
+"""Learning curves (harness/train/curves.py): in-process evaluation with the preset decoders, snapshots written
 by the trainer evaluated after training, the JSON record and the figure."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from harness import curves
+from harness.train import curves
 
 
 def test_preset_of_every_objective_is_a_preset():
-    from harness.presets import PRESETS
+    from harness.run.presets import PRESETS
     from refusion.train import MODEL_NAMES
 
     assert set(curves.PRESET_OF) == set(MODEL_NAMES) and all(p in PRESETS for p in curves.PRESET_OF.values())
@@ -19,7 +19,7 @@ def test_preset_of_every_objective_is_a_preset():
 
 def test_refusion_batched_and_single_give_the_same_quality(tiny_checkpoint, one_thread):
     """The committed refusion checkpoint through its preset: batched calls score as batch 1 (same tokens)."""
-    from harness.checkpoints import load_model
+    from harness.models.checkpoints import load_model
 
     loaded = load_model(tiny_checkpoint("refusion"))
     model, tok = loaded.model, loaded.tokenizer
@@ -34,7 +34,7 @@ def test_refusion_batched_and_single_give_the_same_quality(tiny_checkpoint, one_
 
 
 def test_snapshots_of_a_run_become_curve_points(tmp_path, one_thread):
-    """A tiny ar run with snapshots every 3 steps; `harness.curves` evaluates steps 3 and 6 (and skips
+    """A tiny ar run with snapshots every 3 steps; `harness.train.curves` evaluates steps 3 and 6 (and skips
     them on a second call), recording tokens seen, and draws the figure."""
     from refusion.train import ModelShape, TrainConfig, prepare, train_one
     from tasks.embedded import KINDS, load_split
@@ -109,7 +109,7 @@ def test_bad_arguments_are_one_line_errors(capsys):
 
 
 def test_curves_during_training_need_snapshots():
-    from harness import train_tiny
+    from harness.train import train_tiny
 
     with pytest.raises(SystemExit, match="--snapshot-every"):
         train_tiny.main(["--models", "ar", "--curves", "--out", "/nonexistent-out"])

@@ -18,14 +18,14 @@ CFG = TrainConfig(batch_size=16, open_share=1.0)
 
 @pytest.fixture(scope="module")
 def data():
-    from harness.train_tiny import embedded_corpus
+    from harness.train.train_tiny import embedded_corpus
 
     rows = {k: v[:20] for k, v in embedded_corpus().items()}  # the trainer's rows, with their cut points
     return prepare(CFG, rows)
 
 
 def test_cut_points_end_right_after_each_intermediate_result(data):
-    from harness.train_tiny import math_cut_chars
+    from harness.train.train_tiny import math_cut_chars
 
     tok, examples = data
     resp = "Ana starts with 90 apples.\nAfter getting 37: 90 + 37 = 127.\nAfter losing 4: 127 - 4 = 123.\n#### 123"

@@ -27,7 +27,7 @@ CFG = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup=2, threads=1, save_ever
 
 
 def small_corpus() -> dict[str, list[dict]]:
-    from harness.train_tiny import embedded_corpus
+    from harness.train.train_tiny import embedded_corpus
 
     return {k: v[:12] for k, v in embedded_corpus().items()}  # the trainer's rows, with their cut points
 
@@ -74,7 +74,7 @@ def test_stopped_and_resumed_run_is_bit_identical(name, data, tmp_path):
 SCRIPT = """
 import sys
 from pathlib import Path
-from harness.train_tiny import embedded_corpus
+from harness.train.train_tiny import embedded_corpus
 from refusion.train import ModelShape, TrainConfig, prepare, train_one
 rows = {{k: v[:12] for k, v in embedded_corpus().items()}}
 tok, examples = prepare({cfg!r}, rows)
@@ -131,7 +131,7 @@ def test_cli_reports_a_mismatched_state_as_an_error(tmp_path, capsys):
     (tmp_path / ".ar.state.pt").parent.mkdir(parents=True, exist_ok=True)
     torch.save({"config": {"lr": 1.0}, "shape": {}, "data": "x"}, tmp_path / ".ar.state.pt")
     rc = train.main(["--models", "ar", "--out", str(tmp_path), "--threads", "1", "--steps", "2"],
-                    corpus=small_corpus, entry="harness.train_tiny")
+                    corpus=small_corpus, entry="harness.train.train_tiny")
     err = capsys.readouterr().err
     assert rc == 2 and "error:" in err and ".ar.state.pt" in err and "--fresh" in err
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, report, runner
+from harness import cli
+from harness.run import runner, summary
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -114,7 +115,7 @@ def test_progress_counts_every_sample_of_every_model_and_task(write_task, tmp_pa
     assert [(u["name"], u["samples"]) for u in units] == [("tiny_gen", 3), ("tiny_two", 2)]  # LIMIT per leaf
     cfg = {"models": [{"name": "ar"}, {"name": "refusion"}, {"name": "llada"}], "units": units}
     now = [0.0]
-    p = report.Progress(cfg, clock=lambda: now[0])
+    p = summary.Progress(cfg, clock=lambda: now[0])
     assert p.start_line() == "run: 3 model(s) x 2 task(s) = 15 samples"
     assert p.total == 15
     now[0] = 100.0  # the first model was already finished (resume): nothing decoded yet
@@ -127,15 +128,15 @@ def test_progress_counts_every_sample_of_every_model_and_task(write_task, tmp_pa
 
 
 def test_progress_of_a_run_json_without_sample_counts():
-    p = report.Progress({"models": [{"name": "a"}], "units": [{"name": "t"}]})
+    p = summary.Progress({"models": [{"name": "a"}], "units": [{"name": "t"}]})
     assert p.start_line() == "run: 1 model(s) x 1 task(s)"
     assert p.finished("a") == "progress: 1/1 models (a finished)"
 
 
 def test_decoded_share_reads_done_json(tmp_path):
     (tmp_path / "done.json").write_text(json.dumps({"computed": 3, "served_from_journal": 1}))
-    assert report.decoded_share(tmp_path / "done.json") == 0.75
-    assert report.decoded_share(tmp_path / "absent.json") == 1.0
+    assert summary.decoded_share(tmp_path / "done.json") == 0.75
+    assert summary.decoded_share(tmp_path / "absent.json") == 1.0
 
 
 # ---------------------------------------------------------------- summary: no AR, resumed
@@ -158,39 +159,39 @@ def _cfg(models: list[str], baseline: str | None, **extra) -> dict:
 
 
 def test_a_run_without_ar_has_no_speedup_line_or_column(tmp_path):
-    s = report.summary(_cfg(["llada", "refusion"], None), [_metrics("llada", 50.0, None),
+    s = summary.summary(_cfg(["llada", "refusion"], None), [_metrics("llada", 50.0, None),
                                                            _metrics("refusion", 100.0, None)])
-    md = report.markdown(s)
+    md = summary.markdown(s)
     assert "None" not in md.splitlines()[0] and "speedup" not in md
-    assert "speedup" not in report.table(s)
-    line = report.one_line(s, tmp_path)
+    assert "speedup" not in summary.table(s)
+    line = summary.one_line(s, tmp_path)
     assert "speedup" not in line and line.startswith("done: 2 model(s) x 1 task(s), 8 samples; results in")
     # With an AR reference both are there.
-    s = report.summary(_cfg(["ar", "refusion"], "ar"), [_metrics("ar", 50.0, 1.0), _metrics("refusion", 100.0, 2.0)])
-    assert "speedup vs ar" in report.markdown(s) and "| speedup |" in report.markdown(s)
-    assert "mean speedup vs ar: refusion 2.00x" in report.one_line(s, tmp_path)
+    s = summary.summary(_cfg(["ar", "refusion"], "ar"), [_metrics("ar", 50.0, 1.0), _metrics("refusion", 100.0, 2.0)])
+    assert "speedup vs ar" in summary.markdown(s) and "| speedup |" in summary.markdown(s)
+    assert "mean speedup vs ar: refusion 2.00x" in summary.one_line(s, tmp_path)
 
 
 def test_resumed_run_records_its_sessions_and_says_so(tmp_path):
     run_json = tmp_path / "run.json"
     run_json.write_text(json.dumps({**_cfg(["ar", "refusion"], "ar"), "created": "2026-01-01T00:00:00",
                                     "sessions": [{"started": "2026-01-01T00:00:00", "models": []}]}))
-    report.session_ran(run_json, "ar")
-    report.session_ran(run_json, "refusion")
-    report.session_ran(run_json, "refusion")  # once per session
+    summary.session_ran(run_json, "ar")
+    summary.session_ran(run_json, "refusion")
+    summary.session_ran(run_json, "refusion")  # once per session
     cfg = json.loads(run_json.read_text())
     rows = [_metrics("ar", 50.0, 1.0), _metrics("refusion", 100.0, 2.0)]
-    assert report.session_note(report.sessions(cfg)) is None
-    assert "Resumed" not in report.markdown(report.summary(cfg, rows))
-    report.add_session(run_json)  # `--run-id r` again after an interruption
-    report.session_ran(run_json, "refusion")
+    assert summary.session_note(summary.sessions(cfg)) is None
+    assert "Resumed" not in summary.markdown(summary.summary(cfg, rows))
+    summary.add_session(run_json)  # `--run-id r` again after an interruption
+    summary.session_ran(run_json, "refusion")
     cfg = json.loads(run_json.read_text())
     assert [x["models"] for x in cfg["sessions"]] == [["ar", "refusion"], ["refusion"]]
-    s = report.summary(cfg, rows)
-    md = report.markdown(s)
+    s = summary.summary(cfg, rows)
+    md = summary.markdown(s)
     assert "Resumed run: measured in 2 sessions (started 2026-01-01T00:00:00, " in md
     assert "ar in session 1; refusion in sessions 1, 2." in md and "separate invocations" in md
-    assert "resumed, measured in 2 sessions" in report.one_line(s, tmp_path)
+    assert "resumed, measured in 2 sessions" in summary.one_line(s, tmp_path)
     assert s["sessions"] == cfg["sessions"]
 
 
@@ -207,7 +208,7 @@ def test_resume_accepts_a_run_json_written_before_units_counted_samples():
 def test_quiet_drops_only_the_metadata_hint_and_the_weight_bar():
     from transformers.utils import logging as hf_logging
 
-    from harness.quiet import METADATA_HINT, quiet_libraries
+    from harness.run.quiet import METADATA_HINT, quiet_libraries
 
     got: list[str] = []
 
@@ -241,7 +242,7 @@ def test_loading_an_embedded_task_logs_no_metadata_hint():
     """The real source of the hint: lm-eval loading a task through the custom_dataset hook."""
     from lm_eval.tasks import TaskManager
 
-    from harness.quiet import METADATA_HINT, quiet_libraries
+    from harness.run.quiet import METADATA_HINT, quiet_libraries
 
     got: list[str] = []
 

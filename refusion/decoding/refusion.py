@@ -124,7 +124,7 @@ class _Row:
 
 @dataclass(frozen=True)
 class RefusionKnobs(Knobs):
-    """Knobs of ``refusion`` (docs/design.md §3); the paper's per-benchmark values are in harness/presets.py."""
+    """Knobs of ``refusion`` (docs/design.md §3); the paper's per-benchmark values are in harness/run/presets.py."""
     gen_length: int = gen_length(256)
     slot_size: int = knob(8, "tokens per slot; gen_length is padded up to a multiple", low=1)
     serial_num_blocks: int = knob(1, "consecutive blocks the slots are cut into (must divide the slot count); "

@@ -1,6 +1,6 @@
 """The ReFusion paper's published Table 1 (arXiv 2512.13586) and the column layout of our tables.
 
-The numbers live in ``harness/paper_table1.json`` (quality in percent, tokens/s as
+The numbers live in ``harness/report/paper_table1.json`` (quality in percent, tokens/s as
 published, source named in the file); this module only reads them and names the
 columns: the paper's seven benchmarks and the embedded suite, each with its
 lm-eval unit names, so a run's metrics files and the published rows line up.
@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.store import read_json
+from harness.run.store import read_json
 
 DATA = Path(__file__).resolve().with_name("paper_table1.json")
 

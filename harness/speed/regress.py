@@ -38,10 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-from harness.presets import PRESETS, REGRESS_MODELS
-from harness.store import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
+from harness.run.presets import PRESETS, REGRESS_MODELS
+from harness.run.store import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASELINE = REPO / "results" / "baseline" / "embedded.json"
 HISTORY_NAME = "history.jsonl"
 REPORT = REPO / "reports" / "regress.md"
@@ -265,6 +265,47 @@ def _parser(update: bool) -> argparse.ArgumentParser:
     return p
 
 
+def _check_run(run_dir: Path, cfg: dict, models: tuple[str, ...]) -> None:
+    """A finished run given with --run has the check's settings and models; RegressError says what differs."""
+    ran = read_json(run_dir / "run.json") if (run_dir / "run.json").is_file() else None
+    if ran is None:
+        raise RegressError(f"{run_dir} is not a run folder (no run.json)")
+    for k in ("limit", "seed", "threads"):
+        if ran.get(k) != cfg[k]:
+            raise RegressError(f"run {run_dir} used {k}={ran.get(k)}, the check needs {cfg[k]}")
+    if [m["name"] for m in ran["models"]] != list(models):
+        raise RegressError(f"run {run_dir} has models {[m['name'] for m in ran['models']]}, "
+                           f"the check needs {list(models)}")
+
+
+def _rewrite_baseline(baseline_path: Path, cfg: dict, base: dict | None, now: dict, reason: str) -> None:
+    """`regress-update`: the new baseline, a history line (date, commit, reason, changed figures), the trend."""
+    hist = baseline_path.with_name(HISTORY_NAME)
+    entry = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "commit": _git_commit(),
+             "reason": reason, "changed": changed(base["figures"] if base else None, now)}
+    atomic_write_json(baseline_path, {"settings": cfg, "figures": now, "recorded": entry["date"],
+                                      "commit": entry["commit"], "reason": entry["reason"]})
+    with open(hist, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    trend(hist, TREND)
+    print(f"baseline {baseline_path} rewritten ({len(entry['changed'])} figures changed); "
+          f"history {hist}; trend {TREND}")
+
+
+def _confirmed(base_figures: dict, now: dict, again: dict, tolerance: float) -> list[dict]:
+    """Rows of two runs together: each speed ratio at the better of the two; exact figures must agree."""
+    best = {k: max((v for v in (now["ratios"].get(k), again["ratios"].get(k)) if v is not None), default=None)
+            for k in set(now["ratios"]) | set(again["ratios"])}
+    det = now["deterministic"] if now["deterministic"] == again["deterministic"] else again["deterministic"]
+    rows = compare(base_figures, {"deterministic": det, "ratios": best}, tolerance)
+    if now["deterministic"] != again["deterministic"]:
+        rows.insert(0, {"figure": "deterministic figures differ between the two runs", "baseline": None,
+                        "now": None, "rule": "exact", "ok": False})
+    return rows
+
+
 def main(argv: list[str] | None = None, update: bool = False) -> int:
     ns = _parser(update).parse_args(argv)
     baseline_path = Path(ns.baseline)
@@ -289,15 +330,7 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
                 base = None  # a corrupt baseline is being replaced on purpose
         if ns.run:
             run_dir = Path(ns.run)
-            ran = read_json(run_dir / "run.json") if (run_dir / "run.json").is_file() else None
-            if ran is None:
-                raise RegressError(f"{run_dir} is not a run folder (no run.json)")
-            for k in ("limit", "seed", "threads"):
-                if ran.get(k) != cfg[k]:
-                    raise RegressError(f"run {run_dir} used {k}={ran.get(k)}, the check needs {cfg[k]}")
-            if [m["name"] for m in ran["models"]] != list(models):
-                raise RegressError(f"run {run_dir} has models {[m['name'] for m in ran['models']]}, "
-                                   f"the check needs {list(models)}")
+            _check_run(run_dir, cfg, models)
     except RegressError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -310,18 +343,7 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
             return 1
     now = figures(run_dir)
     if update:
-        hist = baseline_path.with_name(HISTORY_NAME)
-        entry = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "commit": _git_commit(),
-                 "reason": ns.reason.strip(), "changed": changed(base["figures"] if base else None, now)}
-        atomic_write_json(baseline_path, {"settings": cfg, "figures": now, "recorded": entry["date"],
-                                          "commit": entry["commit"], "reason": entry["reason"]})
-        with open(hist, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        trend(hist, TREND)
-        print(f"baseline {baseline_path} rewritten ({len(entry['changed'])} figures changed); "
-              f"history {hist}; trend {TREND}")
+        _rewrite_baseline(baseline_path, cfg, base, now, ns.reason.strip())
         return 0
     rows = compare(base["figures"], now, ns.tolerance)
     slow = [r for r in rows if not r["ok"] and r["rule"] != "exact"]
@@ -336,13 +358,7 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        best = {k: max((v for v in (now["ratios"].get(k), again["ratios"].get(k)) if v is not None), default=None)
-                for k in set(now["ratios"]) | set(again["ratios"])}
-        det = now["deterministic"] if now["deterministic"] == again["deterministic"] else again["deterministic"]
-        rows = compare(base["figures"], {"deterministic": det, "ratios": best}, ns.tolerance)
-        if now["deterministic"] != again["deterministic"]:
-            rows.insert(0, {"figure": "deterministic figures differ between the two runs", "baseline": None,
-                            "now": None, "rule": "exact", "ok": False})
+        rows = _confirmed(base["figures"], now, again, ns.tolerance)
     text = render(rows, run_dir, baseline_path)
     atomic_write_text(Path(ns.report), text)
     print(text)

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.store import read_json
+from harness.run.store import read_json
 
 # Settings that must agree when two runs measured the same model / (model, task).
 MODEL_KEYS = ("checkpoint", "decoder", "knobs")
@@ -49,6 +49,37 @@ class RunSet:
     @property
     def merged(self) -> bool:
         return len(self.runs) > 1
+
+
+# The help of the options whose meaning differs between `harness report` and `harness compare`.
+OPTION_HELP = {
+    "report": {
+        "run": "run folder or run id, or a comma list to merge, each optionally label=run (the label names the run's "
+               "rows when a model differs between runs) (default: the newest run under --runs-root)",
+        "name": "report folder name (default: the run id(s) joined by '+')",
+        "allow_partial": "report an unfinished run, missing cells marked"},
+    "compare": {
+        "run": "two or more run folders or ids, comma-separated, each optionally label=run; ratios are to the first "
+               "(default: the two newest runs under --runs-root)",
+        "name": "folder name (default: compare-<run>-vs-<run>)",
+        "allow_partial": "compare unfinished runs, missing cells marked"},
+}
+
+
+def run_parser(command: str, description: str):
+    """The parser of `harness report` or `harness compare`: the runs (--run, --runs-root) and where the output
+    goes (--out, --name, --allow-partial)."""
+    import argparse
+
+    helps = OPTION_HELP[command]
+    p = argparse.ArgumentParser(prog=f"python -m harness {command}", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", default=None, help=helps["run"])
+    p.add_argument("--runs-root", default="results/runs", help="where run ids are looked up (default: %(default)s)")
+    p.add_argument("--out", default="reports", help="reports folder (default: %(default)s)")
+    p.add_argument("--name", default=None, help=helps["name"])
+    p.add_argument("--allow-partial", action="store_true", help=helps["allow_partial"])
+    return p
 
 
 def resolve_run(text: str, root: Path) -> Path:

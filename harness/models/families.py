@@ -2,7 +2,7 @@
 ``transformers`` class without its authors' remote code, and the facts the decoders need.
 
 A folder's family is recognised from its ``config.json`` (``model_type``, and ``auto_map`` to tell
-ReFusion from a plain Qwen3). Loading (harness/checkpoints.py) then builds the family's stock
+ReFusion from a plain Qwen3). Loading (harness/models/checkpoints.py) then builds the family's stock
 ``transformers`` config from the published one (``to_config``) and loads the weights under the
 published tensor names through ``from_pretrained(key_mapping=...)``: nothing is converted on disk.
 

@@ -17,7 +17,7 @@ and the decoders' commit order (stats commit_forward / commit_kind / forward_pha
 Writes ``<out>/<name>/trace/`` (default name ``trace-<task>-<index>`` or ``trace-prompt-<hash>``),
 swapped in whole: ``trace.json`` (prompt, per model tokens, texts and commit order), per model
 ``<model>.png`` and ``<model>.gif``, ``all.gif`` (every model on one clock) and ``index.html``
-(arrow keys step through the forwards); see harness/trace_draw.py. Bad input is one ``error:``
+(arrow keys step through the forwards); see harness/report/trace_draw.py. Bad input is one ``error:``
 line, exit 2, nothing written.
 """
 
@@ -30,7 +30,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from harness.store import atomic_dir, atomic_write_json, read_json
+from harness.run.store import atomic_dir, atomic_write_json, read_json
 
 DEFAULT_TASK, DEFAULT_INDEX = "embedded_math", 0
 
@@ -99,9 +99,9 @@ def run_prompts(run_dir: Path, cfg: dict, task: str, index: int) -> tuple[str, d
 
 def _models(ns: argparse.Namespace, cfg: dict | None):
     """ModelSpecs from --models, else the run's models, else the default run's presets."""
-    from harness.presets import DEFAULT_MODELS, ModelSpec
-    from harness.runner import InputError as RunnerInputError
-    from harness.runner import KnobHelp, parse_models
+    from harness.run.presets import DEFAULT_MODELS, ModelSpec
+    from harness.run.runner import InputError as RunnerInputError
+    from harness.run.runner import KnobHelp, parse_models
 
     try:
         if ns.models:
@@ -122,9 +122,9 @@ def _models(ns: argparse.Namespace, cfg: dict | None):
 def decode_all(models, units: list[dict], leaf: str | None, prompts: dict[str, str], raw: str | None,
                settings: dict) -> list[dict]:
     """Decode the prompt with every model through the adapter; one trace entry per model."""
-    from harness.lm_adapter import RefusionBenchLM
-    from harness.runner import InputError as RunnerInputError
-    from harness.runner import validate_models
+    from harness.run.lm_adapter import RefusionBenchLM
+    from harness.run.runner import InputError as RunnerInputError
+    from harness.run.runner import validate_models
 
     try:
         specs = validate_models(models, units, settings["task_defaults"], seed=settings["seed"])
@@ -199,8 +199,8 @@ def _eos_of(folder: Path, tokenizer) -> set[int]:
 
 def logged_trace(rs, unit: str) -> dict | None:
     """The trace of the first sample of `unit` that the runs of a report logged with a commit order, for
-    every model that logged that sample; None when none did. `rs`: harness.paper_report.RunSet."""
-    from harness.checkpoints import inspect_checkpoint, load_tokenizer
+    every model that logged that sample; None when none did. `rs`: harness.report.paper_report.RunSet."""
+    from harness.models.checkpoints import inspect_checkpoint, load_tokenizer
 
     doc, models, prompt = None, [], None
     for m in rs.models:
@@ -229,8 +229,8 @@ def logged_trace(rs, unit: str) -> dict | None:
 def report_traces(rs, folder: Path) -> str:
     """`make report`: per task whose samples carry a commit order, the trace of its first sample (figures
     and the page, no GIFs) under folder/trace/<task>/, and the Markdown section linking them ('' if none)."""
-    from harness import trace_draw
-    from harness.checkpoints import CheckpointError
+    from harness.report import trace_draw
+    from harness.models.checkpoints import CheckpointError
 
     units = list(dict.fromkeys(u for _, u in rs.metrics))
     lines = []
@@ -332,8 +332,8 @@ def build(ns: argparse.Namespace) -> tuple[dict, str]:
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device cuda given but no CUDA device is available; valid: cpu")
-    from harness.checkpoints import resolve_dtype
-    from harness.lm_adapter import parse_chat_template_args
+    from harness.models.checkpoints import resolve_dtype
+    from harness.run.lm_adapter import parse_chat_template_args
 
     try:
         template_args = parse_chat_template_args(ns.chat_template_args if ns.chat_template_args is not None
@@ -363,7 +363,7 @@ def build(ns: argparse.Namespace) -> tuple[dict, str]:
 
 def write(trace: dict, target: Path, gifs: bool = True, fps: float = 4.0) -> list[str]:
     """trace.json and every drawing into `target`, built aside and swapped in whole."""
-    from harness import trace_draw
+    from harness.report import trace_draw
 
     with atomic_dir(target) as tmp:
         atomic_write_json(tmp / "trace.json", trace)

@@ -1,6 +1,6 @@
 """Drawings of decode traces (``harness trace``): how each decoder filled one answer, forward by forward.
 
-A trace (``trace.json``, built by harness/trace.py) holds the prompt and, per model, its answer's
+A trace (``trace.json``, built by harness/report/trace.py) holds the prompt and, per model, its answer's
 tokens with their display text and, per token, the forward that committed it
 (``commit_forward``, 0-based call order) and that step's kind (``commit_kind``), plus the phase
 of every forward (``forward_phase``): the decoders' stats (refusion/decoding/common.py CommitLog).
@@ -387,7 +387,7 @@ def write_all(trace: dict, folder: Path, gifs: bool = True, fps: float = 4.0) ->
     with `gifs` a GIF per model and all.gif, and index.html. Returns the file names written."""
     import warnings
 
-    from harness.store import atomic_save_figure, atomic_write_text
+    from harness.run.store import atomic_save_figure, atomic_write_text
 
     written = []
     with warnings.catch_warnings():  # a token text the font lacks a glyph for draws as a box: not worth a warning

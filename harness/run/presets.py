@@ -26,7 +26,7 @@ class ModelSpec:
 
 
 # The default run: every decoder on the committed tiny checkpoints, with the knobs of the
-# decoder benchmark (harness/bench.py), so `make eval` reproduces its figures through lm-eval.
+# decoder benchmark (harness/speed/bench.py), so `make eval` reproduces its figures through lm-eval.
 # The causal ReFusion checkpoint serves `refusion`; the bidirectional MDM one the MDM baselines.
 TINY_REFUSION_KNOBS = {"slot_size": 4, "serial_num_blocks": 1, "slot_threshold": 0.6, "token_threshold": 0.3}
 PRESETS: dict[str, ModelSpec] = {
@@ -60,7 +60,7 @@ REGRESS_MODELS = (*DEFAULT_MODELS, "dream", "d2f")
 # make bench-decoders: every decoder and ReFusion ablation.
 BENCH_MODELS = ("ar", "refusion", "refusion_left_to_right", "refusion_recompute_kv", "refusion_no_cache",
                 "refusion_replicated", "llada", "fast_dllm", "dream", "dream_fast_dllm", "d2f")
-# Names that stand for several presets in MODELS (harness.runner.parse_models expands them).
+# Names that stand for several presets in MODELS (harness.run.runner.parse_models expands them).
 MODEL_GROUPS: dict[str, tuple[str, ...]] = {"all": tuple(PRESETS)}
 
 

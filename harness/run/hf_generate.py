@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.store import atomic_write_json
+from harness.run.store import atomic_write_json
 
 
 def generate_responses(model, tokenizer, queries: list[str], *, max_new_tokens: int = 96,
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: no checkpoint (config.json) in: {', '.join(missing)}", file=sys.stderr)
         return 2
-    from harness.runner import environment
+    from harness.run.runner import environment
 
     report = {"command": "python -m harness generate-eval " + " ".join(argv or []),
               "decoding": "transformers generate, greedy, max_new_tokens=96",

@@ -8,11 +8,11 @@ record quality, latency, tokens/s, NFE/TPF, memory and speedup (docs/design.md Â
 MODELS is a comma-separated list of ``name=checkpoint:decoder[:knob=value,...]``
 (knobs continue after commas until the next ``name=...:``) or preset names
 (``ar``, ``refusion``, ``llada``, ``fast_dllm``, ``dream``, ``d2f``, ..., optionally
-``preset:knob=value``) or ``all`` (every preset; harness/presets.py MODEL_GROUPS).
+``preset:knob=value``) or ``all`` (every preset; harness/run/presets.py MODEL_GROUPS).
 
 Everything is validated before anything is written (exit 2 with one line naming
 the problem and the valid choices; ``--debug`` shows the full traceback instead).
-Each model then runs in its own process (``harness.worker``; under ``accelerate
+Each model then runs in its own process (``harness.run.worker``; under ``accelerate
 launch`` with ``--num-processes`` > 1), so its peak RSS is that model's. Output,
 all written atomically, in ``OUT/<run_id>/``:
 
@@ -43,12 +43,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness import report
-from harness.metrics import speedup
-from harness.presets import DEFAULT_MODELS, MODEL_GROUPS, PRESETS, ModelSpec, paper_knobs
-from harness.store import atomic_write_json, read_json
+from harness.run import summary
+from harness.run.metrics import speedup
+from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS, PRESETS, ModelSpec, paper_knobs
+from harness.run.store import atomic_write_json, read_json
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TASK = "embedded"
 # The default run (embedded suite x 4 decoders on tiny checkpoints) must finish in < 15 min on 2 cores.
 DEFAULT_LIMIT = 20
@@ -154,7 +154,7 @@ def known_error(exc: BaseException) -> str | None:
     often several links down (and the outermost one names neither file nor field).
     """
     from tasks.data import DataError
-    from harness.lm_adapter import CheckpointError
+    from harness.run.lm_adapter import CheckpointError
 
     for e in _chain(exc):
         if isinstance(e, (DataError, CheckpointError)):
@@ -296,8 +296,8 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
     leaf will really use (``resolved_knobs``: decoder defaults < the checkpoint's own decoding settings
     (Dream's generation_config.json) < the task's settings < the model's knobs).
     ``inspected`` caches checkpoint checks by model name across calls."""
-    from harness.checkpoints import CheckpointError, check_tokenizer, inspect_checkpoint
-    from harness.lm_adapter import checkpoint_knobs
+    from harness.models.checkpoints import CheckpointError, check_tokenizer, inspect_checkpoint
+    from harness.run.lm_adapter import checkpoint_knobs
     from refusion.decoding import DECODERS, check_attention, make_knobs
 
     inspected = {} if inspected is None else inspected
@@ -391,7 +391,7 @@ def worker_error_file(run_dir: Path, model: str) -> Path:
 
 
 def worker_command(run_dir: Path, model: str, num_processes: int, port: int, debug: bool = False) -> list[str]:
-    base = ["-m", "harness.worker", "--run-dir", str(run_dir), "--model", model,
+    base = ["-m", "harness.run.worker", "--run-dir", str(run_dir), "--model", model,
             "--error-file", str(worker_error_file(run_dir, model))] + (["--debug"] if debug else [])
     if num_processes <= 1:
         return [sys.executable, *base]
@@ -483,8 +483,8 @@ def build_config(ns: argparse.Namespace) -> dict:
     tasks_dir = Path(ns.tasks_dir)
     if not tasks_dir.is_dir():
         raise InputError(f"--tasks-dir {str(tasks_dir)!r} does not exist")
-    from harness.checkpoints import resolve_dtype
-    from harness.lm_adapter import parse_chat_template_args
+    from harness.models.checkpoints import resolve_dtype
+    from harness.run.lm_adapter import parse_chat_template_args
 
     try:
         template_args = parse_chat_template_args(ns.chat_template_args)
@@ -594,7 +594,7 @@ def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
             raise InputError(f"run {run_id!r} exists with different settings ({', '.join(diff)}); "
                              "use a new --run-id or the same settings to resume")
         print(f"resuming run {run_id} in {run_dir}", file=sys.stderr)
-        report.add_session(run_dir / "run.json")  # timings of this session may mix with the earlier ones
+        summary.add_session(run_dir / "run.json")  # timings of this session may mix with the earlier ones
         return run_dir
     if run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir()):
         raise InputError(f"{run_dir} exists and is not a run folder (no run.json); choose another --run-id")
@@ -625,13 +625,13 @@ def finalize(run_dir: Path) -> dict:
         b = base_tps.get(r["task"])
         r["speedup"] = {"baseline": base, "tokens_per_s": speedup(r["speed"]["tokens_per_s"]["ratio_of_sums"], b)}
         atomic_write_json(run_dir / "metrics" / f"{r['model']}__{r['task']}.json", r)
-    summary = report.summary(cfg, rows)
-    atomic_write_json(run_dir / "summary.json", summary)
+    result = summary.summary(cfg, rows)
+    atomic_write_json(run_dir / "summary.json", result)
     (run_dir / "summary.md").parent.mkdir(parents=True, exist_ok=True)
-    from harness.store import atomic_write_text
+    from harness.run.store import atomic_write_text
 
-    atomic_write_text(run_dir / "summary.md", report.markdown(summary))
-    return summary
+    atomic_write_text(run_dir / "summary.md", summary.markdown(result))
+    return result
 
 
 class _Stopped(Exception):
@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         run_dir = _prepare_run_dir(Path(ns.out), ns.run_id, cfg)
     except KnobHelp as h:
-        from harness.knobs import describe
+        from harness.run.knobs import describe
 
         print(describe(h.decoder))
         return 0
@@ -702,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = len(cfg["models"])
-    progress = report.Progress(cfg)
+    progress = summary.Progress(cfg)
     print(progress.start_line(), file=sys.stderr)
     for i, m in enumerate(cfg["models"], 1):
         if (run_dir / "models" / m["name"] / "done.json").exists():
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             print(progress.finished(m["name"], decoded_share=0.0), file=sys.stderr)
             continue
         print(f"[{i}/{n}] {m['name']}: {m['decoder']} on {m['checkpoint']}", file=sys.stderr)
-        report.session_ran(run_dir / "run.json", m["name"])
+        summary.session_ran(run_dir / "run.json", m["name"])
         cmd = worker_command(run_dir, m["name"], cfg["num_processes"], 29500 + (os.getpid() % 1000), ns.debug)
         err_file = worker_error_file(run_dir, m["name"])
         err_file.unlink(missing_ok=True)
@@ -741,11 +741,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: model {m['name']!r} failed (exit {rc}); rerun with --run-id {run_dir.name} to resume",
                   file=sys.stderr)
             return 1
-        print(progress.finished(m["name"], report.decoded_share(run_dir / "models" / m["name"] / "done.json")),
+        print(progress.finished(m["name"], summary.decoded_share(run_dir / "models" / m["name"] / "done.json")),
               file=sys.stderr)
-    summary = finalize(run_dir)
-    print(report.table(summary))
-    print(report.one_line(summary, run_dir))
+    result = finalize(run_dir)
+    print(summary.table(result))
+    print(summary.one_line(result, run_dir))
     return 0
 
 

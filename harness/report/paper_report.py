@@ -33,13 +33,14 @@ import io
 import sys
 from pathlib import Path
 
-from harness import paper
-from harness.metrics import speedup
-# Loading lives in harness/runset.py; load_runs stays importable from here (harness.sweep, tests).
-from harness.runset import PAPER_ROW, InputError, RunSet, device_text, load_runs, resolve_runs
-from harness.store import atomic_dir
+from harness.report import paper
+from harness.run.metrics import speedup
+# Loading lives in harness/report/runset.py; load_runs stays importable from here (harness.report.sweep, tests).
+from harness.report.runset import (PAPER_ROW, InputError, RunSet, device_text, load_runs, resolve_runs,
+                                   run_parser)
+from harness.run.store import atomic_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOT_MEASURED = "n/m"  # the run has no such (model, task)
 MISSING = "missing"  # the run should have it, but its metrics file is absent (--allow-partial)
 MDM_DECODERS = ("llada", "fast_dllm", "dream", "d2f")
@@ -243,7 +244,7 @@ def legend(rs: RunSet) -> str:
 
 def run_notes(rs: RunSet) -> list[str]:
     """Resumed runs and merge decisions, one line each (shown in table1.md and index.md)."""
-    from harness.report import session_note, sessions
+    from harness.run.summary import session_note, sessions
 
     out = []
     for r in rs.runs:
@@ -415,7 +416,7 @@ def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
     for name, caption in figures.items():
         lines += [f"### {caption}", "", f"![{caption}]({name})", ""]
     lines += ["## Runs", ""]
-    from harness.report import resumed, sessions
+    from harness.run.summary import resumed, sessions
 
     for r in rs.runs:
         env = r.get("environment") or {}
@@ -462,9 +463,9 @@ def _json_ready(data: dict) -> dict:
 
 def write_report(rs: RunSet, target: Path) -> Path:
     """Build every file into a temp folder and swap it in as ``target``."""
-    from harness import figures
+    from harness.report import figures
 
-    from harness.store import atomic_write_json, atomic_write_text
+    from harness.run.store import atomic_write_json, atomic_write_text
 
     data = build(rs)
     with atomic_dir(target) as tmp:
@@ -476,23 +477,14 @@ def write_report(rs: RunSet, target: Path) -> Path:
                                                 "missing": [(m, u, _show_path(d)) for m, u, d in rs.missing],
                                                 "notes": run_notes(rs), **_json_ready(data)})
         made = figures.save_all(figures.build_all(rs, data), tmp)
-        from harness.trace import report_traces  # one logged sample per task, when the runs recorded traces
+        from harness.report.trace import report_traces  # one logged sample per task, when the runs recorded traces
 
         atomic_write_text(tmp / "index.md", index_md(rs, data, made) + report_traces(rs, tmp))
     return target
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default=None, help="run folder or run id, or a comma list to merge, each optionally "
-                   "label=run (the label names the run's rows when a model differs between runs) "
-                   "(default: the newest run under --runs-root)")
-    p.add_argument("--runs-root", default="results/runs", help="where run ids are looked up (default: %(default)s)")
-    p.add_argument("--out", default="reports", help="reports folder (default: %(default)s)")
-    p.add_argument("--name", default=None, help="report folder name (default: the run id(s) joined by '+')")
-    p.add_argument("--allow-partial", action="store_true", help="report an unfinished run, missing cells marked")
-    return p
+    return run_parser("report", __doc__)
 
 
 def check_name(name: str) -> str:

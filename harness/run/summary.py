@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from harness.store import atomic_write_json, read_json
+from harness.run.store import atomic_write_json, read_json
 
 
 def _row(m: dict) -> dict:

@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from harness.store import atomic_write_json, read_json
+from harness.run.store import atomic_write_json, read_json
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHAPES = {
     # Qwen3-8B (ReFusion's backbone): config.json of the release, vocab with its two added tokens
     "qwen3-8b": dict(vocab_size=151671, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(ns.prompts, ns.prompt_len, ns.gen_length, ns.slot_size) < 1:
         print("error: --prompts, --prompt-len, --gen-length and --slot-size must be >= 1", file=sys.stderr)
         return 2
-    from harness.runner import environment
+    from harness.run.runner import environment
     from refusion.decoding import make_knobs
 
     dtype = getattr(torch, ns.dtype)

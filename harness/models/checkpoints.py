@@ -1,5 +1,5 @@
 """Checkpoint folders as published: checked completely before any model runs, then loaded onto a stock
-``transformers`` class by the family table (harness/families.py), with no remote code.
+``transformers`` class by the family table (harness/models/families.py), with no remote code.
 
     info = inspect_checkpoint("/ckpt/LLaDA-8B-Instruct")          # reads headers only; CheckpointError
     loaded = load_model("/ckpt/LLaDA-8B-Instruct", dtype="bfloat16")
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.families import Family, family_of, model_is_causal
+from harness.models.families import Family, family_of, model_is_causal
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ADAPTER_CONFIG = "adapter_config.json"

@@ -4,7 +4,7 @@ the same path as `make eval`, plus the target checks.
     python -m harness bench-decoders [--limit 100] [--batch 8] [--long-prompts 8] [--threads 2]
                                      [--out results/bench_decoders.json]
 
-1. One `harness eval` run of the preset list ``BENCH_MODELS`` (harness/presets.py) on the
+1. One `harness eval` run of the preset list ``BENCH_MODELS`` (harness/run/presets.py) on the
    embedded suite at batch 1: the lm-eval adapter decodes, the worker aggregates (counting as
    docs/design.md §6: tokens up to and including the first EOS, TPS = sum of tokens / sum of decode
    seconds, NFE and TPF from the decoders' counters, the share of decode time outside model calls),
@@ -31,15 +31,15 @@ import sys
 import time
 from pathlib import Path
 
-from harness.presets import BENCH_MODELS
-from harness.store import atomic_write_json
+from harness.run.presets import BENCH_MODELS
+from harness.run.store import atomic_write_json
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run_eval(run_id: str, models: str, limit: int, threads: int, batch: int, runs_root: Path) -> Path:
     """One `harness eval` run (resumed if it exists); its folder."""
-    from harness import runner
+    from harness.run import runner
 
     rc = runner.main(["--task", "embedded", "--models", models, "--limit", str(limit), "--threads", str(threads),
                       "--batch-size", str(batch), "--out", str(runs_root), "--run-id", run_id])
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from harness.presets import PRESETS
+        from harness.run.presets import PRESETS
 
         torch.set_num_threads(a.threads)
         path = REPO / PRESETS["refusion"].checkpoint

@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness.presets import PRESETS
+from harness.run.presets import PRESETS
 
 DEFAULT_GRID = "slot_threshold=0.3,0.6,0.9;token_threshold=0.1,0.3,0.6;slot_size=2,4,8"
 # 7 ReFusion variants + 2 references on the embedded suite (3 tasks): at 8 documents per task the
@@ -37,7 +37,7 @@ class InputError(Exception):
 
 def parse_grid(text: str) -> dict[str, list]:
     """``knob=v1,v2;knob2=...`` -> {knob: [values]} (values typed as lm-eval parses model args)."""
-    from harness.runner import _value
+    from harness.run.runner import _value
 
     grid: dict[str, list] = {}
     for part in [p.strip() for p in text.split(";") if p.strip()]:
@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def summarize(rs, points: list[dict]) -> list[dict]:
     """Mean quality (%) and mean tokens/s over the run's tasks for every model (Table 1's Avg rule)."""
-    from harness.paper_report import quality_pct, tps
+    from harness.report.paper_report import quality_pct, tps
 
     out = []
     for pt in points:
@@ -109,7 +109,7 @@ def summarize(rs, points: list[dict]) -> list[dict]:
 
 def figure(points: list[dict], grid: dict[str, list], title: str):
     """One curve per knob (ordered by value, each point labelled), references as single markers."""
-    from harness.figures import _fig, _legend
+    from harness.report.figures import _fig, _legend
 
     fig, ax = _fig()
     base = next(p for p in points if p["name"] == "refusion")
@@ -145,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     ns, passthrough = _parser().parse_known_args(argv)
     import matplotlib.pyplot as plt
 
-    from harness import runner
-    from harness.figures import save_png
-    from harness.paper_report import load_runs
-    from harness.store import atomic_dir, atomic_write_json
+    from harness.run import runner
+    from harness.report.figures import save_png
+    from harness.report.paper_report import load_runs
+    from harness.run.store import atomic_dir, atomic_write_json
 
     base = dict(PRESETS["refusion"].knobs)
     try:

@@ -3,7 +3,7 @@ suite's training split. The trainer takes its corpus as an argument, so the mode
 depend on the task definitions.
 
 Here too: where an open-ended item may end (``cut_chars``, used by ``--open-share``) and the
-learning curves evaluated as the trainer writes snapshots (``--curves``, harness/curves.py)."""
+learning curves evaluated as the trainer writes snapshots (``--curves``, harness/train/curves.py)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def embedded_corpus() -> dict[str, list[dict]]:
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("learning curves (harness/curves.py)")
+    g = p.add_argument_group("learning curves (harness/train/curves.py)")
     g.add_argument("--curves", action=argparse.BooleanOptionalAction, default=False,
                    help="evaluate every snapshot (--snapshot-every) as it is written on the embedded test slice "
                    "with the model's preset decoder; record to --curves-out")
@@ -60,7 +60,7 @@ def make_hook(a: argparse.Namespace):
         return None
     if a.snapshot_every < 1:
         raise SystemExit("error: --curves needs --snapshot-every N (the steps at which curves are evaluated)")
-    from harness.curves import snapshot_hook
+    from harness.train.curves import snapshot_hook
 
     out = Path(a.curves_out)
     kinds = tuple(k.strip() for k in a.curves_kinds.split(",") if k.strip())

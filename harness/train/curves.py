@@ -1,7 +1,7 @@
 """`make curves`: learning curves of the tiny models, quality and TPF against training step and
 training tokens seen.
 
-    python -m harness.curves [--root checkpoints/tiny] [--models ar,refusion,mdm,dream,d2f]
+    python -m harness curves [--root checkpoints/tiny] [--models ar,refusion,mdm,dream,d2f]
                              [--n 100] [--batch 16] [--out reports/curves]
 
 Each point evaluates one set of weights on a fixed slice of the embedded TEST split (the first
@@ -12,7 +12,7 @@ in left-padded batches of ``--batch`` where the decoder batches, and scored by t
 scoring (tasks/scoring.py). The weights are the trainer's snapshots
 (``<root>/.snapshots/<model>/step-NNNNNN.pt``, written with ``train-tiny --snapshot-every N``)
 and the finished checkpoint ``<root>/<model>``. `train-tiny --curves` evaluates each snapshot as
-it is written instead (harness/train_tiny.py).
+it is written instead (harness/train/train_tiny.py).
 
 TPF is generated tokens over NFE with a row charged every forward of its batch, as `harness eval`
 counts it: at ``--batch 1`` it is the bench's figure; in larger batches it is lower, as a batch
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.store import atomic_save_figure, atomic_write_json
+from harness.run.store import atomic_save_figure, atomic_write_json
 
 PRESET_OF = {"ar": "ar", "refusion": "refusion", "mdm": "llada", "dream": "dream", "d2f": "d2f"}
 DEFAULT_N = 100
@@ -49,17 +49,11 @@ def test_slice(kind: str, n: int) -> list[dict]:
 
 
 def _special_ids(model, tokenizer) -> tuple[list[int], int | None]:
-    """EOS ids and mask id by the adapter's rules (harness/lm_adapter.py ``_special_ids``)."""
-    from refusion.decoding.common import eos_ids, mask_id
+    """EOS ids and mask id by the adapter's rules (harness/run/lm_decode.py ``special_ids``)."""
+    from harness.run.lm_decode import special_ids
 
-    eos = list(eos_ids(model, None))
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(int(tokenizer.eos_token_id))
-    try:
-        mask = mask_id(model, None)
-    except ValueError:  # a causal checkpoint without a mask id (ar)
-        mask = getattr(tokenizer, "mask_token_id", None)
-    return eos, mask
+    eos, mask = special_ids(model, tokenizer)
+    return list(eos), mask
 
 
 def prompt_ids(tokenizer, query: str) -> list[int]:
@@ -75,11 +69,11 @@ def evaluate(model, tokenizer, preset: str, n: int = DEFAULT_N, batch: int = DEF
 
     Returns {kind: {"quality": mean task score (0..1), "tpf", "generated_tokens", "nfe", "items", "seconds"}};
     math also gets the finer signals of ``arithmetic`` and, with ``probe_as`` (the model's name in
-    PRESET_OF), the teacher-forced result-digit probe (harness/probe.py).
+    PRESET_OF), the teacher-forced result-digit probe (harness/train/probe.py).
     """
     import torch
 
-    from harness.presets import PRESETS, paper_knobs
+    from harness.run.presets import PRESETS, paper_knobs
     from refusion.decoding import get_decoder, make_knobs
     from tasks.info import task_info
     from tasks.scoring import score_many
@@ -127,8 +121,8 @@ def evaluate(model, tokenizer, preset: str, n: int = DEFAULT_N, batch: int = DEF
 
 
 def probe(model, tokenizer, name: str, docs: list[dict]) -> dict[str, float]:
-    """The result-digit probe of harness/probe.py with the model's own mask and EOS ids."""
-    from harness.probe import result_digit_accuracy
+    """The result-digit probe of harness/train/probe.py with the model's own mask and EOS ids."""
+    from harness.train.probe import result_digit_accuracy
 
     eos, mask = _special_ids(model, tokenizer)
     pad_eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos[0]  # training's EOS pad
@@ -243,7 +237,7 @@ def merge(path: Path, other: dict) -> int:
 
 def plot(data: dict, png: Path) -> None:
     """One figure: quality vs step, quality vs training tokens and TPF vs step, one column per kind;
-    a last row of math signals finer than exact match (harness/probe.py, ``arithmetic``)."""
+    a last row of math signals finer than exact match (harness/train/probe.py, ``arithmetic``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -363,7 +357,7 @@ def _load_weights(src: Path):
 
         model, tok, _, tokens = load_snapshot(src)
         return model, tok, tokens
-    from harness.checkpoints import load_model
+    from harness.models.checkpoints import load_model
 
     loaded = load_model(src)
     model, tok = loaded.model, loaded.tokenizer
@@ -371,7 +365,7 @@ def _load_weights(src: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.curves", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m harness curves", description=__doc__.split("\n\n")[0])
     p.add_argument("--root", action="append", default=None,
                    help="trainer output folder holding <model>/ and .snapshots/<model>/ (repeatable; default "
                    "checkpoints/tiny)")

@@ -29,12 +29,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from harness import paper
-from harness.metrics import speedup
-from harness.paper_report import NOT_MEASURED, _show_path, check_name, quality_pct, tps
-from harness.runset import InputError, _read, device_text, resolve_runs
-from harness.report import resumed, sessions
-from harness.store import atomic_dir, atomic_write_json, atomic_write_text
+from harness.report import paper
+from harness.run.metrics import speedup
+from harness.report.paper_report import NOT_MEASURED, _show_path, check_name, quality_pct, tps
+from harness.report.runset import InputError, _read, device_text, resolve_runs, run_parser
+from harness.run.summary import resumed, sessions
+from harness.run.store import atomic_dir, atomic_write_json, atomic_write_text
 
 
 def _speed(met: dict, *path: str) -> Any:
@@ -246,15 +246,7 @@ def to_csv(labels: list[str], rows: list[dict]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default=None, help="two or more run folders or ids, comma-separated, each optionally "
-                   "label=run; ratios are to the first (default: the two newest runs under --runs-root)")
-    p.add_argument("--runs-root", default="results/runs", help="where run ids are looked up (default: %(default)s)")
-    p.add_argument("--out", default="reports", help="reports folder (default: %(default)s)")
-    p.add_argument("--name", default=None, help="folder name (default: compare-<run>-vs-<run>)")
-    p.add_argument("--allow-partial", action="store_true", help="compare unfinished runs, missing cells marked")
-    return p
+    return run_parser("compare", __doc__)
 
 
 def main(argv: list[str] | None = None) -> int:

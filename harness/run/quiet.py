@@ -8,7 +8,7 @@ Two messages repeat once per model x task of a run and say nothing about it:
 - transformers' "Loading weights" progress bar (a fraction of a second for every checkpoint).
 
 Only those go: the lm-eval logger keeps every other warning and error, transformers keeps its
-logging, and the decoders' own progress bar (harness/lm_adapter.py) is a plain tqdm, untouched.
+logging, and the decoders' own progress bar (harness/run/lm_adapter.py) is a plain tqdm, untouched.
 """
 
 from __future__ import annotations

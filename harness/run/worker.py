@@ -1,4 +1,4 @@
-"""One model of a run, in its own process: `python -m harness.worker --run-dir D --model NAME`.
+"""One model of a run, in its own process: `python -m harness.run.worker --run-dir D --model NAME`.
 
 Started by the runner (directly, or under ``accelerate launch`` for data
 parallelism). It evaluates every task of the run with lm-eval and the
@@ -18,8 +18,8 @@ import signal
 import sys
 from pathlib import Path
 
-from harness.metrics import aggregate, quality_metrics
-from harness.store import atomic_write_json, atomic_write_jsonl, read_json
+from harness.run.metrics import aggregate, quality_metrics
+from harness.run.store import atomic_write_json, atomic_write_jsonl, read_json
 
 
 def _peak_rss_bytes() -> int:
@@ -66,7 +66,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m harness.run.worker", description=__doc__)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--error-file", default=None,
@@ -76,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(ns)
     except Exception as e:  # noqa: BLE001 - sorted below: only the user's data and files get one line
-        from harness.runner import known_error
+        from harness.run.runner import known_error
 
         msg = None if ns.debug else known_error(e)
         if msg is None:
             raise
         if ns.error_file:
-            from harness.store import atomic_write_text
+            from harness.run.store import atomic_write_text
 
             atomic_write_text(Path(ns.error_file), msg + "\n")
         else:
@@ -103,17 +103,32 @@ def _main(ns: argparse.Namespace) -> int:
         return 2
     for name in ("lm_eval", "datasets", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from harness.quiet import quiet_libraries
+    from harness.run.quiet import quiet_libraries
 
     quiet_libraries()  # no per-task metadata hint, no weight-loading bar; warnings and errors stay
+    mdir = run_dir / "models" / spec["name"]
+    lm, res = _evaluate(cfg, spec, mdir)
+    lm.barrier()
+    # Every rank's keys, RSS and counts go to rank 0, which alone writes files.
+    mine = {"keys": lm.keys_by_task, "peak_rss_bytes": _peak_rss_bytes(), "computed": lm.computed,
+            "served": lm.served, "warmup_s": lm.warmup_s, "rank": lm.rank}
+    ranks = lm.gather_object(mine, dst=0)
+    if lm.journal is not None:
+        lm.journal.close()
+    if lm.rank != 0:
+        return 0
+    _write_results(run_dir, cfg, spec, res, lm.journal.load(), ranks)
+    return 0
 
+
+def _evaluate(cfg: dict, spec: dict, mdir: Path):
+    """(the lm-eval model, lm-eval's results) of one model of the run on every unit of it."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from harness.lm_adapter import RefusionBenchLM, set_seed
+    from harness.run.lm_adapter import RefusionBenchLM, set_seed
 
     set_seed(cfg["seed"])
-    mdir = run_dir / "models" / spec["name"]
     lm = RefusionBenchLM(
         pretrained=spec["checkpoint"], decoder=spec["decoder"], batch_size=cfg["batch_size"],
         device=cfg["device"], seed=cfg["seed"], threads=cfg["threads"], journal_dir=str(mdir / "journal"),
@@ -126,17 +141,13 @@ def _main(ns: argparse.Namespace) -> int:
         apply_chat_template=cfg["chat_template"], log_samples=True, bootstrap_iters=cfg["bootstrap_iters"],
         random_seed=cfg["seed"], numpy_random_seed=cfg["seed"], torch_random_seed=cfg["seed"],
         fewshot_random_seed=cfg["seed"], confirm_run_unsafe_code=True)
-    lm.barrier()
-    # Every rank's keys, RSS and counts go to rank 0, which alone writes files.
-    mine = {"keys": lm.keys_by_task, "peak_rss_bytes": _peak_rss_bytes(), "computed": lm.computed,
-            "served": lm.served, "warmup_s": lm.warmup_s, "rank": lm.rank}
-    ranks = lm.gather_object(mine, dst=0)
-    if lm.journal is not None:
-        lm.journal.close()
-    if lm.rank != 0:
-        return 0
+    return lm, res
 
-    journal = lm.journal.load()
+
+def _write_results(run_dir: Path, cfg: dict, spec: dict, res: dict, journal: dict[str, dict],
+                   ranks: list[dict]) -> None:
+    """Rank 0: lm-eval's results, per unit the sample rows and the metrics file, then done.json."""
+    mdir = run_dir / "models" / spec["name"]
     keys: dict[str, set[str]] = {}
     for r in ranks:
         for task, ks in r["keys"].items():
@@ -151,32 +162,36 @@ def _main(ns: argparse.Namespace) -> int:
         by_doc = {(r["task"], r["doc_id"]): r for r in gen_recs}
         rows = _sample_rows(samples, by_doc, unit)
         atomic_write_jsonl(mdir / "samples" / f"{unit['name']}.jsonl", rows)
-        speed = aggregate(gen_recs)
-        quality = _unit_quality(results, unit)
-        knob_sets = sorted({tuple(sorted(r["knobs"].items())) for r in gen_recs}, key=str)
-        metrics = {
-            "model": spec["name"], "task": unit["name"], "leaves": unit["leaves"], "decoder": spec["decoder"],
-            "checkpoint": spec["checkpoint"], "knobs": [dict(k) for k in knob_sets], "model_knobs": spec["knobs"],
-            "quality": quality, "quality_primary": unit.get("primary") if unit.get("primary") in quality
-            else next(iter(quality), None),
-            "speed": {k: speed[k] for k in ("samples", "generated_tokens", "latency_s", "tokens_per_s", "nfe", "tpf",
-                                            "nfe_by_phase", "outside_forward_share")},
-            "memory": {**speed["memory"], "peak_rss_bytes": peak_rss,
-                       "peak_rss_by_rank": [r["peak_rss_bytes"] for r in ranks],
-                       "rss_scope": "whole worker process of this model (all tasks of the run)"},
-            "requests": {"total": len(recs), "generate": len(gen_recs)},
-            "run": {"run_id": cfg.get("run_id"), "seed": cfg["seed"], "limit": cfg["limit"],
-                    "chat_template": cfg["chat_template"], "num_processes": cfg["num_processes"],
-                    "threads": cfg["threads"], "device": cfg["device"], "batch_size": cfg["batch_size"],
-                    "dtype": cfg.get("dtype", "float32"), "chat_template_args": cfg.get("chat_template_args", {}),
-                    "environment": cfg.get("environment")},
-            "knobs_used": spec.get("resolved_knobs", {}).get(unit["leaves"][0]) if unit["leaves"] else None,
-        }
+        metrics = _unit_metrics(cfg, spec, unit, recs, gen_recs, _unit_quality(results, unit), ranks, peak_rss)
         atomic_write_json(run_dir / "metrics" / f"{spec['name']}__{unit['name']}.json", metrics)
     atomic_write_json(mdir / "done.json", {
         "computed": sum(r["computed"] for r in ranks), "served_from_journal": sum(r["served"] for r in ranks),
         "warmup_s": [r["warmup_s"] for r in ranks], "peak_rss_bytes": peak_rss, "pid": os.getpid()})
-    return 0
+
+
+def _unit_metrics(cfg: dict, spec: dict, unit: dict, recs: list[dict], gen_recs: list[dict], quality: dict,
+                  ranks: list[dict], peak_rss: int) -> dict:
+    """The metrics file of one (model, unit): settings, quality, speed, memory, request counts."""
+    speed = aggregate(gen_recs)
+    knob_sets = sorted({tuple(sorted(r["knobs"].items())) for r in gen_recs}, key=str)
+    return {
+        "model": spec["name"], "task": unit["name"], "leaves": unit["leaves"], "decoder": spec["decoder"],
+        "checkpoint": spec["checkpoint"], "knobs": [dict(k) for k in knob_sets], "model_knobs": spec["knobs"],
+        "quality": quality, "quality_primary": unit.get("primary") if unit.get("primary") in quality
+        else next(iter(quality), None),
+        "speed": {k: speed[k] for k in ("samples", "generated_tokens", "latency_s", "tokens_per_s", "nfe", "tpf",
+                                        "nfe_by_phase", "outside_forward_share")},
+        "memory": {**speed["memory"], "peak_rss_bytes": peak_rss,
+                   "peak_rss_by_rank": [r["peak_rss_bytes"] for r in ranks],
+                   "rss_scope": "whole worker process of this model (all tasks of the run)"},
+        "requests": {"total": len(recs), "generate": len(gen_recs)},
+        "run": {"run_id": cfg.get("run_id"), "seed": cfg["seed"], "limit": cfg["limit"],
+                "chat_template": cfg["chat_template"], "num_processes": cfg["num_processes"],
+                "threads": cfg["threads"], "device": cfg["device"], "batch_size": cfg["batch_size"],
+                "dtype": cfg.get("dtype", "float32"), "chat_template_args": cfg.get("chat_template_args", {}),
+                "environment": cfg.get("environment")},
+        "knobs_used": spec.get("resolved_knobs", {}).get(unit["leaves"][0]) if unit["leaves"] else None,
+    }
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B attention
 CPU_BACKENDS = ("sdpa", "replicated", "flex")
 ALL_BACKENDS = ("sdpa", "replicated", "flex", "triton")
@@ -177,12 +177,12 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Packed slot attention, Qwen3-8B shapes (32/8 heads, head_dim 128)")
     fig.tight_layout()
-    from harness.store import atomic_save_figure
+    from harness.run.store import atomic_save_figure
 
     atomic_save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness bench-kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=os.environ.get("DEVICE") or "cpu", help="cpu or cuda (env DEVICE)")
     p.add_argument("--prefixes", default="256,1024,4096")
@@ -196,45 +196,29 @@ def main(argv: list[str] | None = None) -> int:
                    help="a note on the machine's state, kept in the JSON (e.g. idle, shared)")
     p.add_argument("--out", default=str(REPO / "results" / "bench_kernels.json"))
     p.add_argument("--plot", default=str(REPO / "reports" / "kernels.png"))
-    a = p.parse_args(argv)
-    try:
-        prefixes = _ints("256,1024" if a.quick else a.prefixes, "prefixes")
-        slots = _ints("1,8" if a.quick else a.slots, "slots")
-        lens = _ints("8" if a.quick else a.slot_lens, "slot-lens")
-        if a.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda, got {a.device!r}")
-        default = ALL_BACKENDS if a.device == "cuda" else CPU_BACKENDS
-        backends = default if a.backends is None else tuple(x.strip() for x in a.backends.split(",") if x.strip())
-        bad = [b for b in backends if b not in ALL_BACKENDS]
-        if bad or not backends:
-            raise ValueError(f"--backends must be a comma list of {', '.join(ALL_BACKENDS)}, got {a.backends!r}")
-        repeats = a.repeats if a.repeats is not None else (2 if a.quick else (20 if a.device == "cuda" else 5))
-        if repeats < 1:
-            raise ValueError(f"--repeats must be >= 1, got {repeats}")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return p
 
-    import torch
 
-    from harness.runner import environment
-    from harness.store import atomic_write_json
-    from refusion.kernels import missing
+def _settings(a: argparse.Namespace) -> tuple[list[int], list[int], list[int], tuple[str, ...], int]:
+    """(prefixes, slot counts, slot lengths, backends, repeats) from the options; ValueError names a bad one."""
+    prefixes = _ints("256,1024" if a.quick else a.prefixes, "prefixes")
+    slots = _ints("1,8" if a.quick else a.slots, "slots")
+    lens = _ints("8" if a.quick else a.slot_lens, "slot-lens")
+    if a.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {a.device!r}")
+    default = ALL_BACKENDS if a.device == "cuda" else CPU_BACKENDS
+    backends = default if a.backends is None else tuple(x.strip() for x in a.backends.split(",") if x.strip())
+    bad = [b for b in backends if b not in ALL_BACKENDS]
+    if bad or not backends:
+        raise ValueError(f"--backends must be a comma list of {', '.join(ALL_BACKENDS)}, got {a.backends!r}")
+    repeats = a.repeats if a.repeats is not None else (2 if a.quick else (20 if a.device == "cuda" else 5))
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    return prefixes, slots, lens, backends, repeats
 
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda: this torch sees no CUDA device (make bench-kernels DEVICE=cuda on a GPU machine)",
-              file=sys.stderr)
-        return 2
-    if "sdpa" not in backends:
-        backends = ("sdpa", *backends)  # the reference every output is compared with
-    device = torch.device(a.device)
-    for b in backends:
-        why = missing(b, device)
-        if why is not None:
-            print(f"error: {why}", file=sys.stderr)
-            return 2
-    torch.set_num_threads(a.threads)
-    dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+
+def _run_grid(backends, dtypes, device, prefixes, slots, lens, repeats: int) -> list[dict]:
+    """One row per (dtype, slot length, slot count, prefix, backend), a progress line per shape on stderr."""
     rows = []
     total = len(dtypes) * len(prefixes) * len(slots) * len(lens)
     print(f"bench-kernels: {total} shapes x {len(backends)} backends on {device.type}; flex compiles once per query "
@@ -258,6 +242,15 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{done}/{total}] {str(dtype).removeprefix('torch.'):<8} P={prefix:<5} k={k:<3} L={length:<3} "
                           + "  ".join(line) + f"  ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
                     del ref, out
+    return rows
+
+
+def _environment(a: argparse.Namespace, device) -> dict:
+    """The run's environment record, with the host note, the device's name and triton's version."""
+    import torch
+
+    from harness.run.runner import environment
+
     env = {**environment(a.device, a.threads, 1, 0), "host": a.host,
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     env["device_name"] = env["device_name"] or env["cpu"]
@@ -267,9 +260,41 @@ def main(argv: list[str] | None = None) -> int:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        prefixes, slots, lens, backends, repeats = _settings(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from harness.run.store import atomic_write_json
+    from refusion.kernels import missing
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: this torch sees no CUDA device (make bench-kernels DEVICE=cuda on a GPU machine)",
+              file=sys.stderr)
+        return 2
+    if "sdpa" not in backends:
+        backends = ("sdpa", *backends)  # the reference every output is compared with
+    device = torch.device(a.device)
+    for b in backends:
+        why = missing(b, device)
+        if why is not None:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
+    torch.set_num_threads(a.threads)
+    dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    t_start = time.perf_counter()
+    rows = _run_grid(backends, dtypes, device, prefixes, slots, lens, repeats)
     report = {
         "command": "python -m harness bench-kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "env": env,
+        "env": _environment(a, device),
         "shapes": {"batch": 1, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "prefixes": prefixes,
                    "slots": slots, "slot_lens": lens, "repeats": repeats, "quick": a.quick},
         "notes": ("ms_median / ms_min over the timed calls after one warm-up call (first_call_s, which includes "
