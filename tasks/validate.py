@@ -1,13 +1,15 @@
 """`python -m harness validate-tasks`: score every task's gold answers (docs/design.md §5).
 
-For each task, builds its lm-eval Task(s) from our YAMLs, writes the gold
+For each task of the task table (tasks/info.py), builds its lm-eval Task(s) from our YAMLs, writes the gold
 answer of each document in the form the prompt asks for, scores it through the
 task's own filters and metrics (tasks.scoring) and prints one line:
 
     task  items  gold=<primary score>  wrong=<score of a deliberately wrong answer>
 
-plus any item whose gold answer failed. Exit 0 when every gold score is 1 and
-every wrong score is 0 (items listed in KNOWN_GOLD_FAILURES excepted), else 1.
+plus any item whose gold answer failed. Any other task (a user's, from ``--tasks-dir``) gets the
+generic checks of ``validate_generic``. Exit 0 when every gold score is 1 and every wrong score
+is 0 (items listed in KNOWN_GOLD_FAILURES excepted), else 1; 2 with one ``error:`` line for bad
+input or data that is not there (no REFUSION_DATA_DIR offline).
 """
 
 from __future__ import annotations
@@ -104,29 +106,133 @@ def validate_task(task: str, limit: int | None, workers: int) -> dict:
             "failures": failures, "unexpected": unexpected}
 
 
+# ---------------------------------------------------------------- any task (docs/extending.md)
+
+
+def validate_generic(name: str, tm, limit: int | None, workers: int) -> dict:
+    """The checks every task gets, ours or a user's: each document renders, each row has a non-empty gold
+    answer (tasks/checks.py), and, for a generated-answer task scored by exact_match (the metric that
+    compares a response with the target), the gold answer's own text scores 1 and an empty response 0.
+    Other scorers (code execution, a custom function) cannot take the target text as an answer: their
+    score is shown, not checked."""
+    from tasks.checks import target_problem
+    from tasks.scoring import score_docs_with_task
+
+    loaded = tm.load([name])
+    problems, gold_scores, wrong_scores, items, checked = [], [], [], 0, True
+    for leaf, task in sorted(loaded.get("tasks", {}).items()):
+        docs = [dict(d) for d in task.eval_docs]
+        docs = docs[:limit] if limit is not None else docs
+        items += len(docs)
+        for i, doc in enumerate(docs):
+            try:
+                task.doc_to_text(doc)
+                problem = target_problem(task, doc)
+                if task.OUTPUT_TYPE == "multiple_choice":
+                    task.doc_to_choice(doc)
+            except Exception as e:  # noqa: BLE001 - templates and hooks raise anything
+                problem = f"does not render: {type(e).__name__}: {e}".replace("\n", " ")
+            if problem:
+                problems.append(f"{leaf} row {i + 1}: {problem}")
+        if problems or task.OUTPUT_TYPE != "generate_until" or not docs:
+            continue
+        golds = [str(task.doc_to_target(d)) for d in docs]
+        gold_scores += score_docs_with_task(task, golds, docs, workers)
+        wrong_scores += score_docs_with_task(task, [""] * len(docs), docs, workers)
+        checked = checked and any(m.get("metric") == "exact_match" for m in task.config.metric_list or [])
+    keys = sorted(gold_scores[0]) if gold_scores else []
+    n = max(len(gold_scores), 1)
+    return {"task": name, "items": items, "problems": problems, "checked": checked and bool(keys),
+            "gold": {k: sum(g[k] for g in gold_scores) / n for k in keys},
+            "wrong": {k: sum(w[k] for w in wrong_scores) / n for k in keys}}
+
+
+def _report_generic(r: dict, seconds: float) -> bool:
+    scores = "  ".join(f"{k}: gold={r['gold'][k]:.4f} wrong={r['wrong'][k]:.4f}" for k in r["gold"])
+    note = "" if r["checked"] or not r["gold"] else "  (gold not checked: the scorer is not exact_match)"
+    print(f"{r['task']:<22} items={r['items']:<6} {scores or 'no generated answers to score'}  ({seconds:.1f}s){note}",
+          flush=True)
+    for line in r["problems"][:20]:
+        print(f"    bad document: {line}")
+    if len(r["problems"]) > 20:
+        print(f"    ... and {len(r['problems']) - 20} more")
+    exact = [k for k in r["gold"] if k.startswith("exact_match,")]
+    if r["checked"] and any(r["gold"][k] != 1.0 for k in exact):
+        print(f"    gold failed: the targets' own text does not score 1 under {r['task']}'s filters and exact_match")
+        return False
+    return not r["problems"] and not any(r["wrong"][k] > 0 for k in exact)
+
+
+def _data_error(exc: BaseException) -> str | None:
+    """The message of a DataError anywhere in an exception's chain (lm-eval and datasets wrap them)."""
+    from tasks.data import DataError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, DataError):
+            return str(exc).replace("\n", " ")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _task_manager(dirs: list[str]):
+    from lm_eval.tasks import TaskManager
+
+    from tasks.scoring import TASKS_DIR
+
+    return TaskManager(include_path=[str(TASKS_DIR), *dirs], include_defaults=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness validate-tasks", description=__doc__.split("\n")[0])
     p.add_argument("--tasks", default=",".join(ALL_TASKS),
-                   help=f"comma-separated task names (default: all). Known: {', '.join(TASKS)}")
+                   help=f"comma-separated task names (default: all built-in ones: {', '.join(TASKS)}); any task "
+                   "of --tasks-dir too, with the generic checks")
+    p.add_argument("--tasks-dir", action="append", default=[], metavar="DIR",
+                   help="a folder of your own lm-eval task YAMLs, added to the built-in ones (repeatable)")
     p.add_argument("--limit", type=int, default=None, help="score only the first N items of each task")
     p.add_argument("--workers", type=int, default=max(2, (os.cpu_count() or 2) * 2),
                    help="concurrent sandboxed programs for the code tasks")
     args = p.parse_args(argv)
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    unknown = [t for t in names if t not in TASKS]
-    if unknown:
-        print(f"error: unknown task(s) {', '.join(unknown)}; known tasks: {', '.join(TASKS)}", file=sys.stderr)
-        return 2
     if args.limit is not None and args.limit <= 0:
         print("error: --limit must be a positive integer", file=sys.stderr)
         return 2
+    bad_dirs = [d for d in args.tasks_dir if not os.path.isdir(d)]
+    if bad_dirs:
+        print(f"error: --tasks-dir {bad_dirs[0]!r} is not a folder", file=sys.stderr)
+        return 2
+    import logging
+
     import datasets
 
     datasets.disable_progress_bars()  # one line per task, not a progress bar per subtask
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    tm = _task_manager(args.tasks_dir)
+    valid = set(tm.all_tasks) | set(tm.all_groups) | set(TASKS)
+    unknown = [t for t in names if t not in valid]
+    if unknown:
+        print(f"error: unknown task(s) {', '.join(unknown)}; known tasks: {', '.join(sorted(valid))}", file=sys.stderr)
+        return 2
+    try:
+        return _validate_all(names, tm, args)
+    except Exception as e:  # noqa: BLE001 - only a data error is the user's to fix; anything else is a bug
+        msg = _data_error(e)
+        if msg is None:
+            raise
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+
+
+def _validate_all(names: list[str], tm, args) -> int:
     ok = True
     t_all = time.monotonic()
     for name in names:
         t0 = time.monotonic()
+        if name not in TASKS:
+            ok = _report_generic(validate_generic(name, tm, args.limit, args.workers), time.monotonic() - t0) and ok
+            continue
         r = validate_task(name, args.limit, args.workers)
         extra = "".join(f"  {k}: gold={r['other_gold'][k]:.4f} wrong={r['other_wrong'][k]:.4f}"
                         for k in r["other_gold"])

@@ -48,6 +48,7 @@ def test_unknown_family_is_one_line_naming_config_even_as_the_last_model(setup, 
     (bad / "config.json").write_text(json.dumps(cfg))
     err = _error(capsys, tmp_path / "out", setup, f"a={setup['ckpt']}:ar,b={bad}:ar")
     assert "model 'b'" in err and str(bad / "config.json") in err and "'mamba_plus'" in err, err
+    assert err.count(str(bad / "config.json")) == 1 and "docs/extending.md" in err, err  # the path once
     assert "pip install" not in err
 
 

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, Qwen3Config
 
 from refusion.decoding import DECODERS
-from refusion.decoding.mdm import _dream_propose, _top_p, dream_generation_defaults
+from refusion.decoding.mdm import dream_generation_defaults, dream_propose, top_p_filter
 from refusion.objective import block_causal_mask
 
 MASK = 47  # conftest's MDM_MASK: the mask id of its tiny_mdm models
@@ -139,7 +139,7 @@ def test_fast_dllm_shift_cache_is_exact_for_a_one_layer_model(tiny_mdm, prompts,
 
 def test_dream_sampling_is_seeded_and_top_p_filters(tiny_mdm, prompts):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    kept = _top_p(logits, 0.6) > torch.finfo(logits.dtype).min
+    kept = top_p_filter(logits, 0.6) > torch.finfo(logits.dtype).min
     assert kept.tolist() == [[True, True, False]]  # 0.5 < 0.6: the token crossing top_p stays, the rest go
     model = tiny_mdm()
     _, ids, _ = prompts()
@@ -306,8 +306,8 @@ def test_top_p_and_top_k_reorder_the_confidences():
     # maskgit_plus: top_p = 0.5 keeps A's 0.4 + 0.11 (A -> 0.4 / 0.51 = 0.784) but B's 0.45 + 0.3
     # (B -> 0.45 / 0.75 = 0.6): A overtakes B.
     logits = torch.stack([log_probs(NUCLEUS_A), log_probs(NUCLEUS_B)])[None]  # [1, 2, V]
-    _, plain = _dream_propose(logits, "maskgit_plus", 0.0, None, None, None, S_MASK)
-    _, nucleus = _dream_propose(logits, "maskgit_plus", 0.0, 0.5, None, None, S_MASK)
+    _, plain = dream_propose(logits, "maskgit_plus", 0.0, None, None, None, S_MASK)
+    _, nucleus = dream_propose(logits, "maskgit_plus", 0.0, 0.5, None, None, S_MASK)
     assert plain[0].tolist() == pytest.approx([0.4, 0.45], abs=1e-5)
     assert nucleus[0].tolist() == pytest.approx([0.4 / 0.51, 0.45 / 0.75], abs=1e-5)
     # entropy: top_k = 2 renormalises both to two tokens, and B's (0.706, 0.294) is surer than A's (0.625, 0.375).
@@ -317,8 +317,8 @@ def test_top_p_and_top_k_reorder_the_confidences():
         ps = [p / sum(ps) for p in ps]
         return sum(p * math.log(p) for p in ps)
 
-    _, plain = _dream_propose(logits, "entropy", 0.0, None, None, None, S_MASK)
-    _, top2 = _dream_propose(logits, "entropy", 0.0, None, 2, None, S_MASK)
+    _, plain = dream_propose(logits, "entropy", 0.0, None, None, None, S_MASK)
+    _, top2 = dream_propose(logits, "entropy", 0.0, None, 2, None, S_MASK)
     assert plain[0].tolist() == pytest.approx([neg_entropy([.5, .3, .2]), neg_entropy([.6, .25, .05, .05, .05])],
                                               abs=1e-5)
     assert top2[0].tolist() == pytest.approx([neg_entropy([.5, .3]), neg_entropy([.6, .25])], abs=1e-5)

@@ -111,7 +111,7 @@ def test_readme_lists_the_task_names_and_aliases():
 def test_progress_counts_every_sample_of_every_model_and_task(write_task, tmp_path):
     tasks = write_task(tmp_path / "tasks", "tiny_gen", n=5)
     write_task(tasks, "tiny_two", n=2)
-    units = runner.resolve_units("tiny_gen,tiny_two", tasks, limit=3)
+    units = runner.resolve_units("tiny_gen,tiny_two", [tasks], limit=3)
     assert [(u["name"], u["samples"]) for u in units] == [("tiny_gen", 3), ("tiny_two", 2)]  # LIMIT per leaf
     cfg = {"models": [{"name": "ar"}, {"name": "refusion"}, {"name": "llada"}], "units": units}
     now = [0.0]

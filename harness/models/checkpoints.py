@@ -191,7 +191,7 @@ def inspect_checkpoint(path: str | os.PathLike, base: str | os.PathLike | None =
         raise CheckpointError(f"checkpoint directory {str(p)!r} has no config.json (nor {ADAPTER_CONFIG})")
     raw = _read_json(p / "config.json")
     try:
-        fam = family_of(raw, str(p / "config.json"))
+        fam = family_of(raw)
         cfg = build_config(fam, raw)
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{str(p / 'config.json')!r}: {e}") from None

@@ -65,13 +65,10 @@ def _llada_config(raw: dict) -> dict:
         pad_token_id=raw.get("pad_token_id"), mask_token_id=raw.get("mask_token_id"))
 
 
-def _dream_config(raw: dict) -> dict:
-    """Dream's config.json is Qwen2's with model_type "Dream" (Dream's configuration_dream.py)."""
-    drop = {"model_type", "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype"}
-    return {k: v for k, v in raw.items() if k not in drop}
-
-
-def _qwen3_config(raw: dict) -> dict:
+def plain_config(raw: dict) -> dict:
+    """A config.json whose fields are already the model class's config kwargs (stock Qwen3 / Qwen2 /
+    Llama, Dream's Qwen2 with model_type "Dream" per its configuration_dream.py, a family added by
+    docs/extending.md): everything but the fields that name the class or the file's writer."""
     drop = {"model_type", "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype"}
     return {k: v for k, v in raw.items() if k not in drop}
 
@@ -102,7 +99,7 @@ FAMILIES: dict[str, Family] = {
                  "up_proj(x) -> ff_out)", "ML-GSAI/LLaDA generate.py (mask_id=126336)")),
     "dream": Family(
         name="dream", model_class="Qwen2ForCausalLM", causal=False, logit_shift=True, mask_token="<|mask|>",
-        mask_id=151666, eos_ids=(151643, 151645), tokenizer_class="Qwen2Tokenizer", to_config=_dream_config,
+        mask_id=151666, eos_ids=(151643, 151645), tokenizer_class="Qwen2Tokenizer", to_config=plain_config,
         notes="DreamModel = Qwen2.5 with bidirectional attention; tensor names as Qwen2ForCausalLM (qkv bias); "
               "the model's logits are unshifted and the sampler shifts them (the logit at i-1 predicts i); "
               "the tokenizer is a Qwen2 BPE behind a remote-code DreamTokenizer class",
@@ -110,17 +107,17 @@ FAMILIES: dict[str, Family] = {
                  "(logits = torch.cat([logits[:, :1], logits[:, :-1]], 1))",)),
     "refusion": Family(
         name="refusion", model_class="Qwen3ForCausalLM", causal=True, mask_token="<|mask|>", mask_id=151670,
-        eos_ids=(151645,), to_config=_qwen3_config,
+        eos_ids=(151645,), to_config=plain_config,
         notes="Qwen3-8B fine-tuned; modeling_qwen3_refusion.py adds only training code (no weights); "
               "<|beginoftext|> 151669 and <|mask|> 151670 are added special tokens (vocab 151671); "
               "the tokenizer is saved slow (vocab.json + merges.txt)",
         sources=("ML-GSAI/ReFusion qwen3/modeling_qwen3_refusion.py, generate.py (mask_id=151670)",)),
-    "qwen3": Family(name="qwen3", model_class="Qwen3ForCausalLM", causal=None, to_config=_qwen3_config,
+    "qwen3": Family(name="qwen3", model_class="Qwen3ForCausalLM", causal=None, to_config=plain_config,
                     notes="stock Qwen3 (Qwen3-8B) and this project's tiny models (is_causal in config.json)",
                     sources=("transformers Qwen3Config",)),
-    "qwen2": Family(name="qwen2", model_class="Qwen2ForCausalLM", causal=None, to_config=_qwen3_config,
+    "qwen2": Family(name="qwen2", model_class="Qwen2ForCausalLM", causal=None, to_config=plain_config,
                     sources=("transformers Qwen2Config",)),
-    "llama": Family(name="llama", model_class="LlamaForCausalLM", causal=None, to_config=_qwen3_config,
+    "llama": Family(name="llama", model_class="LlamaForCausalLM", causal=None, to_config=plain_config,
                     notes="Llama-3-8B-Instruct: EOS <|end_of_text|> 128001 and <|eot_id|> 128009 "
                           "(generation_config.json)",
                     sources=("meta-llama/Meta-Llama-3-8B-Instruct generation_config.json",)),
@@ -130,12 +127,26 @@ MODEL_TYPES = {"llada": "llada", "Dream": "dream", "dream": "dream", "qwen3": "q
                "llama": "llama"}
 
 
-def family_of(raw: dict[str, Any], where: str = "config.json") -> Family:
-    """The family of a published config.json; ValueError naming the model_type when unknown."""
+def register_family(family: Family, model_types: tuple[str, ...]) -> Family:
+    """Add ``family`` to FAMILIES and route each config.json ``model_type`` in ``model_types`` to it (ValueError
+    when the name or a model_type is taken). In-tree, the same is one entry in each table above
+    (docs/extending.md)."""
+    taken = [t for t in model_types if t in MODEL_TYPES]
+    if family.name in FAMILIES or taken or not model_types:
+        raise ValueError(f"family {family.name!r}: name or model_type(s) {taken} already registered, or no "
+                         f"model_type given; families: {', '.join(FAMILIES)}")
+    FAMILIES[family.name] = family
+    MODEL_TYPES.update({t: family.name for t in model_types})
+    return family
+
+
+def family_of(raw: dict[str, Any]) -> Family:
+    """The family of a published config.json; ValueError naming the model_type when unknown (the caller
+    names the file)."""
     mt = raw.get("model_type")
     if mt not in MODEL_TYPES:
-        raise ValueError(f"{where}: model_type {mt!r} is not a family this harness loads; known: "
-                         f"{', '.join(sorted(set(MODEL_TYPES)))}")
+        raise ValueError(f"model_type {mt!r} is not a family this harness loads; known: "
+                         f"{', '.join(sorted(set(MODEL_TYPES)))} (add one: docs/extending.md)")
     fam = FAMILIES[MODEL_TYPES[mt]]
     auto = " ".join(str(v) for v in (raw.get("auto_map") or {}).values()).lower()
     if fam.name == "qwen3" and "refusion" in auto:

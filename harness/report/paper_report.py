@@ -43,7 +43,6 @@ from harness.run.store import atomic_dir
 REPO = Path(__file__).resolve().parents[2]
 NOT_MEASURED = "n/m"  # the run has no such (model, task)
 MISSING = "missing"  # the run should have it, but its metrics file is absent (--allow-partial)
-MDM_DECODERS = ("llada", "fast_dllm", "dream", "d2f")
 
 
 # ---------------------------------------------------------------- numbers
@@ -135,12 +134,21 @@ def speedup_summary(row: dict, ref: dict, keys: list[str], same_run: bool = True
             "ratio_of_averages": speedup(mine, theirs), "tasks": len(both)}
 
 
+def is_masked_diffusion(decoder: str) -> bool:
+    """Whether the registry marks ``decoder`` a masked-diffusion baseline (refusion.decoding.Decoder); a decoder
+    a run recorded but this checkout does not register is not one."""
+    from refusion.decoding import DECODERS
+
+    entry = DECODERS.get(decoder)
+    return bool(entry and entry.masked_diffusion)
+
+
 def references(rs: RunSet) -> list[tuple[str, str]]:
     """(row, role) pairs speedups are measured against: every row of the runs' AR model, then every
     MDM baseline (a model with rows per run or per prompt variant is a reference in each)."""
     bases = {r["baseline"] for r in rs.runs if r.get("baseline")} or {rs.baseline}
     out = [(m["name"], "AR baseline") for m in rs.models if m["model"] in bases]
-    out += [(m["name"], "MDM baseline") for m in rs.models if m["decoder"] in MDM_DECODERS]
+    out += [(m["name"], "MDM baseline") for m in rs.models if is_masked_diffusion(m["decoder"])]
     return out
 
 

@@ -8,6 +8,9 @@ from typing import Any
 
 from harness.run.store import request_key
 
+# The response budget of a generate_until request that sets no max_gen_toks (lm-eval's own default).
+DEFAULT_MAX_GEN_TOKS = 256
+
 
 class RequestPlan:
     """Knobs and journal key of each ``generate_until`` request for one decoder and checkpoint.
@@ -28,7 +31,7 @@ class RequestPlan:
         falls back to max_gen_toks."""
         k = {**self.checkpoint_knobs, **self.task_knobs.get(task or "", {}), **self.knobs}
         if "gen_length" in self.knob_names and "gen_length" not in k:
-            k["gen_length"] = int(gen_kwargs.get("max_gen_toks", 256))
+            k["gen_length"] = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
         if "seed" in self.knob_names and "seed" not in k:
             k["seed"] = self.seed
         return k

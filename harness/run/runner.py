@@ -47,6 +47,7 @@ from harness.run import summary
 from harness.run.metrics import speedup
 from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS, PRESETS, ModelSpec, paper_knobs
 from harness.run.store import atomic_write_json, read_json
+from tasks.checks import target_problem
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TASK = "embedded"
@@ -178,16 +179,25 @@ def _root_message(exc: BaseException) -> str:
     return f"{type(seen).__name__}: {seen}".replace("\n", " ")
 
 
-def resolve_units(task_arg: str, tasks_dir: Path, limit: int | None = None) -> list[dict]:
+def task_manager(tasks_dirs: list[Path]):
+    """lm-eval's TaskManager over the built-in tasks/ folder plus ``tasks_dirs`` (later folders win on a name
+    clash, as lm-eval merges its include paths); none of lm-eval's own task YAMLs."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(REPO / "tasks")] + [str(d) for d in tasks_dirs if Path(d).resolve() != (REPO / "tasks").resolve()]
+    return TaskManager(include_path=paths, include_defaults=False)
+
+
+def resolve_units(task_arg: str, tasks_dirs: list[Path], limit: int | None = None,
+                  budgets: dict[str, int | None] | None = None) -> list[dict]:
     """Task names -> units ({name, leaves, primary}); raises InputError for unknown names or missing data.
 
     A unit is what one metrics file covers: a benchmark (mmlu_pro with its 14 subjects
     is one unit) or a leaf task. A suite group without an aggregate (``embedded``)
-    expands to its members.
+    expands to its members. ``budgets``, when given, is filled with each leaf's
+    response budget (``generation_budget``).
     """
     import logging
-
-    from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:  # validation output is one line at most: no dataset-building progress bars
@@ -197,7 +207,7 @@ def resolve_units(task_arg: str, tasks_dir: Path, limit: int | None = None) -> l
     except ImportError:
         pass
     from tasks.info import TASKS as KNOWN
-    tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    tm = task_manager(tasks_dirs)
     valid = sorted(set(tm.all_tasks) | set(tm.all_groups))
     names = [t.strip() for t in task_arg.split(",") if t.strip()]
     if not names:
@@ -212,6 +222,8 @@ def resolve_units(task_arg: str, tasks_dir: Path, limit: int | None = None) -> l
             raise InputError(f"task {name!r}: cannot load its data: {_root_message(e)}") from e
         gmap = loaded.get("group_map", {})
         counts = {leaf: check_docs(leaf, task, limit) for leaf, task in loaded.get("tasks", {}).items()}
+        if budgets is not None:
+            budgets.update({leaf: generation_budget(task) for leaf, task in loaded.get("tasks", {}).items()})
 
         def expand(n: str) -> list[str]:
             if n in KNOWN or n not in gmap:
@@ -249,8 +261,8 @@ def _data_where(task) -> str:
 
 
 def check_docs(leaf: str, task, limit: int | None) -> int:
-    """Render every document the run will use with the task's templates; InputError naming the first bad one.
-    Returns how many documents the run will use.
+    """Render every document the run will use with the task's templates and check its gold answer
+    (tasks/checks.py); InputError naming the first bad one. Returns how many documents the run will use.
 
     lm-eval checks only the first document when it builds a task, so a bad later row
     would otherwise stop the model's worker mid-run.
@@ -267,13 +279,26 @@ def check_docs(leaf: str, task, limit: int | None) -> int:
         n += 1
         try:
             task.doc_to_text(doc)
-            task.doc_to_target(doc)
+            problem = target_problem(task, doc)  # also renders the target
             if choice:
                 task.doc_to_choice(doc)
         except Exception as e:  # noqa: BLE001 - templates and hooks raise anything; the document is what matters
             why = _root_message(e)
             raise InputError(f"task {leaf!r}, document {i} of {_data_where(task)}: {why}") from e
+        if problem:
+            raise InputError(f"task {leaf!r}, row {i + 1} of {_data_where(task)}: {problem}")
     return n
+
+
+def generation_budget(task) -> int | None:
+    """The response budget a ``generate_until`` task's requests carry (``max_gen_toks``, as the adapter reads
+    it: harness/run/lm_requests.py), or None for a task that generates nothing."""
+    from harness.run.lm_requests import DEFAULT_MAX_GEN_TOKS
+
+    if getattr(task, "OUTPUT_TYPE", None) != "generate_until":
+        return None
+    kwargs = dict(getattr(task.config, "generation_kwargs", None) or {})
+    return int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
 
 
 def _leaves(name: str, gmap: dict) -> list[str]:
@@ -290,7 +315,8 @@ def _local_path(path: str) -> Path:
 
 
 def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: bool,
-                    inspected: dict[str, Any] | None = None, seed: int | None = None) -> list[dict]:
+                    inspected: dict[str, Any] | None = None, seed: int | None = None,
+                    budgets: dict[str, int | None] | None = None) -> list[dict]:
     """Check decoders, checkpoints (completely: harness/checkpoints.inspect_checkpoint), the attention each
     decoder needs, and knobs; return each model with its per-leaf task knobs and the knob values each
     leaf will really use (``resolved_knobs``: decoder defaults < the checkpoint's own decoding settings
@@ -298,7 +324,7 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
     ``inspected`` caches checkpoint checks by model name across calls."""
     from harness.models.checkpoints import CheckpointError, check_tokenizer, inspect_checkpoint
     from harness.run.lm_adapter import checkpoint_knobs
-    from refusion.decoding import DECODERS, check_attention, make_knobs
+    from refusion.decoding import DECODERS, check_attention, check_knob_values, make_knobs
 
     inspected = {} if inspected is None else inspected
     out = []
@@ -320,28 +346,50 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
             raise InputError(f"model {m.name!r}: {e}") from None
         except ValueError as e:
             raise InputError(f"model {m.name!r} ({ckpt}): {e}") from None
-        accepted = set(DECODERS[m.decoder].knobs.names())
-        task_knobs: dict[str, dict] = {}
-        resolved: dict[str, dict] = {}
-        try:
-            make_knobs(m.decoder, {**own, **knobs})
-            for u in units:
-                tk = paper_knobs(u["name"], m.decoder, accepted) if task_defaults else {}
-                values = make_knobs(m.decoder, {**own, **tk, **knobs}).to_dict()
-                if "gen_length" in accepted and "gen_length" not in {**own, **tk, **knobs}:
-                    values["gen_length"] = "max_gen_toks"  # the adapter takes the request's budget
-                if "seed" in accepted and "seed" not in knobs and seed is not None:
-                    values["seed"] = seed  # the adapter passes the run's seed
-                for leaf in u["leaves"]:
-                    resolved[leaf] = values
-                    if tk:
-                        task_knobs[leaf] = tk
+        try:  # each knob on its own now; the rules across knobs per task below, with its real budget
+            check_knob_values(m.decoder, {**own, **knobs})
+            if "gen_length" in {**own, **knobs} or "gen_length" not in DECODERS[m.decoder].knobs.names():
+                make_knobs(m.decoder, {**own, **knobs})  # the budget is fixed: every rule holds or fails now
         except ValueError as e:
             raise InputError(f"model {m.name!r}: {e}") from None
+        task_knobs, resolved = _leaf_knobs(m, knobs, own, units, task_defaults, seed, budgets or {})
         out.append({**m.to_dict(), "knobs": knobs, **load, "checkpoint": str(ckpt.resolve()),
                     "family": info.family.name, "causal": info.causal, "task_knobs": task_knobs,
                     "resolved_knobs": resolved})
     return out
+
+
+def _leaf_knobs(m: ModelSpec, user: dict, own: dict, units: list[dict], task_defaults: bool, seed: int | None,
+                budgets: dict[str, int | None]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(task knobs, resolved knobs) per leaf of model ``m`` (``user``: its knobs as given; ``own``: its
+    checkpoint's): every knob set the worker will build, built here
+    first, with the leaf's real response budget where the adapter takes gen_length from the request, so a
+    constraint the budget breaks (a block that does not divide it) stops the run before anything is written."""
+    from refusion.decoding import DECODERS, make_knobs
+
+    accepted = set(DECODERS[m.decoder].knobs.names())
+    task_knobs: dict[str, dict] = {}
+    resolved: dict[str, dict] = {}
+    for u in units:
+        tk = paper_knobs(u["name"], m.decoder, accepted) if task_defaults else {}
+        wanted = {**own, **tk, **user}
+        for leaf in u["leaves"]:
+            budget = budgets.get(leaf)
+            from_request = "gen_length" in accepted and "gen_length" not in wanted
+            extra = {"gen_length": budget} if from_request and budget is not None else {}
+            try:
+                values = make_knobs(m.decoder, {**wanted, **extra}).to_dict()
+            except ValueError as e:
+                where = f" (its max_gen_toks {budget} is the gen_length)" if extra else ""
+                raise InputError(f"model {m.name!r} on task {leaf!r}{where}: {e}") from None
+            if from_request and not extra:
+                values["gen_length"] = "max_gen_toks"  # the adapter takes the request's budget
+            if "seed" in accepted and "seed" not in user and seed is not None:
+                values["seed"] = seed  # the adapter passes the run's seed
+            resolved[leaf] = values
+            if tk:
+                task_knobs[leaf] = tk
+    return task_knobs, resolved
 
 
 # ---------------------------------------------------------------- environment
@@ -438,7 +486,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-task-defaults", action="store_true",
                    help="do not apply the paper's per-benchmark decoding settings (docs/design.md §5)")
     p.add_argument("--bootstrap-iters", type=int, default=0, help="lm-eval stderr bootstrap (default: 0 = off)")
-    p.add_argument("--tasks-dir", default=str(REPO / "tasks"), help="folder of task YAMLs (default: repo tasks/)")
+    p.add_argument("--tasks-dir", action="append", default=[], metavar="DIR",
+                   help="a folder of your own lm-eval task YAMLs, added to the built-in tasks/ (repeatable; on a "
+                   "name clash the last folder wins; docs/extending.md)")
     p.add_argument("--debug", action="store_true",
                    help="on an error, show the full traceback instead of the one-line message")
     return p
@@ -480,9 +530,10 @@ def build_config(ns: argparse.Namespace) -> dict:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device cuda given but no CUDA device is available; valid: cpu")
     models = parse_models(ns.models or ",".join(DEFAULT_MODELS))
-    tasks_dir = Path(ns.tasks_dir)
-    if not tasks_dir.is_dir():
-        raise InputError(f"--tasks-dir {str(tasks_dir)!r} does not exist")
+    tasks_dirs = [Path(d).expanduser() for d in ns.tasks_dir]
+    for d in tasks_dirs:
+        if not d.is_dir():
+            raise InputError(f"--tasks-dir {str(d)!r} is not a folder")
     from harness.models.checkpoints import resolve_dtype
     from harness.run.lm_adapter import parse_chat_template_args
 
@@ -497,8 +548,9 @@ def build_config(ns: argparse.Namespace) -> dict:
     limit = ns.limit
     if limit is None and ns.task == DEFAULT_TASK and (ns.models is None or ns.models.strip() in MODEL_GROUPS):
         limit = DEFAULT_LIMIT
-    units = resolve_units(paper_tasks(ns.task) if ns.prompts == "paper" else ns.task, tasks_dir, limit)
-    model_cfgs = validate_models(models, units, task_defaults, inspected, ns.seed)
+    budgets: dict[str, int | None] = {}
+    units = resolve_units(paper_tasks(ns.task) if ns.prompts == "paper" else ns.task, tasks_dirs, limit, budgets)
+    model_cfgs = validate_models(models, units, task_defaults, inspected, ns.seed, budgets)
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
         raise InputError(f"--baseline {baseline!r} is not a model of this run; valid: "
@@ -510,7 +562,8 @@ def build_config(ns: argparse.Namespace) -> dict:
         "task": ns.task, "units": units, "models": model_cfgs, "limit": limit, "seed": ns.seed,
         "chat_template": not ns.no_chat_template, "device": device, "threads": threads,
         "num_processes": ns.num_processes, "batch_size": ns.batch_size, "bootstrap_iters": ns.bootstrap_iters,
-        "task_defaults": task_defaults, "baseline": baseline, "tasks_dir": str(tasks_dir.resolve()),
+        "task_defaults": task_defaults, "baseline": baseline, "tasks_dir": str(REPO / "tasks"),
+        "tasks_dirs": [str(d.resolve()) for d in tasks_dirs],
         "prompts": ns.prompts, "dtype": resolve_dtype(ns.dtype, device), "dtype_requested": ns.dtype,
         "chat_template_args": template_args,
     }

@@ -135,7 +135,9 @@ def _evaluate(cfg: dict, spec: dict, mdir: Path):
         task_knobs=spec["task_knobs"], dtype=cfg.get("dtype", "float32"), base=spec.get("base"),
         chat_template_args=cfg.get("chat_template_args") or None,
         response_extract="python_fence" if cfg.get("prompts") == "paper" else None, **spec["knobs"])
-    tm = TaskManager(include_path=cfg["tasks_dir"], include_defaults=False)
+    # The built-in tasks folder, then the run's --tasks-dir folders (runner.task_manager: later ones win).
+    dirs = list(dict.fromkeys([cfg["tasks_dir"], *cfg.get("tasks_dirs", [])]))
+    tm = TaskManager(include_path=dirs, include_defaults=False)
     res = lm_eval.simple_evaluate(
         model=lm, tasks=[u["name"] for u in cfg["units"]], task_manager=tm, limit=cfg["limit"],
         apply_chat_template=cfg["chat_template"], log_samples=True, bootstrap_iters=cfg["bootstrap_iters"],

@@ -58,7 +58,7 @@ from .common import (
     pick,
 )
 from .knobs import Knobs, gen_length, knob, seed, temperature
-from .mdm import _settled
+from .mdm import settled
 from .refusion import Req, Steps, drive_rows  # per-row generators answered by one stacked model call
 
 ACTIVE, TO_CACHE, CACHED = "active", "to_cache", "cached"
@@ -131,7 +131,7 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
         for j in range(1, len(state)):
             full[j] = full[j] or decoded(j - 1) >= k.decoded_token_threshold
         active = [j for j, s in enumerate(state) if s == ACTIVE]
-        if not active or (k.stop_at_eos and _settled(ids[None, n_prompt:], mask, kn.eos)):
+        if not active or (k.stop_at_eos and settled(ids[None, n_prompt:], mask, kn.eos)):
             break
 
         # Forward every position not in the cache; with no_cache, the whole row.

@@ -91,11 +91,24 @@ class Knobs:
             return knobs  # already validated when it was built
         given = dataclasses.asdict(knobs) if isinstance(knobs, Knobs) else dict(knobs or {})
         given.update(overrides or {})
-        bad = sorted(set(given) - set(cls.names()))
+        cls._known(given, decoder)
+        return cls(**given)
+
+    @classmethod
+    def check_each(cls, values: dict[str, Any], decoder: str | None = None) -> None:
+        """ValueError for an unknown name or a value out of its knob's range in ``values``; the rules across
+        knobs (``check``) are left out, for callers that do not know the response budget yet."""
+        cls._known(values, decoder)
+        for f in fields(cls):
+            if f.name in values:
+                _check(f.name, _kind(f.type), values[f.name], f.metadata)
+
+    @classmethod
+    def _known(cls, values: dict[str, Any], decoder: str | None) -> None:
+        bad = sorted(set(values) - set(cls.names()))
         if bad:
             who = f" for decoder {decoder!r}" if decoder else ""
             raise ValueError(f"unknown knob(s) {', '.join(bad)}{who}; valid knobs: {', '.join(cls.names())}")
-        return cls(**given)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

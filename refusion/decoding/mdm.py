@@ -10,6 +10,13 @@ position i - 1 predicts token i, so an AR model's next-token head carries over; 
 response's first token is predicted by the prompt's last position.
 Batches are left-padded; the padding mask travels as a 2-D mask, so the model's own
 bidirectional mask hides pads. Response region: gen_length mask tokens after the prompt.
+
+Public building blocks for variants (docs/extending.md writes a left-to-right LLaDA from them):
+``masked_start`` (the canvas), ``propose`` / ``dream_propose`` (token and confidence per position),
+``commit_topk`` / ``commit_sampled`` (unmask k positions of each row), ``finished`` / ``settled`` (when
+the answer can no longer change), ``top_p_filter`` / ``top_k_filter``, and the knob pieces
+``block_length_knob`` / ``stop_at_eos_knob`` / ``check_blocks``. With ``common.Meter``, ``common.forward``
+(the only counted way to call the model) and ``common.cut_after_eos`` they make a whole decoder.
 """
 
 from __future__ import annotations
@@ -38,16 +45,25 @@ from .common import (
 )
 from .knobs import Knobs, gen_length, knob, seed, temperature
 
+__all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "block_length_knob", "check_blocks",
+           "commit_sampled", "commit_topk", "dream", "dream_generation_defaults", "dream_propose", "fast_dllm",
+           "finished", "llada", "masked_start", "propose", "settled", "stop_at_eos_knob", "top_k_filter",
+           "top_p_filter"]
 
-def _block_length() -> int:
+
+def block_length_knob() -> int:
+    """The ``block_length`` knob field (default 32) of the block-wise decoders: use it in a variant's knob
+    class so the name, range and help text stay the same; pair it with ``check_blocks`` in ``check()``."""
     return knob(32, "tokens per block, decoded left to right (must divide gen_length)", low=1)
 
 
-def _stop_at_eos() -> bool:
+def stop_at_eos_knob() -> bool:
+    """The ``stop_at_eos`` knob field (default true) of the block-wise decoders (see ``finished``)."""
     return knob(True, "stop after the first block at which every row holds an EOS (same tokens, fewer forwards)")
 
 
-def _check_blocks(k) -> None:
+def check_blocks(k) -> None:
+    """ValueError unless ``k.block_length`` divides ``k.gen_length`` (call it from a knob class's ``check``)."""
     if k.block_length > k.gen_length or k.gen_length % k.block_length:
         raise ValueError(f"block_length must divide gen_length {k.gen_length}, got {k.block_length}")
 
@@ -58,15 +74,15 @@ class LladaKnobs(Knobs):
     gen_length: int = gen_length(128)
     steps: int = knob(None, "forwards in all (default gen_length: one token per step); a multiple of the block "
                       "count, at most gen_length", low=1, optional=True)
-    block_length: int = _block_length()
+    block_length: int = block_length_knob()
     remasking: str = knob("low_confidence", "which masked tokens a step unmasks",
                           choices=("low_confidence", "random"))
     temperature: float = temperature()
-    stop_at_eos: bool = _stop_at_eos()
+    stop_at_eos: bool = stop_at_eos_knob()
     seed: int = seed()
 
     def check(self) -> None:
-        _check_blocks(self)
+        check_blocks(self)
         n_blocks = self.gen_length // self.block_length
         steps = self.gen_length if self.steps is None else self.steps
         if not n_blocks <= steps <= self.gen_length or steps % n_blocks:
@@ -78,7 +94,7 @@ class LladaKnobs(Knobs):
 class FastDllmKnobs(Knobs):
     """Knobs of ``fast_dllm`` (docs/design.md §4)."""
     gen_length: int = gen_length(128)
-    block_length: int = _block_length()
+    block_length: int = block_length_knob()
     threshold: float = knob(0.9, "unmask every masked token whose confidence passes this (at least one per "
                             "step); > 1 means one token per step", low=0.0)
     cache: str = knob("dual", "KV reuse inside a block: none, prefix, or prefix and suffix (dual)",
@@ -95,7 +111,7 @@ class FastDllmKnobs(Knobs):
     top_k: int = knob(None, "keep the top_k most likely tokens in Dream's sampler (commit_first only); none = off",
                       low=1, optional=True)
     temperature: float = temperature()
-    stop_at_eos: bool = _stop_at_eos()
+    stop_at_eos: bool = stop_at_eos_knob()
     seed: int = seed()
 
     def check(self) -> None:
@@ -104,7 +120,7 @@ class FastDllmKnobs(Knobs):
         if (self.top_p is not None or self.top_k is not None) and not self.dream_loop:
             raise ValueError("top_p and top_k shape Dream's sampler, used with shift=true and commit_first not "
                              "false only")
-        _check_blocks(self)
+        check_blocks(self)
 
     @property
     def dream_loop(self) -> bool:
@@ -173,8 +189,11 @@ def dream_generation_defaults(folder: str | Path) -> dict:
     return found
 
 
-def _start(model, input_ids, attention_mask, gen_length, mask):
-    """x [B, P+G] = prompt then G masks; 2-D padding mask and position ids of the same shape."""
+def masked_start(model, input_ids, attention_mask, gen_length, mask):
+    """The canvas of a masked-diffusion decode: (x, attn, pos), each [B, P+G] -- x the left-padded prompt
+    [B, P] then G = ``gen_length`` copies of the mask id ``mask``, attn the 2-D padding mask (1 = real
+    token; the response is real), pos the position ids counting real tokens from 0. ``model`` is unused
+    (kept so every start step takes the same arguments)."""
     pad = padding_mask(input_ids, attention_mask)
     batch = input_ids.shape[0]
     x = torch.cat([input_ids, torch.full((batch, gen_length), mask, dtype=torch.long, device=input_ids.device)], 1)
@@ -182,7 +201,7 @@ def _start(model, input_ids, attention_mask, gen_length, mask):
     return x, attn, positions_from_mask(attn)
 
 
-def _commit_topk(x, x0, conf, k) -> None:
+def commit_topk(x, x0, conf, k) -> None:
     """Write x0 into x at the k highest-confidence entries of each row (conf -inf = not eligible).
 
     x, x0, conf: [B, n] views of the current block; k: [B] long, per-row count.
@@ -194,7 +213,7 @@ def _commit_topk(x, x0, conf, k) -> None:
     x[chosen] = x0[chosen]
 
 
-def _propose(logits, temperature, gen, mask):
+def propose(logits, temperature, gen, mask):
     """Proposed token per position and its confidence, the *untempered* softmax probability
     (as in LLaDA: sampling noise picks the token, the model's own probability ranks it).
     Never the mask id (common.choose)."""
@@ -204,7 +223,7 @@ def _propose(logits, temperature, gen, mask):
     return x0, prob
 
 
-def _top_p(logits, top_p):
+def top_p_filter(logits, top_p):
     """Nucleus filter on logits [..., V]: keep the smallest set of most likely tokens whose
     probability reaches top_p (the most likely always stays); the rest get the lowest logit."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -215,13 +234,13 @@ def _top_p(logits, top_p):
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), torch.finfo(logits.dtype).min)
 
 
-def _top_k(logits, top_k):
+def top_k_filter(logits, top_k):
     """Keep the top_k largest logits of [..., V] (ties with the k-th all stay); the rest get the lowest logit."""
     kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
 
 
-def _dream_propose(logits, alg, temperature, top_p, top_k, gen, mask):
+def dream_propose(logits, alg, temperature, top_p, top_k, gen, mask):
     """Dream's token proposal (its ``sample_tokens``): logits [B, n, V] -> (token [B, n], confidence [B, n]).
 
     Temperature, then top_p, then top_k shape the distribution first -- also under greedy
@@ -232,9 +251,9 @@ def _dream_propose(logits, alg, temperature, top_p, top_k, gen, mask):
     if temperature > 0:
         logits = logits / temperature
     if top_p is not None and top_p < 1:
-        logits = _top_p(logits, top_p)
+        logits = top_p_filter(logits, top_p)
     if top_k is not None:
-        logits = _top_k(logits, top_k)
+        logits = top_k_filter(logits, top_k)
     probs = logits.softmax(-1)
     x0, conf = choose(probs, temperature > 0, gen, exclude=mask)
     if alg == "topk_margin":
@@ -245,7 +264,7 @@ def _dream_propose(logits, alg, temperature, top_p, top_k, gen, mask):
     return x0, conf
 
 
-def _commit_sampled(x, x0, scores, k, gen) -> None:
+def commit_sampled(x, x0, scores, k, gen) -> None:
     """Write x0 into x at k[b] positions of row b drawn without replacement from softmax(scores[b])
     (scores -inf = not eligible). x, x0, scores: [B, n]; k: [B] long."""
     probs = scores.softmax(-1)
@@ -257,7 +276,7 @@ def _commit_sampled(x, x0, scores, k, gen) -> None:
             x[b, idx] = x0[b, idx]
 
 
-def _settled(resp, mask, eos) -> bool:
+def settled(resp, mask, eos) -> bool:
     """True when every row of resp [B, n] holds an EOS with no mask before its first one: the
     response cut after that EOS can no longer change (no decoder here re-masks a token)."""
     hit = is_eos(resp, eos) & (resp != mask)
@@ -266,8 +285,9 @@ def _settled(resp, mask, eos) -> bool:
     return bool(hit.any(-1).all()) and not bool(((resp == mask) & before).any())
 
 
-def _finished(x, prompt_len, end, eos) -> bool:
-    """True when every row has an EOS in its decoded response x[:, prompt_len:end] (all of it decoded)."""
+def finished(x, prompt_len, end, eos) -> bool:
+    """True when every row has an EOS in its decoded response x[:, prompt_len:end] (all of it decoded): a
+    block-wise decoder may stop after block ``end`` (``stop_at_eos``) -- later blocks cannot change the answer."""
     return bool(is_eos(x[:, prompt_len:end], eos).any(-1).all())
 
 
@@ -298,7 +318,7 @@ def llada(
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
     meter = Meter(model, ("step",))
-    x, attn, pos = _start(model, input_ids, attention_mask, gen_length, mask)
+    x, attn, pos = masked_start(model, input_ids, attention_mask, gen_length, mask)
     p0, per_block = input_ids.shape[1], steps // n_blocks
     meter.track(x.shape[0], gen_length, x.device)
     # Tokens unmasked at each step of a block: block_length spread evenly, remainder first.
@@ -307,14 +327,14 @@ def llada(
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
         for n_unmask in schedule:
             logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, lo:hi]
-            x0, prob = _propose(logits, temperature, gen, mask)  # [B, block]
+            x0, prob = propose(logits, temperature, gen, mask)  # [B, block]
             if remasking == "random":
                 prob = torch.rand(prob.shape, generator=gen, device=prob.device)
             block = x[:, lo:hi]
             conf = torch.where(block == mask, prob, torch.full_like(prob, -torch.inf))
-            _commit_topk(block, x0, conf, torch.full((x.shape[0],), n_unmask, device=x.device))
+            commit_topk(block, x0, conf, torch.full((x.shape[0],), n_unmask, device=x.device))
             meter.settle(x[:, p0:], mask)
-        if k.stop_at_eos and _finished(x, p0, hi, eos):
+        if k.stop_at_eos and finished(x, p0, hi, eos):
             break
     responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
     return responses, meter.finish(responses)
@@ -348,7 +368,7 @@ def fast_dllm(
     the block's full forward commits its first token, predicted by the position before the
     block, unconditionally and nothing else; later steps forward windows that start at the
     block (the token before it is no longer needed), propose by Dream's sampler
-    (``_dream_propose``: temperature, top_p, top_k shape the distribution the confidence is
+    (``dream_propose``: temperature, top_p, top_k shape the distribution the confidence is
     read from) and keep the most confident token plus every one with confidence >=
     threshold. commit_first=false keeps the LLaDA rule on shifted logits: the block's
     predictions come from positions [lo - 1, hi - 1), every cached step forwards that one
@@ -362,7 +382,7 @@ def fast_dllm(
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
     meter = Meter(model, ("full", "cached"))
-    x, attn, pos = _start(model, input_ids, attention_mask, gen_length, mask)
+    x, attn, pos = masked_start(model, input_ids, attention_mask, gen_length, mask)
     p0, total = input_ids.shape[1], x.shape[1]
     meter.track(x.shape[0], gen_length, x.device)
     for b in range(gen_length // block_length):
@@ -393,9 +413,9 @@ def fast_dllm(
                                  cache=kv)[:, window_idx]
                 cache_keep(kv, a + total - hi)
             if dream_loop:
-                x0, prob = _dream_propose(logits, "maskgit_plus", temperature, k.top_p, k.top_k, gen, mask)
+                x0, prob = dream_propose(logits, "maskgit_plus", temperature, k.top_p, k.top_k, gen, mask)
             else:
-                x0, prob = _propose(logits, temperature, gen, mask)  # [B, block]
+                x0, prob = propose(logits, temperature, gen, mask)  # [B, block]
             block = x[:, lo:hi]
             if dream_loop and first:
                 block[:, 0] = x0[:, 0]  # the authors' rule: the full forward fixes the block's first token only
@@ -405,10 +425,10 @@ def fast_dllm(
                 passed = conf >= threshold if dream_loop else conf > threshold
                 # Count per row: all that pass, at least one while the row has masks left.
                 n_unmask = torch.maximum(passed.sum(-1), masked.any(-1).long())
-                _commit_topk(block, x0, conf, n_unmask)
+                commit_topk(block, x0, conf, n_unmask)
             meter.settle(x[:, p0:], mask)
             first = False
-        if k.stop_at_eos and _finished(x, p0, hi, eos):
+        if k.stop_at_eos and finished(x, p0, hi, eos):
             break
     responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
     return responses, meter.finish(responses)
@@ -436,8 +456,8 @@ def dream(
     nothing and its last one two. ``limit`` takes eps -> 0, m // (steps - i): exactly one
     token per step when steps = gen_length. ``origin`` instead unmasks each masked token
     with probability 1 - s/t (``limit``: 1 / (steps - i); 1 at the last step), its token
-    from ``_dream_propose``; the other algs unmask the top-k masked positions by their
-    confidence (see ``_dream_propose``), or with alg_temp > 0 positions drawn from
+    from ``dream_propose``; the other algs unmask the top-k masked positions by their
+    confidence (see ``dream_propose``), or with alg_temp > 0 positions drawn from
     softmax(confidence / alg_temp). Rows share one generator (seeded), so under sampling a
     row's tokens depend on its batch.
 
@@ -449,7 +469,7 @@ def dream(
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
     meter = Meter(model, ("step",))
-    x, attn, pos = _start(model, input_ids, attention_mask, k.gen_length, mask)
+    x, attn, pos = masked_start(model, input_ids, attention_mask, k.gen_length, mask)
     p0 = input_ids.shape[1]
     resp = x[:, p0:]  # [B, G] view: writes land in x
     meter.track(x.shape[0], k.gen_length, x.device)
@@ -461,7 +481,7 @@ def dream(
             break  # origin can finish early; the remaining steps would change nothing
         # Shift: position p0 - 1 + j predicts response token j. [B, G, V]
         logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, p0 - 1:-1]
-        x0, conf = _dream_propose(logits, k.alg, k.temperature, k.top_p, k.top_k, gen, mask)  # [B, G] each
+        x0, conf = dream_propose(logits, k.alg, k.temperature, k.top_p, k.top_k, gen, mask)  # [B, G] each
         last, left = i == steps - 1, steps - i
         part = 1 - times[i + 1] / times[i]  # 0-d float32: the share of the masks this step unmasks
         if k.alg == "origin":
@@ -478,11 +498,11 @@ def dream(
             else:
                 n = m // left
             if k.alg_temp > 0:
-                _commit_sampled(resp, x0, conf / k.alg_temp, n, gen)
+                commit_sampled(resp, x0, conf / k.alg_temp, n, gen)
             else:
-                _commit_topk(resp, x0, conf, n)
+                commit_topk(resp, x0, conf, n)
         meter.settle(resp, mask)
-        if k.stop_at_eos and _settled(resp, mask, eos):
+        if k.stop_at_eos and settled(resp, mask, eos):
             break
     responses = [cut_after_eos(row, eos) for row in resp]
     return responses, meter.finish(responses)
