@@ -14,6 +14,8 @@ MODELS ?=
 LIMIT ?=
 OUT ?= results/runs
 EVAL_ARGS ?=
+TASKS_DIR ?=
+VALIDATE_ARGS ?=
 DTYPE ?=
 CHAT_TEMPLATE_ARGS ?=
 PYTEST_ARGS ?=
@@ -47,6 +49,8 @@ override MODELS := $(value MODELS)
 override LIMIT := $(value LIMIT)
 override OUT := $(value OUT)
 override EVAL_ARGS := $(value EVAL_ARGS)
+override TASKS_DIR := $(value TASKS_DIR)
+override VALIDATE_ARGS := $(value VALIDATE_ARGS)
 override DTYPE := $(value DTYPE)
 override CHAT_TEMPLATE_ARGS := $(value CHAT_TEMPLATE_ARGS)
 RUN ?=
@@ -59,11 +63,12 @@ override NAME := $(value NAME)
 override REPORT_ARGS := $(value REPORT_ARGS)
 override GRID := $(value GRID)
 override SWEEP_ARGS := $(value SWEEP_ARGS)
-export TASK MODELS LIMIT OUT EVAL_ARGS DTYPE CHAT_TEMPLATE_ARGS RUN NAME REPORT_ARGS GRID SWEEP_ARGS
+export TASK MODELS LIMIT OUT EVAL_ARGS TASKS_DIR VALIDATE_ARGS DTYPE CHAT_TEMPLATE_ARGS RUN NAME REPORT_ARGS GRID SWEEP_ARGS
 
-eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... DTYPE=... CHAT_TEMPLATE_ARGS=... OUT=...
+eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... DTYPE=... CHAT_TEMPLATE_ARGS=... TASKS_DIR=... OUT=...
 	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness eval --task "$$TASK" \
 		$${MODELS:+--models "$$MODELS"} $${LIMIT:+--limit "$$LIMIT"} $${DTYPE:+--dtype "$$DTYPE"} \
+		$${TASKS_DIR:+--tasks-dir "$$TASKS_DIR"} \
 		$${CHAT_TEMPLATE_ARGS:+--chat-template-args "$$CHAT_TEMPLATE_ARGS"} --out "$$OUT" $$EVAL_ARGS
 
 report: setup ## Table 1, speedups and figures of a run: make report RUN=<run dir or id>[,<run>...] NAME=...
@@ -98,8 +103,9 @@ browser-deps: ## the headless browser of the trace page test: Debian's chromium 
 	@SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); $$SUDO apt-get update -qq && \
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
 
-validate-tasks: setup ## score every task's gold answers, one line per task
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness validate-tasks
+validate-tasks: setup ## check every task's documents and score its gold answers, one line per task: make validate-tasks [TASKS_DIR=... VALIDATE_ARGS='--tasks arith']
+	@set -f; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness validate-tasks \
+		$${TASKS_DIR:+--tasks-dir "$$TASKS_DIR"} $$VALIDATE_ARGS
 
 TRAIN_ARGS ?=
 CURVES_ARGS ?=

@@ -20,6 +20,7 @@ from tasks import validate
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_TASKS = REPO / "examples" / "tasks"
+GUIDE = (REPO / "docs" / "extending.md").read_text(encoding="utf-8")
 
 
 def _load(name: str):
@@ -43,9 +44,11 @@ def _error(capsys, argv: list[str], out: Path) -> str:
 
 def test_example_task_runs_beside_a_builtin_one_through_make_eval(tmp_path, fake_venv):
     out = tmp_path / "runs"
-    p = subprocess.run(["make", "-s", "eval", f"VENV={fake_venv}", "TASK=embedded_math,arith", "MODELS=ar", "LIMIT=2",
-                        "EVAL_ARGS=--tasks-dir examples/tasks --threads 1 --run-id ex", f"OUT={out}"],
-                       capture_output=True, text=True, cwd=REPO, timeout=600)
+    # The command docs/extending.md gives, with a model, a run id and an output folder of the test's.
+    command = "make eval TASK=embedded_math,arith TASKS_DIR=examples/tasks LIMIT=2"
+    assert command in GUIDE
+    p = subprocess.run([*command.split(), "-s", f"VENV={fake_venv}", "MODELS=ar", "EVAL_ARGS=--threads 1 --run-id ex",
+                        f"OUT={out}"], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     run = json.loads((out / "ex" / "run.json").read_text())
     assert [u["name"] for u in run["units"]] == ["embedded_math", "arith"]
@@ -64,6 +67,7 @@ def test_tasks_dir_adds_to_the_builtin_tasks_and_later_folders_win(write_task, t
 
 
 def test_validate_tasks_checks_a_custom_task(tmp_path, capsys):
+    assert "make validate-tasks TASKS_DIR=examples/tasks VALIDATE_ARGS='--tasks arith'" in GUIDE
     assert validate.main(["--tasks", "arith", "--tasks-dir", str(EXAMPLE_TASKS)]) == 0
     out = capsys.readouterr().out
     assert "items=10" in out and "exact_match,last_number: gold=1.0000 wrong=0.0000" in out, out
