@@ -2,7 +2,6 @@
 
 import copy
 import random
-import time
 
 import pytest
 import torch
@@ -85,8 +84,10 @@ def test_digits_are_single_tokens(small_tokenizer):
 
 
 @pytest.mark.parametrize("name", ["refusion", "ar", "mdm"])
-def test_overfit_lowers_loss(name, small_tokenizer):
-    """A short overfit run (at most 60 s) on 8 examples lowers each objective's loss."""
+def test_overfit_lowers_loss(name, small_tokenizer, one_thread):
+    """A short overfit run (40 steps, a few seconds on one thread) on 8 examples lowers each objective's loss
+    (to 0.46-0.50 of its start; a fixed step count, never a time limit: the result must not depend on the
+    machine's speed)."""
     from transformers import Qwen3ForCausalLM
 
     from refusion.train import ModelShape, TrainConfig, make_batch, make_config
@@ -106,14 +107,11 @@ def test_overfit_lowers_loss(name, small_tokenizer):
             return sum(float(obj.OBJECTIVES[name](model, b)) for b in fixed) / len(fixed)
 
     before = mean_loss()
-    t0 = time.time()
-    for step in range(60):
+    for step in range(40):
         loss = obj.OBJECTIVES[name](model, fixed[step % len(fixed)])
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if time.time() - t0 > 60:
-            break
     after = mean_loss()
     assert after < 0.6 * before, (before, after)
 
