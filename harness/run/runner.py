@@ -188,6 +188,19 @@ def task_manager(tasks_dirs: list[Path]):
     return TaskManager(include_path=paths, include_defaults=False)
 
 
+def task_names(task_arg: str, tm) -> list[str]:
+    """The comma list's names, each a task or group of ``tm`` (a TaskManager: indexing only, no data read);
+    InputError listing the valid names otherwise."""
+    valid = sorted(set(tm.all_tasks) | set(tm.all_groups))
+    names = [t.strip() for t in task_arg.split(",") if t.strip()]
+    if not names:
+        raise InputError(f"no task given; valid tasks: {', '.join(valid)}")
+    for name in names:
+        if name not in valid:
+            raise InputError(f"unknown task {name!r}; valid tasks: {', '.join(valid)}")
+    return names
+
+
 def resolve_units(task_arg: str, tasks_dirs: list[Path], limit: int | None = None,
                   budgets: dict[str, int | None] | None = None) -> list[dict]:
     """Task names -> units ({name, leaves, primary}); raises InputError for unknown names or missing data.
@@ -208,14 +221,9 @@ def resolve_units(task_arg: str, tasks_dirs: list[Path], limit: int | None = Non
         pass
     from tasks.info import TASKS as KNOWN
     tm = task_manager(tasks_dirs)
-    valid = sorted(set(tm.all_tasks) | set(tm.all_groups))
-    names = [t.strip() for t in task_arg.split(",") if t.strip()]
-    if not names:
-        raise InputError(f"no task given; valid tasks: {', '.join(valid)}")
+    names = task_names(task_arg, tm)
     units: list[dict] = []
     for name in names:
-        if name not in valid:
-            raise InputError(f"unknown task {name!r}; valid tasks: {', '.join(valid)}")
         try:
             loaded = tm.load([name])
         except Exception as e:  # noqa: BLE001 - lm-eval wraps dataset errors in many types
@@ -543,13 +551,15 @@ def build_config(ns: argparse.Namespace) -> dict:
         raise InputError(f"--chat-template-args: {e}") from None
     task_defaults = not ns.no_task_defaults
     inspected: dict[str, Any] = {}
+    task_arg = paper_tasks(ns.task) if ns.prompts == "paper" else ns.task
+    task_names(task_arg, task_manager(tasks_dirs))  # a misspelt task fails in seconds, before any checkpoint
     # Cheap checks first (decoders, every checkpoint completely, attention, model knobs), before tasks load.
     validate_models(models, [], task_defaults, inspected)
     limit = ns.limit
     if limit is None and ns.task == DEFAULT_TASK and (ns.models is None or ns.models.strip() in MODEL_GROUPS):
         limit = DEFAULT_LIMIT
     budgets: dict[str, int | None] = {}
-    units = resolve_units(paper_tasks(ns.task) if ns.prompts == "paper" else ns.task, tasks_dirs, limit, budgets)
+    units = resolve_units(task_arg, tasks_dirs, limit, budgets)
     model_cfgs = validate_models(models, units, task_defaults, inspected, ns.seed, budgets)
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
