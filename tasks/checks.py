@@ -9,6 +9,7 @@ answer silently becomes the field's *name* (a run then scores every response aga
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 
@@ -17,14 +18,16 @@ def _empty(value: Any) -> bool:
         isinstance(value, (list, tuple, dict)) and not value)
 
 
-def _template_fields(template: str) -> set[str]:
-    """The names a Jinja template reads from the document (its undeclared variables)."""
+@functools.lru_cache(maxsize=256)
+def _template_fields(template: str) -> frozenset[str]:
+    """The names a Jinja template reads from the document (its undeclared variables); parsed once per template,
+    as a run checks every document of a task against the same one."""
     from jinja2 import Environment, meta
 
     try:
-        return set(meta.find_undeclared_variables(Environment().parse(template)))
+        return frozenset(meta.find_undeclared_variables(Environment().parse(template)))
     except Exception:  # noqa: BLE001 - a template Jinja cannot parse fails when rendered, with its own message
-        return set()
+        return frozenset()
 
 
 def target_problem(task, doc: dict) -> str | None:
