@@ -312,6 +312,11 @@ def example_decoder():
 
 def test_example_decoder_passes_the_suite(models, example_decoder):
     entry = example_decoder
+    # The registry line docs/extending.md and the example's docstring give is the one the example runs.
+    line = ('register("ltr_llada", ltr_llada, LtrLladaKnobs, batched=True, causal=False, '
+            'masked_diffusion=True)')
+    assert line in (REPO / "docs" / "extending.md").read_text(encoding="utf-8")
+    assert line in (REPO / "examples" / "decoder_ltr_llada.py").read_text(encoding="utf-8")
     assert DECODERS["ltr_llada"] is entry and entry.masked_diffusion and not entry.causal
     check_all("ltr_llada", entry, models)
     # It really is left to right: each forward commits the leftmost masked position (one token per step).
