@@ -302,3 +302,13 @@ def test_readme_lm_eval_command_runs_as_written(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: embedded_code executes generated code") and "--confirm_run_unsafe_code" in last
+
+
+def test_readme_out_folders_are_ignored_by_git():
+    """Every OUT folder README tells a user to write into is ignored, so the run after it is not `(dirty)`."""
+    outs = sorted(set(re.findall(r"\bOUT=([\w./-]+)", README)))
+    assert "results/table1" in outs, outs
+    for out in outs:
+        rc = subprocess.run(["git", "check-ignore", "-q", "--no-index", f"{out}/some-run/run.json"],
+                            cwd=REPO).returncode
+        assert rc == 0, f"{out} is not ignored by .gitignore"

@@ -37,6 +37,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -444,20 +445,38 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_out_writable(out: Path, run_id: str | None) -> None:
-    """InputError unless the run folder can be created in OUT (checked, not tried: nothing is written)."""
-    target = out / run_id if run_id else out
-    probe = target
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise InputError(f"--out {str(out)!r}: {str(probe)!r} is a file, not a folder; choose another --out")
-    # effective ids: what the open() calls of this process will be allowed
+def _may(path: Path, mode: int) -> bool:
+    """Whether this process may use ``path`` with ``mode`` (os.access with the effective ids, which the
+    open() calls of this process will be checked against); one place, so tests can inject a refusal."""
     eff = os.access in os.supports_effective_ids
-    if not os.access(probe, os.W_OK | os.X_OK, effective_ids=eff):
-        raise InputError(f"--out folder {str(probe)!r} is not writable; choose another --out "
+    return os.access(path, mode, effective_ids=eff)
+
+
+def check_out_writable(out: Path, run_id: str | None) -> None:
+    """InputError unless the run folder can be created in OUT (checked, not tried: nothing is written).
+
+    Walks from the filesystem root down to the deepest existing folder on the way to the run folder:
+    each folder passed through must be searchable (x), the deepest also writable. A folder that
+    cannot be searched is named instead of letting stat()'s PermissionError out as a traceback."""
+    target = (out / run_id if run_id else out).absolute()
+    deepest = Path(target.anchor)
+    for part in target.parts[1:]:
+        if not _may(deepest, os.X_OK):
+            raise InputError(f"--out {str(out)!r}: folder {str(deepest)!r} cannot be entered (no search "
+                             "permission); choose another --out or make it accessible")
+        nxt = deepest / part
+        try:
+            st = os.stat(nxt)
+        except (FileNotFoundError, NotADirectoryError):
+            break
+        except OSError as e:  # PermissionError and the like: the folder above cannot be read into
+            raise InputError(f"--out {str(out)!r}: cannot look into {str(deepest)!r} ({e.strerror}); "
+                             "choose another --out") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise InputError(f"--out {str(out)!r}: {str(nxt)!r} is a file, not a folder; choose another --out")
+        deepest = nxt
+    if not _may(deepest, os.W_OK | os.X_OK):
+        raise InputError(f"--out folder {str(deepest)!r} is not writable; choose another --out "
                          "or make it writable")
 
 
@@ -514,6 +533,16 @@ def build_config(ns: argparse.Namespace) -> dict:
         "prompts": ns.prompts, "dtype": resolve_dtype(ns.dtype, device), "dtype_requested": ns.dtype,
         "chat_template_args": template_args,
     }
+
+
+def dtype_warning(cfg: dict) -> str | None:
+    """One line when the run asks for half precision on the CPU: it works, but most CPUs have no fast
+    bfloat16/float16 kernels, so decoding is several times slower than in float32 (the issue that added
+    this line met a run that looked hung)."""
+    if cfg["device"] == "cpu" and cfg["dtype"] in ("bfloat16", "float16"):
+        return (f"{cfg['dtype']} on the CPU is slow (most CPUs have no fast {cfg['dtype']} kernels; expect several "
+                "times float32's decode time); use DTYPE=auto or float32 on the CPU")
+    return None
 
 
 def describe_resolved(cfg: dict) -> str:
@@ -687,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"task {short!r} is {real!r}", file=sys.stderr)
     try:
         cfg = build_config(ns)
+        warning = dtype_warning(cfg)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         if ns.dry_run:
             print(describe_resolved(cfg))
             return 0
