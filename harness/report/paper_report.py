@@ -145,16 +145,24 @@ def references(rs: RunSet) -> list[tuple[str, str]]:
 
 
 def report_suites(rs: RunSet) -> list[paper.Suite]:
-    """The paper's benchmarks, the embedded suite, and any other task the run(s) measured."""
+    """The paper's benchmarks (they have published numbers), the embedded suite when the run(s) have an
+    embedded task (no table without data), and any other task the run(s) measured."""
     known = paper.suites()
     covered = {t for s in known for c in s.columns for t in c.tasks}
     units = []
     for r in rs.runs:
-        units += [u["name"] for u in r["units"] if u["name"] not in covered and u["name"] not in units]
-    if not units:
-        return list(known)
-    return [*known, paper.Suite("other", "Other tasks (no published numbers)",
-                                tuple(paper.Column(u, u, (u,)) for u in units), False)]
+        units += [u["name"] for u in r["units"] if u["name"] not in units]
+    keep = [s for s in known if s.published or any(t in units for c in s.columns for t in c.tasks)]
+    other = [u for u in units if u not in covered]
+    if not other:
+        return keep
+    return [*keep, paper.Suite("other", "Other tasks (no published numbers)",
+                               tuple(paper.Column(u, u, (u,)) for u in other), False)]
+
+
+def suite_measured(rows: list[dict]) -> bool:
+    """Whether the run(s) have any cell of a suite (measured or missing): else our table would be all n/m."""
+    return any(st != NOT_MEASURED for r in rows for st in r["status"].values())
 
 
 def build(rs: RunSet) -> dict:
@@ -276,7 +284,10 @@ def table1_md(rs: RunSet, data: dict) -> str:
         suite: paper.Suite = s["suite"]
         head = ["Model", "decoder", "n", "device", *[c.label for c in suite.columns], "Avg"]
         lines += [f"## {suite.title}", "", f"### {heading}", ""]
-        lines += _md_table(head, [_row_cells(r, suite) for r in s["ours"]])
+        if not suite_measured(s["ours"]):
+            lines += [f"{heading} measured none of these tasks."]
+        else:
+            lines += _md_table(head, [_row_cells(r, suite) for r in s["ours"]])
         metrics = sorted({f"{c['task']}={c['quality_metric']}" for r in s["ours"] for c in r["cells"].values()})
         if metrics:
             lines += ["", "Quality metric per task: " + ", ".join(metrics)]
@@ -306,7 +317,7 @@ def table1_csv(data: dict) -> str:
                + ["avg_quality", "avg_tokens_per_s", "avg_columns", "avg_columns_total"])
     for s in data["suites"]:
         keys = {c.key for c in s["suite"].columns}
-        for r in s["ours"] + s["published"]:
+        for r in (s["ours"] if suite_measured(s["ours"]) else []) + s["published"]:
             vals = []
             for c in cols:
                 for what in ("quality", "tokens_per_s", "samples"):
@@ -341,7 +352,7 @@ def table1_tex(rs: RunSet, data: dict) -> str:
         out += [f"% {suite.title}", "\\begin{tabular}{llll" + "c" * (n + 1) + "}", "\\hline",
                 " & ".join(["Model", "Decoder", "n", "Device", *[_tex(c.label) for c in suite.columns], "Avg"])
                 + r" \\", "\\hline"]
-        for r in s["ours"]:
+        for r in s["ours"] if suite_measured(s["ours"]) else []:
             out.append(" & ".join(_tex(x) for x in _row_cells(r, suite)) + r" \\")
         if s["published"]:
             out += ["\\hline", f"\\multicolumn{{{n + 5}}}{{l}}{{\\emph{{Published: {_tex(paper.source())}}}}} \\\\",
