@@ -674,3 +674,15 @@ def test_a_suite_the_runs_did_not_measure_has_no_table_of_ours(tmp_path):
     assert "| ar | ar |" not in paper_part and NOT_MEASURED + " | " + NOT_MEASURED not in paper_part.split("### Published")[0]
     rows = list(csv.DictReader(open(out / "e" / "table1.csv")))
     assert not [r for r in rows if r["suite"] == "paper" and r["source"] != "published"]
+
+
+def test_report_names_the_base_an_adapter_ran_on(tmp_path):
+    run = fake_run(tmp_path / "runs", "d", [("ar", "ar"), ("d2f", "d2f")],
+                   {("ar", "embedded_math"): (0.5, 100.0, 1.0), ("d2f", "embedded_math"): (0.4, 300.0, 3.0)},
+                   ["embedded_math"])
+    cfg = json.loads((run / "run.json").read_text())
+    cfg["models"][1]["base"] = "/ckpt/Dream-v0-Base-7B"  # as the runner records it, given or found beside
+    (run / "run.json").write_text(json.dumps(cfg))
+    rs = paper_report.load_runs([run])
+    index = paper_report.index_md(rs, paper_report.build(rs), {})
+    assert "| d2f | d2f | `/ckpt/d2f` + base `/ckpt/Dream-v0-Base-7B` |" in index

@@ -290,16 +290,69 @@ def _local_path(path: str) -> Path:
     return p
 
 
+def shown_values(values: dict) -> dict:
+    """The knob values as the decoders really use them where a knob's default is None (refusion/decoding/
+    mdm.py): ``steps`` is gen_length (512 on the paper's tasks), fast_dllm's ``commit_first`` follows
+    ``shift``, an unset ``top_p`` / ``top_k`` is off. What the dry run prints and run.json records never
+    says None."""
+    out = dict(values)
+    if "steps" in out and out["steps"] is None:
+        out["steps"] = out.get("gen_length")
+    if "commit_first" in out and out["commit_first"] is None:
+        out["commit_first"] = out.get("shift")
+    for k in ("top_p", "top_k"):
+        if k in out and out[k] is None:
+            out[k] = "off"
+    return out
+
+
+def _inspect(m: ModelSpec, ckpt: Path, base: str | None, inspected: dict[str, Any]):
+    """The checkpoint check of one model, once per run (cached by name); its warnings printed once."""
+    from harness.models.checkpoints import check_tokenizer, inspect_checkpoint
+
+    if m.name not in inspected:
+        info = inspect_checkpoint(ckpt, base)
+        check_tokenizer(info)
+        for w in info.warnings:
+            print(f"warning: model {m.name!r}: {w}", file=sys.stderr)
+        inspected[m.name] = info
+    return inspected[m.name]
+
+
+def _resolve(m: ModelSpec, knobs: dict, own: dict, units: list[dict], task_defaults: bool,
+             seed: int | None) -> tuple[dict, dict]:
+    """(task knobs per leaf, the knob values each leaf will use); ValueError for a bad knob."""
+    from refusion.decoding import DECODERS, make_knobs
+
+    accepted = set(DECODERS[m.decoder].knobs.names())
+    task_knobs: dict[str, dict] = {}
+    resolved: dict[str, dict] = {}
+    make_knobs(m.decoder, {**own, **knobs})
+    for u in units:
+        tk = paper_knobs(u["name"], m.decoder, accepted) if task_defaults else {}
+        values = make_knobs(m.decoder, {**own, **tk, **knobs}).to_dict()
+        if "gen_length" in accepted and "gen_length" not in {**own, **tk, **knobs}:
+            values["gen_length"] = "max_gen_toks"  # the adapter takes the request's budget
+        if "seed" in accepted and "seed" not in knobs and seed is not None:
+            values["seed"] = seed  # the adapter passes the run's seed
+        for leaf in u["leaves"]:
+            resolved[leaf] = shown_values(values)
+            if tk:
+                task_knobs[leaf] = tk
+    return task_knobs, resolved
+
+
 def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: bool,
                     inspected: dict[str, Any] | None = None, seed: int | None = None) -> list[dict]:
-    """Check decoders, checkpoints (completely: harness/checkpoints.inspect_checkpoint), the attention each
-    decoder needs, and knobs; return each model with its per-leaf task knobs and the knob values each
-    leaf will really use (``resolved_knobs``: decoder defaults < the checkpoint's own decoding settings
-    (Dream's generation_config.json) < the task's settings < the model's knobs).
+    """Check decoders, checkpoints (completely: harness/models/checkpoints.inspect_checkpoint, an adapter
+    against its base), the attention each decoder needs, and knobs; return each model with its per-leaf
+    task knobs, the base an adapter is merged into (given or found), and the knob values each leaf will
+    really use (``resolved_knobs``: decoder defaults < the checkpoint's own decoding settings (Dream's
+    generation_config.json) < the task's settings < the model's knobs).
     ``inspected`` caches checkpoint checks by model name across calls."""
-    from harness.models.checkpoints import CheckpointError, check_tokenizer, inspect_checkpoint
+    from harness.models.checkpoints import CheckpointError
     from harness.run.lm_adapter import checkpoint_knobs
-    from refusion.decoding import DECODERS, check_attention, make_knobs
+    from refusion.decoding import DECODERS, check_attention
 
     inspected = {} if inspected is None else inspected
     out = []
@@ -311,32 +364,17 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
         load = {k: str(_local_path(str(v)).resolve()) for k, v in m.knobs.items() if k in LOAD_OPTIONS}
         ckpt = _local_path(m.checkpoint)
         try:
-            if m.name not in inspected:
-                inspected[m.name] = inspect_checkpoint(ckpt, load.get("base"))
-                check_tokenizer(inspected[m.name])
-            info = inspected[m.name]
+            info = _inspect(m, ckpt, load.get("base"), inspected)
             check_attention(m.decoder, info.causal)
             own = checkpoint_knobs(info, m.decoder)  # Dream: shift=true, its generation_config.json
         except CheckpointError as e:
             raise InputError(f"model {m.name!r}: {e}") from None
         except ValueError as e:
             raise InputError(f"model {m.name!r} ({ckpt}): {e}") from None
-        accepted = set(DECODERS[m.decoder].knobs.names())
-        task_knobs: dict[str, dict] = {}
-        resolved: dict[str, dict] = {}
+        if info.base is not None:
+            load["base"] = str(info.base.path)  # the base really used, found beside the adapter or given
         try:
-            make_knobs(m.decoder, {**own, **knobs})
-            for u in units:
-                tk = paper_knobs(u["name"], m.decoder, accepted) if task_defaults else {}
-                values = make_knobs(m.decoder, {**own, **tk, **knobs}).to_dict()
-                if "gen_length" in accepted and "gen_length" not in {**own, **tk, **knobs}:
-                    values["gen_length"] = "max_gen_toks"  # the adapter takes the request's budget
-                if "seed" in accepted and "seed" not in knobs and seed is not None:
-                    values["seed"] = seed  # the adapter passes the run's seed
-                for leaf in u["leaves"]:
-                    resolved[leaf] = values
-                    if tk:
-                        task_knobs[leaf] = tk
+            task_knobs, resolved = _resolve(m, knobs, own, units, task_defaults, seed)
         except ValueError as e:
             raise InputError(f"model {m.name!r}: {e}") from None
         out.append({**m.to_dict(), "knobs": knobs, **load, "checkpoint": str(ckpt.resolve()),
