@@ -272,3 +272,26 @@ def test_long_errors_keep_their_end(setup, tmp_path):
     with pytest.raises(CheckpointError) as e:
         check_tokenizer(info)
     assert len(str(e.value)) < 600 and str(bad) in str(e.value)
+
+
+def test_chat_template_args_per_model_over_the_run_default(setup, tmp_path, capsys):
+    """Qwen3 / ReFusion with enable_thinking=false beside templates that take no argument, in one run: a model's
+    own chat_template_args replace the run-wide default for that model (empty: none), recorded per model."""
+    from harness.run import runner
+
+    args = ["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--out", str(tmp_path / "out"),
+            "--chat-template-args", "enable_thinking=false",
+            "--models", f"q={setup['ckpt']}:ar,l={setup['ckpt']}:ar:chat_template_args=,"
+                        f"s={setup['ckpt']}:ar:gen_length=8,chat_template_args=style=terse;enable_thinking=true"]
+    cfg = runner.build_config(runner._parser().parse_args(args))
+    got = {m["name"]: m["chat_template_args"] for m in cfg["models"]}
+    assert got == {"q": {"enable_thinking": False}, "l": {}, "s": {"style": "terse", "enable_thinking": True}}
+    assert all("chat_template_args" not in m["knobs"] for m in cfg["models"])
+    assert cfg["models"][2]["knobs"] == {"gen_length": 8}
+    assert runner.main([*args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "l: decoder ar" in out and "chat template arguments {}" in out
+    assert "chat template arguments {'style': 'terse', 'enable_thinking': True}" in out
+    bad = [*args[:-1], f"x={setup['ckpt']}:ar:chat_template_args=oops"]
+    err = _error(capsys, tmp_path / "out", setup, bad[-1], "--chat-template-args", "enable_thinking=false")
+    assert "model 'x': chat_template_args: chat template argument 'oops': expected name=value" in err, err

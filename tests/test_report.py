@@ -686,3 +686,59 @@ def test_report_names_the_base_an_adapter_ran_on(tmp_path):
     rs = paper_report.load_runs([run])
     index = paper_report.index_md(rs, paper_report.build(rs), {})
     assert "| d2f | d2f | `/ckpt/d2f` + base `/ckpt/Dream-v0-Base-7B` |" in index
+
+
+NINE = [("llama3", "ar", "llama"), ("qwen3", "ar", "qwen3"), ("llada", "llada", "llada"),
+        ("llada_fast_dllm", "fast_dllm", "llada"), ("llada_d2f", "d2f", "llada"), ("dream", "dream", "dream"),
+        ("dream_fast_dllm", "fast_dllm", "dream"), ("dream_d2f", "d2f", "dream"), ("refusion", "refusion", "refusion")]
+
+
+def _with_families(run: Path) -> Path:
+    cfg = json.loads((run / "run.json").read_text())
+    fam = {n: f for n, _, f in NINE}
+    for m in cfg["models"]:
+        m["family"] = fam[m["name"]]
+    (run / "run.json").write_text(json.dumps(cfg))
+    return run
+
+
+def _claims(sp: str) -> dict[str, list[str]]:
+    return {r[0]: r for r in _md_section(sp, f"### The paper's speedup claims beside ours ({paper.source()})")}
+
+
+def test_published_claims_are_filled_from_one_or_two_comparable_runs(tmp_path):
+    """The nine Table 1 rows: every published claim (ReFusion over each AR, MDM and accelerated MDM row) has
+    our value beside it, from one run or from two runs on the same hardware and dtype; runs on other
+    hardware are refused with the reason."""
+    units = ["gsm8k_cot", "mbpp"]
+    tps = {name: 10.0 + 5 * i for i, (name, _, _) in enumerate(NINE)}
+    cells = {(n, u): (0.5, tps[n] * (2 if u == "mbpp" else 1), 1.0) for n, _, _ in NINE for u in units}
+    one = _with_families(fake_run(tmp_path / "runs", "all", [(n, d) for n, d, _ in NINE], cells, units,
+                                  baseline="qwen3"))
+    out = tmp_path / "reports"
+    assert main(["--run", str(one), "--out", str(out), "--name", "one"]) == 0
+    got = _claims((out / "one" / "speedup.md").read_text())
+    assert len(got) == 8 and all(r[2] != NOT_MEASURED and r[4] != NOT_MEASURED for r in got.values()), got
+    row = got["ReFusion over Qwen3-8B"]
+    assert row[1:] == ["2.33", f"{tps['refusion'] / tps['qwen3']:.2f}", "2.24", f"{tps['refusion'] / tps['qwen3']:.2f}",
+                       "2", "refusion / qwen3"]
+    assert got["ReFusion over Dream w/ D2F"][-1] == "refusion / dream_d2f"
+    # Split over two runs as the old recipe did: the same answers when the hardware and dtype match.
+    first = {"qwen3", "refusion"}
+    a = _with_families(fake_run(tmp_path / "runs", "a", [(n, d) for n, d, _ in NINE if n in first],
+                                {k: v for k, v in cells.items() if k[0] in first}, units, baseline="qwen3"))
+    b = _with_families(fake_run(tmp_path / "runs", "b", [(n, d) for n, d, _ in NINE if n not in first],
+                                {k: v for k, v in cells.items() if k[0] not in first}, units, baseline="llama3"))
+    assert main(["--run", f"{a},{b}", "--out", str(out), "--name", "two"]) == 0
+    assert _claims((out / "two" / "speedup.md").read_text()) == got
+    # Other hardware: refused, with the reason, in the claims and under the speedup table.
+    cfg = json.loads((b / "run.json").read_text())
+    cfg["environment"]["gpu"], cfg["device"], cfg["dtype"] = "NVIDIA H100", "cuda", "bfloat16"
+    (b / "run.json").write_text(json.dumps(cfg))
+    assert main(["--run", f"{a},{b}", "--out", str(out), "--name", "apart"]) == 0
+    sp = (out / "apart" / "speedup.md").read_text()
+    refused = _claims(sp)["ReFusion over LLaDA-8B-Instruct"]
+    assert refused[2] == NOT_MEASURED and "runs a and b differ in hardware" in refused[-1], refused
+    assert "dtype float32 vs bfloat16" in refused[-1]
+    assert _claims(sp)["ReFusion over Qwen3-8B"][2] == got["ReFusion over Qwen3-8B"][2]  # the same run: kept
+    assert "Not divided (qwen3, refusion): runs a and b differ in hardware" in sp

@@ -58,6 +58,9 @@ RESUME_KEYS = ("task", "units", "models", "limit", "seed", "chat_template", "dev
                "bootstrap_iters", "task_defaults", "baseline", "dtype", "chat_template_args")
 # Model options that choose how a checkpoint loads, not how it decodes: taken out of the knob list.
 LOAD_OPTIONS = ("base",)
+# A model's own chat-template arguments (``chat_template_args=enable_thinking=false;x=1``), replacing the
+# run-wide --chat-template-args for that model: Qwen3 / ReFusion and the other rows in one run.
+TEMPLATE_OPTION = "chat_template_args"
 
 
 class InputError(Exception):
@@ -342,6 +345,16 @@ def _resolve(m: ModelSpec, knobs: dict, own: dict, units: list[dict], task_defau
     return task_knobs, resolved
 
 
+def _template_args(m: ModelSpec) -> dict:
+    from harness.run.lm_adapter import parse_chat_template_args
+
+    value = m.knobs[TEMPLATE_OPTION]
+    try:  # several arguments are joined by ';' (a comma would start the next knob)
+        return parse_chat_template_args("" if value is None else str(value))
+    except ValueError as e:
+        raise InputError(f"model {m.name!r}: {TEMPLATE_OPTION}: {e}") from None
+
+
 def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: bool,
                     inspected: dict[str, Any] | None = None, seed: int | None = None) -> list[dict]:
     """Check decoders, checkpoints (completely: harness/models/checkpoints.inspect_checkpoint, an adapter
@@ -360,8 +373,11 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
         if m.decoder not in DECODERS:
             raise InputError(f"model {m.name!r}: unknown decoder {m.decoder!r}; valid decoders: "
                              f"{', '.join(sorted(DECODERS))}")
-        knobs = {k: v for k, v in m.knobs.items() if k not in LOAD_OPTIONS}
-        load = {k: str(_local_path(str(v)).resolve()) for k, v in m.knobs.items() if k in LOAD_OPTIONS}
+        knobs = {k: v for k, v in m.knobs.items() if k not in (*LOAD_OPTIONS, TEMPLATE_OPTION)}
+        load: dict[str, Any] = {k: str(_local_path(str(v)).resolve()) for k, v in m.knobs.items()
+                                if k in LOAD_OPTIONS}
+        if TEMPLATE_OPTION in m.knobs:
+            load[TEMPLATE_OPTION] = _template_args(m)
         ckpt = _local_path(m.checkpoint)
         try:
             info = _inspect(m, ckpt, load.get("base"), inspected)
@@ -415,7 +431,10 @@ def environment(device: str, threads: int, num_processes: int, seed: int) -> dic
 
         gpu = torch.cuda.get_device_name(0)
     status = git("status", "--porcelain")
-    return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
+    # What a tokens/s figure was measured on: runs with the same hardware (and dtype, batch size) can be
+    # compared across runs (harness/report/runset.py speed_setting).
+    hardware = gpu if gpu else f"{cpu}, {threads} thread(s) per process"
+    return {"hardware": hardware, "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
             "packages": pkgs, "python": platform.python_version(), "platform": platform.platform(),
             "device": device, "cpu": cpu, "gpu": gpu, "cpu_count": os.cpu_count(), "threads_per_process": threads,
             "num_processes": num_processes, "seed": seed}
@@ -556,6 +575,8 @@ def build_config(ns: argparse.Namespace) -> dict:
         limit = DEFAULT_LIMIT
     units = resolve_units(paper_tasks(ns.task) if ns.prompts == "paper" else ns.task, tasks_dir, limit)
     model_cfgs = validate_models(models, units, task_defaults, inspected, ns.seed)
+    for m in model_cfgs:  # each model records the arguments its template gets: its own, else the run's
+        m.setdefault(TEMPLATE_OPTION, template_args)
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
         raise InputError(f"--baseline {baseline!r} is not a model of this run; valid: "
@@ -590,8 +611,10 @@ def describe_resolved(cfg: dict) -> str:
              + (f" with {cfg['chat_template_args']}" if cfg["chat_template_args"] else "")]
     for m in cfg["models"]:
         attn = "causal" if m["causal"] else "bidirectional"
+        own = m.get(TEMPLATE_OPTION, cfg["chat_template_args"])
         lines.append(f"{m['name']}: decoder {m['decoder']} on {m['checkpoint']} ({m['family']} family, {attn}"
-                     + (f", LoRA on base {m['base']}" if m.get("base") else "") + ")")
+                     + (f", LoRA on base {m['base']}" if m.get("base") else "")
+                     + (f", chat template arguments {own}" if own != cfg["chat_template_args"] else "") + ")")
         for u in cfg["units"]:
             groups: dict[str, list[str]] = {}
             for leaf in u["leaves"]:

@@ -133,7 +133,7 @@ def _evaluate(cfg: dict, spec: dict, mdir: Path):
         pretrained=spec["checkpoint"], decoder=spec["decoder"], batch_size=cfg["batch_size"],
         device=cfg["device"], seed=cfg["seed"], threads=cfg["threads"], journal_dir=str(mdir / "journal"),
         task_knobs=spec["task_knobs"], dtype=cfg.get("dtype", "float32"), base=spec.get("base"),
-        chat_template_args=cfg.get("chat_template_args") or None,
+        chat_template_args=spec.get("chat_template_args", cfg.get("chat_template_args")) or None,
         response_extract="python_fence" if cfg.get("prompts") == "paper" else None, **spec["knobs"])
     tm = TaskManager(include_path=cfg["tasks_dir"], include_defaults=False)
     res = lm_eval.simple_evaluate(
@@ -188,7 +188,7 @@ def _unit_metrics(cfg: dict, spec: dict, unit: dict, recs: list[dict], gen_recs:
         "run": {"run_id": cfg.get("run_id"), "seed": cfg["seed"], "limit": cfg["limit"],
                 "chat_template": cfg["chat_template"], "num_processes": cfg["num_processes"],
                 "threads": cfg["threads"], "device": cfg["device"], "batch_size": cfg["batch_size"],
-                "dtype": cfg.get("dtype", "float32"), "chat_template_args": cfg.get("chat_template_args", {}),
+                "dtype": cfg.get("dtype", "float32"), "chat_template_args": spec.get("chat_template_args", cfg.get("chat_template_args", {})),
                 "environment": cfg.get("environment")},
         "knobs_used": spec.get("resolved_knobs", {}).get(unit["leaves"][0]) if unit["leaves"] else None,
     }
