@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -44,7 +45,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness.run import summary
+from harness.run import cluster, summary
 from harness.run.metrics import speedup
 from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS, PRESETS, ModelSpec, paper_knobs
 from harness.run.store import atomic_write_json, read_json
@@ -55,7 +56,9 @@ DEFAULT_TASK = "embedded"
 DEFAULT_LIMIT = 20
 # Settings that must match for a run id to be resumed.
 RESUME_KEYS = ("task", "units", "models", "limit", "seed", "chat_template", "device", "batch_size",
-               "bootstrap_iters", "task_defaults", "baseline", "dtype", "chat_template_args")
+               "bootstrap_iters", "task_defaults", "baseline", "dtype", "chat_template_args", "shard")
+# Unit fields counted from the data, not set by the user (older runs lack them): not compared on resume.
+DERIVED_UNIT_KEYS = ("samples", "docs", "max_gen_toks", "data_sha256")
 # Model options that choose how a checkpoint loads, not how it decodes: taken out of the knob list.
 LOAD_OPTIONS = ("base",)
 # A model's own chat-template arguments (``chat_template_args=enable_thinking=false;x=1``), replacing the
@@ -215,7 +218,9 @@ def resolve_units(task_arg: str, tasks_dir: Path, limit: int | None = None) -> l
         except Exception as e:  # noqa: BLE001 - lm-eval wraps dataset errors in many types
             raise InputError(f"task {name!r}: cannot load its data: {_root_message(e)}") from e
         gmap = loaded.get("group_map", {})
-        counts = {leaf: check_docs(leaf, task, limit) for leaf, task in loaded.get("tasks", {}).items()}
+        checked = {leaf: check_docs(leaf, task, limit) for leaf, task in loaded.get("tasks", {}).items()}
+        counts = {leaf: n for leaf, (n, _) in checked.items()}
+        budgets = {leaf: _max_gen_toks(task) for leaf, task in loaded.get("tasks", {}).items()}
 
         def expand(n: str) -> list[str]:
             if n in KNOWN or n not in gmap:
@@ -227,8 +232,13 @@ def resolve_units(task_arg: str, tasks_dir: Path, limit: int | None = None) -> l
                                                                   sorted(_leaves(u, gmap)))
             primary = KNOWN[u].primary if u in KNOWN else None
             if not any(x["name"] == u for x in units):  # samples: documents after LIMIT (overall progress)
+                digest = hashlib.sha256("".join(checked[leaf][1] for leaf in leaves if leaf in checked).encode())
                 units.append({"name": u, "leaves": leaves, "primary": primary,
-                              "samples": sum(counts.get(leaf, 0) for leaf in leaves)})
+                              "samples": sum(counts.get(leaf, 0) for leaf in leaves),
+                              # per leaf: documents after LIMIT (what --shard splits), the request budget
+                              "docs": {leaf: counts.get(leaf, 0) for leaf in leaves},
+                              "max_gen_toks": max((budgets.get(leaf) or 0 for leaf in leaves), default=0) or None,
+                              "data_sha256": digest.hexdigest()})
     return units
 
 
@@ -252,9 +262,18 @@ def _data_where(task) -> str:
     return str(getattr(cfg, "dataset_path", None) or "its dataset")
 
 
-def check_docs(leaf: str, task, limit: int | None) -> int:
+def _max_gen_toks(task) -> int | None:
+    """The task's own generation budget (its YAML's ``max_gen_toks``): the tokens a request may ask for."""
+    kw = getattr(getattr(task, "config", None), "generation_kwargs", None) or {}
+    try:
+        return int(kw["max_gen_toks"]) if "max_gen_toks" in kw else None
+    except (TypeError, ValueError):
+        return None
+
+
+def check_docs(leaf: str, task, limit: int | None) -> tuple[int, str]:
     """Render every document the run will use with the task's templates; InputError naming the first bad one.
-    Returns how many documents the run will use.
+    Returns how many documents the run will use and a hash of them (shards of one run must agree on it).
 
     lm-eval checks only the first document when it builds a task, so a bad later row
     would otherwise stop the model's worker mid-run.
@@ -265,10 +284,12 @@ def check_docs(leaf: str, task, limit: int | None) -> int:
         raise InputError(f"task {leaf!r}: cannot load its data: {_root_message(e)}") from e
     choice = getattr(task, "OUTPUT_TYPE", None) == "multiple_choice"
     n = 0
+    digest = hashlib.sha256()
     for i, doc in enumerate(docs):
         if limit is not None and i >= limit:
             break
         n += 1
+        digest.update(json.dumps(doc, sort_keys=True, default=str).encode())
         try:
             task.doc_to_text(doc)
             task.doc_to_target(doc)
@@ -277,7 +298,7 @@ def check_docs(leaf: str, task, limit: int | None) -> int:
         except Exception as e:  # noqa: BLE001 - templates and hooks raise anything; the document is what matters
             why = _root_message(e)
             raise InputError(f"task {leaf!r}, document {i} of {_data_where(task)}: {why}") from e
-    return n
+    return n, digest.hexdigest()
 
 
 def _leaves(name: str, gmap: dict) -> list[str]:
@@ -448,15 +469,16 @@ def worker_error_file(run_dir: Path, model: str) -> Path:
     return run_dir / "models" / model / "error.txt"
 
 
-def worker_command(run_dir: Path, model: str, num_processes: int, port: int, debug: bool = False) -> list[str]:
+def worker_command(run_dir: Path, model: str, num_processes: int, port: int, debug: bool = False,
+                   launch: dict | None = None) -> list[str]:
     base = ["-m", "harness.run.worker", "--run-dir", str(run_dir), "--model", model,
             "--error-file", str(worker_error_file(run_dir, model))] + (["--debug"] if debug else [])
-    if num_processes <= 1:
+    launch = launch or {}
+    if num_processes <= 1 and not launch.get("accelerate_config") and int(launch.get("num_machines") or 1) == 1:
         return [sys.executable, *base]
     # --multi_gpu picks accelerate's multi-process (torchrun) launcher; on CPU the adapter joins gloo.
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-            str(num_processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(port), *base]
+    return [sys.executable, "-m", "accelerate.commands.launch", *cluster.launch_args(launch, num_processes, port),
+            *base]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -487,8 +509,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                    help="weights and activations (default: auto = bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--dry-run", action="store_true",
-                   help="check everything, print the knob values each (model, task) will use, and exit "
-                   "(nothing is written)")
+                   help="check everything, print the knob values each (model, task) will use and the requests and "
+                   "generated-token budget of each, and exit (nothing is written)")
+    p.add_argument("--rate", default=None,
+                   help="with --dry-run: budget tokens per second per device (a number, or an earlier run's folder for "
+                   "each model's own pace there), to print device-hours (GPU-hours on GPUs)")
+    p.add_argument("--shard", default=None, help="I/N: run only shard I of N of every task's documents (every N-th "
+                   "from I-1); N independent jobs (a Slurm array) cover the run, `harness merge` joins them")
+    c = p.add_argument_group("several machines (accelerate launch's own options, passed through)")
+    c.add_argument("--num-machines", type=int, default=None, help="machines of one data-parallel job (default: 1)")
+    c.add_argument("--machine-rank", type=int, default=None, help="this machine's rank (0: the one that writes)")
+    c.add_argument("--main-process-ip", default=None, help="address of machine rank 0")
+    c.add_argument("--main-process-port", type=int, default=None, help="its port (default: derived from the pid)")
+    c.add_argument("--accelerate-config", default=None,
+                   help="accelerate's config file instead (its machines, ranks, addresses)")
     p.add_argument("--prompts", choices=("stock", "paper"), default="stock",
                    help="stock: lm-eval's prompts (default); paper: the ReFusion authors' prompt variants "
                    "(gsm8k_cot_paper, gpqa_main_generative_paper, humaneval_instruct_noprefix, mbpp_paper) "
@@ -574,6 +608,11 @@ def build_config(ns: argparse.Namespace) -> dict:
     if limit is None and ns.task == DEFAULT_TASK and (ns.models is None or ns.models.strip() in MODEL_GROUPS):
         limit = DEFAULT_LIMIT
     units = resolve_units(paper_tasks(ns.task) if ns.prompts == "paper" else ns.task, tasks_dir, limit)
+    try:
+        shard = cluster.parse_shard(ns.shard)
+        units = cluster.apply_shard(units, shard)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     model_cfgs = validate_models(models, units, task_defaults, inspected, ns.seed)
     for m in model_cfgs:  # each model records the arguments its template gets: its own, else the run's
         m.setdefault(TEMPLATE_OPTION, template_args)
@@ -583,8 +622,17 @@ def build_config(ns: argparse.Namespace) -> dict:
                          f"{', '.join(m['name'] for m in model_cfgs)}")
     if baseline is None:
         baseline = next((m["name"] for m in model_cfgs if m["decoder"] == "ar"), None)
-    threads = ns.threads or max(1, (os.cpu_count() or 1) // ns.num_processes)
-    return {
+    launch = {k: getattr(ns, k) for k in cluster.LAUNCH_OPTIONS if getattr(ns, k) is not None}
+    try:
+        cluster.check_launch(launch, ns.num_processes)
+        launch["machine_rank"] = cluster.machine_rank(launch)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if int(launch.get("num_machines") or 1) > 1 and ns.run_id is None:
+        raise InputError("--num-machines > 1 needs --run-id: every machine writes into that one run folder")
+    per_machine = max(1, ns.num_processes // int(launch.get("num_machines") or 1))
+    threads = ns.threads or max(1, (os.cpu_count() or 1) // per_machine)
+    return {"shard": shard, "launch": launch,
         "task": ns.task, "units": units, "models": model_cfgs, "limit": limit, "seed": ns.seed,
         "chat_template": not ns.no_chat_template, "device": device, "threads": threads,
         "num_processes": ns.num_processes, "batch_size": ns.batch_size, "bootstrap_iters": ns.bootstrap_iters,
@@ -668,7 +716,7 @@ def lock_run_dir(run_dir: Path) -> None:
 def _resume_value(key: str, value: Any) -> Any:
     """A setting as compared on resume: a unit's sample count is derived, not set (older runs lack it)."""
     if key == "units" and isinstance(value, list):
-        return [{k: v for k, v in u.items() if k != "samples"} for u in value]
+        return [{k: v for k, v in u.items() if k not in DERIVED_UNIT_KEYS} for u in value]
     return value
 
 
@@ -698,6 +746,31 @@ def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
     atomic_write_json(run_dir / "run.json", {**cfg, "run_id": run_id, "environment": env, "created": created,
                                              "sessions": [{"started": created, "models": []}]})
     return run_dir
+
+
+JOIN_WAIT_S = 600.0  # how long a machine of rank > 0 waits for rank 0 to create the run folder
+
+
+def _join_run_dir(out: Path, run_id: str | None, cfg: dict, wait_s: float = JOIN_WAIT_S) -> Path:
+    """Machine rank > 0: the run folder rank 0 creates (same --out on a shared file system, same --run-id),
+    once its run.json is there, with the same settings; nothing is written."""
+    import time
+
+    if run_id is None:
+        raise InputError("--machine-rank > 0 needs the --run-id machine rank 0 uses (one run folder for all)")
+    run_json = out / run_id / "run.json"
+    deadline = time.monotonic() + wait_s
+    while not run_json.is_file():
+        if time.monotonic() > deadline:
+            raise InputError(f"{run_json} did not appear within {wait_s:.0f} s: start machine rank 0 with the "
+                             "same --out (a shared folder) and --run-id")
+        time.sleep(0.5)
+    old = read_json(run_json)
+    diff = [k for k in RESUME_KEYS if _resume_value(k, old.get(k)) != _resume_value(k, cfg.get(k))]
+    if diff:
+        raise InputError(f"run {run_id!r} of machine rank 0 has other settings ({', '.join(diff)}); give every "
+                         "machine the same command")
+    return out / run_id
 
 
 def finalize(run_dir: Path) -> dict:
@@ -782,8 +855,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: {warning}", file=sys.stderr)
         if ns.dry_run:
             print(describe_resolved(cfg))
+            try:
+                print(cluster.describe_budget(cfg, cluster.parse_rate(ns.rate, cfg)))
+            except ValueError as e:
+                raise InputError(str(e)) from None
             return 0
-        run_dir = _prepare_run_dir(Path(ns.out), ns.run_id, cfg)
+        if cfg["launch"].get("machine_rank"):
+            run_dir = _join_run_dir(Path(ns.out), ns.run_id, cfg)
+        else:
+            run_dir = _prepare_run_dir(Path(ns.out), ns.run_id, cfg)
     except KnobHelp as h:
         from harness.run.knobs import describe
 
@@ -794,6 +874,32 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    rc = _run_models(run_dir, cfg, ns.debug)
+    if rc is not None:
+        return rc
+    if cfg["launch"].get("machine_rank"):
+        print(f"machine rank {cfg['launch']['machine_rank']}: every model done; machine rank 0 writes the results "
+              f"in {run_dir}", file=sys.stderr)
+        return 0
+    result = finalize(run_dir)
+    print(summary.table(result))
+    print(summary.one_line(result, run_dir))
+    return 0
+
+
+def _worker_port(launch: dict) -> int:
+    # One machine: a port of its own per runner, so two runs side by side do not meet; several machines
+    # must agree on it, so accelerate's usual port unless given.
+    if launch.get("main_process_port"):
+        return int(launch["main_process_port"])
+    return 29500 if int(launch.get("num_machines") or 1) > 1 else 29500 + (os.getpid() % 1000)
+
+
+def _run_models(run_dir: Path, cfg: dict, debug: bool) -> int | None:
+    """Each model's worker in turn (skipping finished ones); an exit status to stop with, or None when done.
+    A machine of rank > 0 starts the same workers, which join rank 0's through accelerate, and writes
+    nothing of the run's own (run.json, summary): rank 0 does."""
+    rank = int(cfg["launch"].get("machine_rank") or 0)
     n = len(cfg["models"])
     progress = summary.Progress(cfg)
     print(progress.start_line(), file=sys.stderr)
@@ -803,14 +909,16 @@ def main(argv: list[str] | None = None) -> int:
             print(progress.finished(m["name"], decoded_share=0.0), file=sys.stderr)
             continue
         print(f"[{i}/{n}] {m['name']}: {m['decoder']} on {m['checkpoint']}", file=sys.stderr)
-        summary.session_ran(run_dir / "run.json", m["name"])
-        cmd = worker_command(run_dir, m["name"], cfg["num_processes"], 29500 + (os.getpid() % 1000), ns.debug)
+        if rank == 0:
+            summary.session_ran(run_dir / "run.json", m["name"])
+        cmd = worker_command(run_dir, m["name"], cfg["num_processes"], _worker_port(cfg["launch"]), debug,
+                             cfg["launch"])
         err_file = worker_error_file(run_dir, m["name"])
         err_file.unlink(missing_ok=True)
         # The worker's temporary files (torchelastic_* of a multi-process launch, the sandbox's
-        # folders) go to a folder of its own inside the run folder, removed when the worker ends; one
-        # left by a runner killed with SIGKILL is removed when the run resumes.
-        tmp = run_dir / f".tmp-{m['name']}"
+        # folders) go to a folder of its own inside the run folder (one per machine: the folder may be
+        # shared), removed when the worker ends; one left by a runner killed with SIGKILL is removed on resume.
+        tmp = run_dir / (f".tmp-{m['name']}" + (f"-machine{rank}" if rank else ""))
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o700)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -836,10 +944,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(progress.finished(m["name"], summary.decoded_share(run_dir / "models" / m["name"] / "done.json")),
               file=sys.stderr)
-    result = finalize(run_dir)
-    print(summary.table(result))
-    print(summary.one_line(result, run_dir))
-    return 0
+    return None
 
 
 if __name__ == "__main__":

@@ -136,18 +136,45 @@ def _evaluate(cfg: dict, spec: dict, mdir: Path):
         chat_template_args=spec.get("chat_template_args", cfg.get("chat_template_args")) or None,
         response_extract="python_fence" if cfg.get("prompts") == "paper" else None, **spec["knobs"])
     tm = TaskManager(include_path=cfg["tasks_dir"], include_defaults=False)
+    from harness.run.cluster import shard_docs
+
+    # A shard (--shard I/N) decodes its own documents of every leaf task, chosen from those LIMIT leaves.
+    shard = cfg.get("shard")
+    samples = {leaf: shard_docs(n, shard) for u in cfg["units"] for leaf, n in (u.get("docs") or {}).items()} \
+        if shard else None
     res = lm_eval.simple_evaluate(
-        model=lm, tasks=[u["name"] for u in cfg["units"]], task_manager=tm, limit=cfg["limit"],
+        model=lm, tasks=[u["name"] for u in cfg["units"]], task_manager=tm,
+        limit=None if shard else cfg["limit"], samples=samples,
         apply_chat_template=cfg["chat_template"], log_samples=True, bootstrap_iters=cfg["bootstrap_iters"],
         random_seed=cfg["seed"], numpy_random_seed=cfg["seed"], torch_random_seed=cfg["seed"],
         fewshot_random_seed=cfg["seed"], confirm_run_unsafe_code=True)
     return lm, res
 
 
+def _shard_doc_ids(cfg: dict, journal: dict[str, dict]) -> dict[str, dict]:
+    """A shard's journal numbers its documents by position among the shard's own (lm-eval enumerates the
+    selected documents), while lm-eval's sample log keeps their index in the task: the records get the
+    task's index, so each sample row joins its own decode (and the shards' logs merge by document)."""
+    shard = cfg.get("shard")
+    if not shard:
+        return journal
+    from harness.run.cluster import shard_docs
+
+    picks = {leaf: shard_docs(n, shard) for u in cfg["units"] for leaf, n in (u.get("docs") or {}).items()}
+    out = {}
+    for key, rec in journal.items():
+        pos = rec.get("doc_id")
+        if rec.get("task") in picks and isinstance(pos, int) and 0 <= pos < len(picks[rec["task"]]):
+            rec = {**rec, "doc_id": picks[rec["task"]][pos]}
+        out[key] = rec
+    return out
+
+
 def _write_results(run_dir: Path, cfg: dict, spec: dict, res: dict, journal: dict[str, dict],
                    ranks: list[dict]) -> None:
     """Rank 0: lm-eval's results, per unit the sample rows and the metrics file, then done.json."""
     mdir = run_dir / "models" / spec["name"]
+    journal = _shard_doc_ids(cfg, journal)
     keys: dict[str, set[str]] = {}
     for r in ranks:
         for task, ks in r["keys"].items():
