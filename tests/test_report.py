@@ -611,7 +611,7 @@ def _bars(ax) -> dict[str, list[float]]:
 
 
 def test_merge_with_two_baselines_draws_each_baseline_its_own_series(tmp_path):
-    """README's two-run recipe (qwen3 + refusion, then llama3 + an MDM row): each AR baseline gets its own
+    """A two-run split (qwen3 + refusion, then llama3 + an MDM row, as README's recipe once was): each AR baseline gets its own
     speedup figure titled by it with the right ratios, a model keeps one colour in every figure, a model a
     figure cannot show is named in its title, and no table is printed without data."""
     runs = tmp_path / "runs"

@@ -512,8 +512,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="check everything, print the knob values each (model, task) will use and the requests and "
                    "generated-token budget of each, and exit (nothing is written)")
     p.add_argument("--rate", default=None,
-                   help="with --dry-run: budget tokens per second per device (a number, or an earlier run's folder for "
-                   "each model's own pace there), to print device-hours (GPU-hours on GPUs)")
+                   help="budget tokens per second per device (a number, or an earlier run's folder for each model's own "
+                   "pace there): --dry-run prints device-hours (GPU-hours on GPUs) and the ETA uses it")
     p.add_argument("--shard", default=None, help="I/N: run only shard I of N of every task's documents (every N-th "
                    "from I-1); N independent jobs (a Slurm array) cover the run, `harness merge` joins them")
     c = p.add_argument_group("several machines (accelerate launch's own options, passed through)")
@@ -853,12 +853,13 @@ def main(argv: list[str] | None = None) -> int:
         warning = dtype_warning(cfg)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
+        try:
+            rates = cluster.parse_rate(ns.rate, cfg)
+        except ValueError as e:
+            raise InputError(str(e)) from None
         if ns.dry_run:
             print(describe_resolved(cfg))
-            try:
-                print(cluster.describe_budget(cfg, cluster.parse_rate(ns.rate, cfg)))
-            except ValueError as e:
-                raise InputError(str(e)) from None
+            print(cluster.describe_budget(cfg, rates))
             return 0
         if cfg["launch"].get("machine_rank"):
             run_dir = _join_run_dir(Path(ns.out), ns.run_id, cfg)
@@ -874,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rc = _run_models(run_dir, cfg, ns.debug)
+    rc = _run_models(run_dir, cfg, ns.debug, rates)
     if rc is not None:
         return rc
     if cfg["launch"].get("machine_rank"):
@@ -895,13 +896,13 @@ def _worker_port(launch: dict) -> int:
     return 29500 if int(launch.get("num_machines") or 1) > 1 else 29500 + (os.getpid() % 1000)
 
 
-def _run_models(run_dir: Path, cfg: dict, debug: bool) -> int | None:
+def _run_models(run_dir: Path, cfg: dict, debug: bool, rates: dict[str, float] | None = None) -> int | None:
     """Each model's worker in turn (skipping finished ones); an exit status to stop with, or None when done.
     A machine of rank > 0 starts the same workers, which join rank 0's through accelerate, and writes
     nothing of the run's own (run.json, summary): rank 0 does."""
     rank = int(cfg["launch"].get("machine_rank") or 0)
     n = len(cfg["models"])
-    progress = summary.Progress(cfg)
+    progress = summary.Progress(cfg, rates=rates)
     print(progress.start_line(), file=sys.stderr)
     for i, m in enumerate(cfg["models"], 1):
         if (run_dir / "models" / m["name"] / "done.json").exists():
