@@ -124,3 +124,13 @@ def test_merge_refuses_shards_of_other_settings_or_data(tmp_path, capsys):
     assert merge.main(["--run", "s0,plain", "--runs-root", str(tmp_path), "--run-id", "m"]) == 2
     assert "not a shard" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_report_of_shards_asks_for_the_merge(tmp_path, capsys):
+    from harness.report import paper_report
+
+    d = _shard(tmp_path, "s0", 1, 2)
+    assert paper_report.main(["--run", str(d), "--out", str(tmp_path / "reports")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {d} is shard 1/2 of a run: join the shards first (`make merge") and "\n" not in err
+    assert not (tmp_path / "reports").exists()

@@ -238,6 +238,10 @@ def load_runs(dirs: list[Path], allow_partial: bool = False, labels: list[str | 
         for key in ("models", "units"):
             if not isinstance(cfg.get(key), list):
                 raise InputError(f"{d}/run.json: no {key!r} list (not written by `harness eval`?)")
+        if cfg.get("shard"):
+            sh = cfg["shard"]
+            raise InputError(f"{d} is shard {sh.get('index')}/{sh.get('count')} of a run: join the shards first "
+                             "(`make merge RUN=<every shard> NAME=<run id>`), then report the merged run")
         label = (labels[i] if labels and i < len(labels) else None) or cfg.get("run_id") or d.name
         cfgs.append((d, cfg))
         rs.runs.append({**cfg, "dir": str(d), "label": label})
