@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test test-slow eval report compare sweep trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels regress regress-update clean
+.PHONY: help setup test test-slow eval report merge compare sweep trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -74,6 +74,9 @@ eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... DTYPE=.
 report: setup ## Table 1, speedups and figures of a run: make report RUN=<run dir or id>[,<run>...] NAME=...
 	@set -f; exec $(PY) -m harness report $${RUN:+--run "$$RUN"} $${NAME:+--name "$$NAME"} --runs-root "$$OUT" \
 		$$REPORT_ARGS
+
+merge: setup ## join the shards of one run (EVAL_ARGS=--shard I/N) into one run folder: make merge RUN=s1,s2,... NAME=<run id>
+	@set -f; exec $(PY) -m harness merge --run "$$RUN" --run-id "$$NAME" --runs-root "$$OUT"
 
 compare: setup ## the same models in two or more runs side by side, with ratios: make compare RUN=a,b NAME=...
 	@set -f; exec $(PY) -m harness compare $${RUN:+--run "$$RUN"} $${NAME:+--name "$$NAME"} --runs-root "$$OUT" \

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("tasks.data", "show where each benchmark's data is read from"),
     "regress": ("harness.speed.regress", "compare the default run with the committed baseline (CI regression check)"),
     "regress-update": ("harness.speed.regress:main_update", "rewrite the regression baseline on purpose (--reason)"),
+    "merge": ("harness.run.merge", "join the shards of one run (eval --shard I/N) into one run folder"),
     "report": ("harness.report.paper_report", "the paper's Table 1, speedups and figures from one or more runs"),
     "sweep": ("harness.report.sweep", "ReFusion accuracy vs tokens/s as its knobs vary (ablation view)"),
     "compare": ("harness.report.compare", "the same models in two or more runs side by side, with ratios"),

@@ -201,3 +201,100 @@ def test_dry_run_prints_the_resolved_knobs_that_run_json_records(setup, tmp_path
         for leaf, knobs in per_leaf.items():
             line = f"  {leaf}: " + ", ".join(f"{k}={v}" for k, v in sorted(knobs.items()))
             assert line in printed, (name, line)
+
+
+RELEASED = Path(__file__).resolve().parent / "fixtures" / "released"
+
+
+def test_adapter_given_a_wrong_base_fails_the_dry_run(setup, tmp_path, capsys):
+    """The D2F-Dream adapter given LLaDA as its base (same hidden size, other k/v sizes), and the D2F-LLaDA
+    adapter given Dream (its modules do not exist there): one error line, exit 2, nothing written."""
+    err = _error(capsys, tmp_path / "out", setup, f"d={RELEASED}/d2f_dream:d2f:base={RELEASED}/llada", "--dry-run")
+    assert "does not fit its base" in err and str(RELEASED / "llada") in err and "k_proj.lora_B" in err, err
+    assert "[32, 32]" in err and "[64, 64]" in err, err  # the adapter's shape and the base's
+    err = _error(capsys, tmp_path / "out", setup, f"d={RELEASED}/d2f_llada:d2f:base={RELEASED}/dream_base")
+    assert "does not fit its base" in err and "attn_out" in err, err
+    # Without --dry-run the same line, still before run.json.
+    err = _error(capsys, tmp_path / "out", setup, f"d={RELEASED}/d2f_dream:d2f:base={RELEASED}/llada")
+    assert "does not fit its base" in err, err
+
+
+def test_base_used_is_warned_about_recorded_and_shown(setup, tmp_path, capsys):
+    """A same-shape base of another name (Dream-Instruct for Dream-Base) passes with a warning naming both;
+    a base found beside the adapter is printed by the dry run and recorded in the run's settings."""
+    from harness.run import runner
+
+    args = ["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--out", str(tmp_path / "out"), "--dry-run"]
+    assert runner.main([*args, "--models", f"d={RELEASED}/d2f_dream:d2f:gen_length=8,block_size=4,base={RELEASED}/dream_instruct"]) == 0
+    cap = capsys.readouterr()
+    warnings = [ln for ln in cap.err.splitlines() if ln.startswith("warning: ")]
+    assert len(warnings) == 1 and "'Dream-org/Dream-v0-Base-7B'" in warnings[0], cap.err
+    assert str(RELEASED / "dream_instruct") in warnings[0]
+    assert f"LoRA on base {RELEASED / 'dream_instruct'}" in cap.out, cap.out
+    # Beside the adapter, under the name its adapter_config.json gives: found, no warning, recorded.
+    shutil.copytree(RELEASED / "d2f_dream", tmp_path / "D2F_Dream_Base_7B_Lora")
+    shutil.copytree(RELEASED / "dream_base", tmp_path / "Dream-v0-Base-7B")
+    models = f"d={tmp_path / 'D2F_Dream_Base_7B_Lora'}:d2f:gen_length=8,block_size=4"
+    assert runner.main([*args, "--models", models]) == 0
+    cap = capsys.readouterr()
+    assert "warning" not in cap.err and f"LoRA on base {tmp_path / 'Dream-v0-Base-7B'}" in cap.out, cap
+    cfg = runner.build_config(runner._parser().parse_args([*args, "--models", models]))
+    assert cfg["models"][0]["base"] == str((tmp_path / "Dream-v0-Base-7B").resolve())
+    assert not (tmp_path / "out").exists()
+
+
+def test_resolved_knobs_show_values_never_none(setup, tmp_path):
+    from harness.run import runner
+    from refusion.decoding import DECODERS, make_knobs
+
+    for dec in DECODERS:
+        shown = runner.shown_values(make_knobs(dec, {"gen_length": 512}).to_dict())
+        assert None not in shown.values(), (dec, shown)
+    assert runner.shown_values(make_knobs("llada", {"gen_length": 512}).to_dict())["steps"] == 512
+    cfg = runner.build_config(runner._parser().parse_args(
+        ["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--out", str(tmp_path / "o"),
+         "--models", f"l={setup['mdm']}:llada:gen_length=64,m={setup['mdm']}:llada:block_length=2,"
+                     f"f={setup['mdm']}:fast_dllm:block_length=2"]))
+    knobs = {m["name"]: m["resolved_knobs"]["tiny_gen"] for m in cfg["models"]}
+    # steps = gen_length; without a gen_length knob that is the task's max_gen_toks (6), checked against the blocks
+    assert knobs["l"]["steps"] == 64 and knobs["m"]["steps"] == knobs["m"]["gen_length"] == 6
+    assert knobs["f"]["commit_first"] is False and knobs["f"]["top_p"] == "off"
+    assert all(v is not None for k in knobs.values() for v in k.values()), knobs
+
+
+def test_long_errors_keep_their_end(setup, tmp_path):
+    """A tokenizer error is cut in the middle, so the missing file's name at its end stays."""
+    from harness.models.checkpoints import CheckpointError, check_tokenizer, clip_middle, inspect_checkpoint
+
+    text = "Error while loading: " + "x " * 400 + "/ckpt/Qwen3-8B/merges.txt"
+    assert clip_middle(text).endswith("/ckpt/Qwen3-8B/merges.txt") and len(clip_middle(text)) <= 300
+    assert clip_middle("short one") == "short one"
+    bad = _copy(RELEASED / "refusion", tmp_path / "refusion")
+    (bad / "merges.txt").unlink()  # a byte-level BPE without its merges
+    info = inspect_checkpoint(bad)
+    with pytest.raises(CheckpointError) as e:
+        check_tokenizer(info)
+    assert len(str(e.value)) < 600 and str(bad) in str(e.value)
+
+
+def test_chat_template_args_per_model_over_the_run_default(setup, tmp_path, capsys):
+    """Qwen3 / ReFusion with enable_thinking=false beside templates that take no argument, in one run: a model's
+    own chat_template_args replace the run-wide default for that model (empty: none), recorded per model."""
+    from harness.run import runner
+
+    args = ["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--out", str(tmp_path / "out"),
+            "--chat-template-args", "enable_thinking=false",
+            "--models", f"q={setup['ckpt']}:ar,l={setup['ckpt']}:ar:chat_template_args=,"
+                        f"s={setup['ckpt']}:ar:gen_length=8,chat_template_args=style=terse;enable_thinking=true"]
+    cfg = runner.build_config(runner._parser().parse_args(args))
+    got = {m["name"]: m["chat_template_args"] for m in cfg["models"]}
+    assert got == {"q": {"enable_thinking": False}, "l": {}, "s": {"style": "terse", "enable_thinking": True}}
+    assert all("chat_template_args" not in m["knobs"] for m in cfg["models"])
+    assert cfg["models"][2]["knobs"] == {"gen_length": 8}
+    assert runner.main([*args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "l: decoder ar" in out and "chat template arguments {}" in out
+    assert "chat template arguments {'style': 'terse', 'enable_thinking': True}" in out
+    bad = [*args[:-1], f"x={setup['ckpt']}:ar:chat_template_args=oops"]
+    err = _error(capsys, tmp_path / "out", setup, bad[-1], "--chat-template-args", "enable_thinking=false")
+    assert "model 'x': chat_template_args: chat template argument 'oops': expected name=value" in err, err

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -124,26 +123,56 @@ def test_callback_hook_is_not_a_knob(setup, tmp_path, capsys):
     assert not out.exists()
 
 
-def test_read_only_out_folder_is_refused_before_any_model_runs(setup, capsys):
-    # root may write anywhere: run the check as an ordinary user there, as the new user was.
-    ro = Path(tempfile.mkdtemp(prefix="refusion-ro-"))
-    try:
-        ro.chmod(0o555)
-        out = ro / "runs"
-        euid = os.geteuid()
-        if euid == 0:
-            os.seteuid(65534)
+def _deny(monkeypatch, folder: Path, bit: int) -> None:
+    """Make the runner's permission check refuse ``bit`` on ``folder``: root may write anywhere and the
+    temp directory's own mode varies (a private ``mktemp -d`` TMPDIR), so the refusal is injected."""
+    from harness.run import runner
+
+    real = runner._may
+    monkeypatch.setattr(runner, "_may", lambda p, mode: not (Path(p) == folder and mode & bit) and real(p, mode))
+
+
+def test_read_only_out_folder_is_refused_before_any_model_runs(setup, tmp_path, capsys, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    _deny(monkeypatch, ro, os.W_OK)
+    err = _eval(capsys, ro / "runs", "--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]),
+                "--models", f"a={setup['ckpt']}:ar")
+    assert f"--out folder {str(ro)!r} is not writable" in err, err
+    assert list(ro.iterdir()) == []
+
+
+def test_out_folder_below_an_unsearchable_folder_is_one_error_line(setup, tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    (locked / "inner").mkdir(parents=True)
+    with monkeypatch.context() as m:
+        _deny(m, locked, os.X_OK)
+        err = _eval(capsys, locked / "inner" / "runs", "--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]),
+                    "--models", f"a={setup['ckpt']}:ar")
+    assert f"folder {str(locked)!r} cannot be entered" in err, err
+    assert list((locked / "inner").iterdir()) == []
+    if os.geteuid() != 0:
+        # Not root: the real thing too, where stat() itself raises PermissionError below the folder.
+        locked.chmod(0)
         try:
-            err = _eval(capsys, out, "--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]),
-                        "--models", f"a={setup['ckpt']}:ar")
+            err = _eval(capsys, locked / "inner" / "runs", "--task", "tiny_gen", "--tasks-dir",
+                        str(setup["tasks"]), "--models", f"a={setup['ckpt']}:ar")
         finally:
-            if euid == 0:
-                os.seteuid(0)
-        assert f"--out folder {str(ro)!r} is not writable" in err, err
-        assert list(ro.iterdir()) == []
-    finally:
-        ro.chmod(0o755)
-        shutil.rmtree(ro)
+            locked.chmod(0o755)
+        assert str(locked) in err, err
+
+
+def test_bfloat16_on_the_cpu_warns_in_one_line(setup, tmp_path, capsys):
+    from harness.run import runner
+
+    out = tmp_path / "out"
+    assert runner.main(["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--models", f"a={setup['ckpt']}:ar",
+                        "--device", "cpu", "--dtype", "bfloat16", "--dry-run", "--out", str(out)]) == 0
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: ")]
+    assert warnings == [f"warning: {runner.dtype_warning({'device': 'cpu', 'dtype': 'bfloat16'})}"], warnings
+    assert "bfloat16 on the CPU is slow" in warnings[0]
+    assert runner.dtype_warning({"device": "cpu", "dtype": "float32"}) is None
+    assert not out.exists()
 
 
 def test_worker_error_is_passed_on_as_one_line(setup, tmp_path, capsys, monkeypatch):

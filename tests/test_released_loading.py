@@ -160,3 +160,43 @@ def test_make_eval_path_runs_every_family_and_writes_metrics(write_task, tmp_pat
     for name in by_name:
         metrics = json.loads((out / "r" / "metrics" / f"{name}__tiny_gen.json").read_text())
         assert metrics["requests"]["generate"] == 2, name
+
+
+@pytest.mark.slow
+def test_nine_table1_rows_in_one_run_fill_every_published_claim(tmp_path, monkeypatch):
+    """README's Table 1 recipe in one run on the released layouts (the tiny committed `ar` stands in for
+    Qwen3-8B, a Qwen3 checkpoint; gen_length 32 and one GSM8K item instead of 512 and the test set): Qwen3 and
+    ReFusion get enable_thinking=false as their own setting, and speedup.md has our value beside every one
+    of the paper's speedup claims."""
+    import re
+
+    from harness.report import paper_report
+    from harness.run import runner
+
+    data = tmp_path / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    (data / "test.jsonl").write_text(json.dumps({"question": "Tom has 3 apples and buys 4 more. How many?",
+                                                 "answer": "3 + 4 = 7\n#### 7"}) + "\n")
+    monkeypatch.setenv("REFUSION_DATA_DIR", str(tmp_path / "data"))
+    repo = ROOT.parents[2]
+    g, fast = "gen_length=32", "block_length=32,threshold=0.9,cache=dual,gen_length=32"
+    models = ",".join([
+        f"llama3={ROOT}/llama3:ar:{g}", f"qwen3={repo}/checkpoints/tiny/ar:ar:{g},chat_template_args=enable_thinking=false",
+        f"llada={ROOT}/llada:llada:block_length=32,{g}", f"llada_fast_dllm={ROOT}/llada:fast_dllm:{fast}",
+        f"llada_d2f={ROOT}/d2f_llada:d2f:{g},base={ROOT}/llada", f"dream={ROOT}/dream_instruct:dream:alg=entropy,{g},steps=32",
+        f"dream_fast_dllm={ROOT}/dream_instruct:fast_dllm:{fast}", f"dream_d2f={ROOT}/d2f_dream:d2f:{g},base={ROOT}/dream_base",
+        f"refusion={ROOT}/refusion:refusion:gen_length=128,chat_template_args=enable_thinking=false"])
+    out = tmp_path / "out"
+    assert runner.main(["--task", "gsm8k_cot", "--limit", "1", "--models", models, "--out", str(out), "--run-id", "t1",
+                        "--threads", "1", "--baseline", "qwen3"]) == 0
+    for name in ("qwen3", "refusion", "llama3"):
+        met = json.loads((out / "t1" / "metrics" / f"{name}__gsm8k_cot.json").read_text())
+        assert met["run"]["chat_template_args"] == ({} if name == "llama3" else {"enable_thinking": False})
+    assert paper_report.main(["--run", str(out / "t1"), "--out", str(tmp_path / "reports"), "--name", "t"]) == 0
+    sp = (tmp_path / "reports" / "t" / "speedup.md").read_text()
+    rows = [ln for ln in sp.split("### The paper's speedup claims beside ours")[1].split("\n\n")[2].splitlines()[2:]]
+    assert len(rows) == 8, rows
+    for ln in rows:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert re.fullmatch(r"\d+\.\d\d", cells[2]) and re.fullmatch(r"\d+\.\d\d", cells[4]), ln
+        assert cells[5] == "1" and cells[6].startswith("refusion / "), ln

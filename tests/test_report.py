@@ -142,9 +142,8 @@ def test_published_numbers_fed_back_reproduce_table1(paper_run, tmp_path):
     pub_sp = next(r for r in _md_section(sp, f"### Published speedups of ReFusion, for reference "
                                              f"({paper.source()})") if r[1] == "Qwen3-8B")
     assert pub_sp[-2:] == ["2.33", "2.24"]
-    # The embedded suite is there too, every cell marked as not measured.
-    emb_part = md.split("## " + paper.EMBEDDED.title)[1]
-    assert all(c == NOT_MEASURED for r in _md_section(emb_part, "### This run") for c in r[FIRST:])
+    # No embedded task in the run: no embedded table (it would be all n/m).
+    assert paper.EMBEDDED.title not in md
     tex = (out / "r" / "table1.tex").read_text()
     assert "65.31 / 72.62" in tex and "arXiv 2512.13586" in tex
 
@@ -605,3 +604,143 @@ def test_resumed_runs_are_marked_in_the_report(tmp_path):
                    ["embedded_math"])
     assert main(["--run", str(one), "--out", str(out), "--name", "one"]) == 0
     assert "Resumed" not in (out / "one" / "table1.md").read_text()
+
+
+def _bars(ax) -> dict[str, list[float]]:
+    return {c.get_label(): [b.get_height() for b in c] for c in ax.containers}
+
+
+def test_merge_with_two_baselines_draws_each_baseline_its_own_series(tmp_path):
+    """A two-run split (qwen3 + refusion, then llama3 + an MDM row, as README's recipe once was): each AR baseline gets its own
+    speedup figure titled by it with the right ratios, a model keeps one colour in every figure, a model a
+    figure cannot show is named in its title, and no table is printed without data."""
+    runs = tmp_path / "runs"
+    units = ["gsm8k_cot", "mbpp"]
+    qwen = fake_run(runs, "qwen3", [("qwen3", "ar"), ("refusion", "refusion")],
+                    {("qwen3", "gsm8k_cot"): (0.8, 30.0, 1.0), ("qwen3", "mbpp"): (0.6, 40.0, 1.0),
+                     ("refusion", "gsm8k_cot"): (0.85, 90.0, 3.0), ("refusion", "mbpp"): (0.7, 120.0, 4.0)},
+                    units, baseline="qwen3")
+    # Another machine: cross-run ratios (refusion over llama3) are not comparable and must not be drawn.
+    others = fake_run(runs, "others", [("llama3", "ar"), ("llada", "llada")],
+                      {("llama3", "gsm8k_cot"): (0.7, 40.0, 1.0), ("llama3", "mbpp"): (0.5, 50.0, 1.0),
+                       ("llada", "gsm8k_cot"): (0.6, 10.0, 1.5), ("llada", "mbpp"): (0.4, 20.0, 2.0)},
+                      units, baseline="llama3", extra={"environment": {"cpu": "other cpu", "device": "cpu"}})
+    rs = paper_report.load_runs([qwen, others])
+    data = paper_report.build(rs)
+    figs = figures.build_all(rs, data)
+    assert "speedup_paper.png" not in figs
+    vs_qwen = figs["speedup_paper_vs_qwen3.png"][0].axes[0]
+    vs_llama = figs["speedup_paper_vs_llama3.png"][0].axes[0]
+    assert vs_qwen.get_title().startswith("Speedup vs qwen3") and vs_llama.get_title().startswith("Speedup vs llama3")
+    assert _bars(vs_qwen) == {"refusion": pytest.approx([3.0, 3.0, 3.0])}  # 90/30, 120/40, their mean
+    assert _bars(vs_llama) == {"llada": pytest.approx([0.25, 0.4, 0.325])}
+    assert "not shown: qwen3, refusion" in vs_llama.get_title()
+    # One colour per model, whatever the figure.
+    colors = figures.model_colors([m["name"] for m in rs.models])
+    assert len(set(colors.values())) == 4
+    for name in ("pareto_gsm8k_cot.png", "pareto_mbpp.png"):
+        ax = figs[name][0].axes[0]
+        ours = {c.get_label().split(" (")[0]: tuple(c.get_facecolor()[0]) for c in ax.collections
+                if "published" not in c.get_label()}
+        assert ours == {m: tuple(colors[m]) for m in ("qwen3", "refusion", "llama3", "llada")}
+    for name, ax in (("vs qwen3", vs_qwen), ("vs llama3", vs_llama), ("tpf", figs["tpf_paper.png"][0].axes[0])):
+        for c in ax.containers:
+            assert tuple(c.patches[0].get_facecolor()) == tuple(colors[c.get_label()]), name
+    for line in figs["latency.png"][0].axes[0].lines:
+        assert tuple(line.get_color()) == tuple(colors[line.get_label().split(" (")[0]])
+    # The average view cannot place rows that measured 2 of 7 benchmarks: it says so.
+    avg = figs["pareto_avg_paper.png"]
+    assert "not shown: qwen3, refusion, llama3, llada (not every task measured)" in avg[0].axes[0].get_title()
+    assert "not shown (not every task measured)" in avg[1]
+    figures.plt.close("all")
+    # No embedded task in these runs: no embedded table, figure or speedup section.
+    out = tmp_path / "reports"
+    assert main(["--run", f"{qwen},{others}", "--out", str(out), "--name", "t"]) == 0
+    for f in ("table1.md", "speedup.md", "table1.csv", "table1.tex"):
+        assert "embedded" not in (out / "t" / f).read_text().lower(), f
+    assert not any("embedded" in p.name for p in (out / "t").iterdir())
+
+
+def test_a_suite_the_runs_did_not_measure_has_no_table_of_ours(tmp_path):
+    run = fake_run(tmp_path / "runs", "emb", [("ar", "ar"), ("refusion", "refusion")],
+                   {("ar", "embedded_math"): (0.5, 100.0, 1.0), ("refusion", "embedded_math"): (0.4, 300.0, 3.0)},
+                   ["embedded_math"])
+    out = tmp_path / "reports"
+    assert main(["--run", str(run), "--out", str(out), "--name", "e"]) == 0
+    md = (out / "e" / "table1.md").read_text()
+    paper_part = md.split("## " + paper.paper_suite().title)[1].split("## " + paper.EMBEDDED.title)[0]
+    assert "This run measured none of these tasks." in paper_part
+    assert _md_section(paper_part, "### Published (" + paper.source() + ")")  # the published rows stay
+    assert "| ar | ar |" not in paper_part and NOT_MEASURED + " | " + NOT_MEASURED not in paper_part.split("### Published")[0]
+    rows = list(csv.DictReader(open(out / "e" / "table1.csv")))
+    assert not [r for r in rows if r["suite"] == "paper" and r["source"] != "published"]
+
+
+def test_report_names_the_base_an_adapter_ran_on(tmp_path):
+    run = fake_run(tmp_path / "runs", "d", [("ar", "ar"), ("d2f", "d2f")],
+                   {("ar", "embedded_math"): (0.5, 100.0, 1.0), ("d2f", "embedded_math"): (0.4, 300.0, 3.0)},
+                   ["embedded_math"])
+    cfg = json.loads((run / "run.json").read_text())
+    cfg["models"][1]["base"] = "/ckpt/Dream-v0-Base-7B"  # as the runner records it, given or found beside
+    (run / "run.json").write_text(json.dumps(cfg))
+    rs = paper_report.load_runs([run])
+    index = paper_report.index_md(rs, paper_report.build(rs), {})
+    assert "| d2f | d2f | `/ckpt/d2f` + base `/ckpt/Dream-v0-Base-7B` |" in index
+
+
+NINE = [("llama3", "ar", "llama"), ("qwen3", "ar", "qwen3"), ("llada", "llada", "llada"),
+        ("llada_fast_dllm", "fast_dllm", "llada"), ("llada_d2f", "d2f", "llada"), ("dream", "dream", "dream"),
+        ("dream_fast_dllm", "fast_dllm", "dream"), ("dream_d2f", "d2f", "dream"), ("refusion", "refusion", "refusion")]
+
+
+def _with_families(run: Path) -> Path:
+    cfg = json.loads((run / "run.json").read_text())
+    fam = {n: f for n, _, f in NINE}
+    for m in cfg["models"]:
+        m["family"] = fam[m["name"]]
+    (run / "run.json").write_text(json.dumps(cfg))
+    return run
+
+
+def _speedup_md(runs: list[Path]) -> str:
+    """speedup.md of the runs, without drawing the figures (the claims are in the text only)."""
+    rs = paper_report.load_runs(runs)
+    return paper_report.speedup_md(rs, paper_report.build(rs))
+
+
+def _claims(sp: str) -> dict[str, list[str]]:
+    return {r[0]: r for r in _md_section(sp, f"### The paper's speedup claims beside ours ({paper.source()})")}
+
+
+def test_published_claims_are_filled_from_one_or_two_comparable_runs(tmp_path):
+    """The nine Table 1 rows: every published claim (ReFusion over each AR, MDM and accelerated MDM row) has
+    our value beside it, from one run or from two runs on the same hardware and dtype; runs on other
+    hardware are refused with the reason."""
+    units = ["gsm8k_cot", "mbpp"]
+    tps = {name: 10.0 + 5 * i for i, (name, _, _) in enumerate(NINE)}
+    cells = {(n, u): (0.5, tps[n] * (2 if u == "mbpp" else 1), 1.0) for n, _, _ in NINE for u in units}
+    one = _with_families(fake_run(tmp_path / "runs", "all", [(n, d) for n, d, _ in NINE], cells, units,
+                                  baseline="qwen3"))
+    got = _claims(_speedup_md([one]))
+    assert len(got) == 8 and all(r[2] != NOT_MEASURED and r[4] != NOT_MEASURED for r in got.values()), got
+    row = got["ReFusion over Qwen3-8B"]
+    assert row[1:] == ["2.33", f"{tps['refusion'] / tps['qwen3']:.2f}", "2.24", f"{tps['refusion'] / tps['qwen3']:.2f}",
+                       "2", "refusion / qwen3"]
+    assert got["ReFusion over Dream w/ D2F"][-1] == "refusion / dream_d2f"
+    # Split over two runs as the old recipe did: the same answers when the hardware and dtype match.
+    first = {"qwen3", "refusion"}
+    a = _with_families(fake_run(tmp_path / "runs", "a", [(n, d) for n, d, _ in NINE if n in first],
+                                {k: v for k, v in cells.items() if k[0] in first}, units, baseline="qwen3"))
+    b = _with_families(fake_run(tmp_path / "runs", "b", [(n, d) for n, d, _ in NINE if n not in first],
+                                {k: v for k, v in cells.items() if k[0] not in first}, units, baseline="llama3"))
+    assert _claims(_speedup_md([a, b])) == got
+    # Other hardware: refused, with the reason, in the claims and under the speedup table.
+    cfg = json.loads((b / "run.json").read_text())
+    cfg["environment"]["gpu"], cfg["device"], cfg["dtype"] = "NVIDIA H100", "cuda", "bfloat16"
+    (b / "run.json").write_text(json.dumps(cfg))
+    sp = _speedup_md([a, b])
+    refused = _claims(sp)["ReFusion over LLaDA-8B-Instruct"]
+    assert refused[2] == NOT_MEASURED and "runs a and b differ in hardware" in refused[-1], refused
+    assert "dtype float32 vs bfloat16" in refused[-1]
+    assert _claims(sp)["ReFusion over Qwen3-8B"][2] == got["ReFusion over Qwen3-8B"][2]  # the same run: kept
+    assert "Not divided (qwen3, refusion): runs a and b differ in hardware" in sp

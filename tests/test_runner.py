@@ -315,3 +315,65 @@ def test_result_files_are_group_readable(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "m.json").stat().st_mode & 0o777 == 0o644
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_machine_accelerate_job_matches_one_process(setup, tmp_path):
+    """`--num-machines 2` on localhost (CPU, gloo): two runners, machine ranks 0 and 1, one run folder, each
+    machine one process of accelerate's job; started beside a single-process run of the same settings,
+    whose per-sample outputs the two machines' must equal."""
+    port = str(_free_port())
+    two = ["--limit", "2", "--num-processes", "2", "--num-machines", "2", "--main-process-ip", "127.0.0.1",
+           "--main-process-port", port]
+    procs = [subprocess.Popen(_cmd(setup, "machines2", *two, "--machine-rank", str(rank)), cwd=REPO, env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    # The single-process run meanwhile, its runner in this process (one interpreter start less).
+    from harness.run import runner
+
+    assert runner.main(_cmd(setup, "single2", "--limit", "2")[4:]) == 0
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "machine rank 1: every model done" in outs[1][1]
+    run_dir = setup["out"] / "machines2"
+    rows = [json.loads(line) for line in (run_dir / "models" / "a" / "samples" / "tiny_gen.jsonl").open()]
+    assert {r["rank"] for r in rows} == {0, 1} and len(rows) == 2  # one document decoded on each machine
+    assert sorted(p.name for p in (run_dir / "models" / "a" / "journal").iterdir()) == [
+        "journal.rank0.jsonl", "journal.rank1.jsonl"]
+    assert _deterministic(run_dir) == _deterministic(setup["out"] / "single2")
+    assert list(run_dir.glob(".tmp-*")) == []
+
+
+@pytest.mark.slow
+def test_shards_merge_into_the_table_of_one_run(setup, reference, capsys):
+    """Two `--shard` jobs (run side by side) merged: the same quality, NFE, TPF and per-sample outputs as the
+    one run of every document; a missing shard is named."""
+    procs = [subprocess.Popen(_cmd(setup, f"shard{i}", "--shard", f"{i}/2"), cwd=REPO, env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 2)]
+    for p in procs:
+        assert p.wait(timeout=900) == 0, p.stderr.read()[-3000:]
+        p.stdout.close()
+        p.stderr.close()
+    out = setup["out"]
+    ids = [sorted(json.loads(line)["doc_id"] for line in (out / f"shard{i}" / "models" / "a" / "samples" /
+                                                          "tiny_gen.jsonl").open()) for i in (1, 2)]
+    assert ids == [[0, 2, 4], [1, 3, 5]]
+    from harness.run import merge
+
+    assert merge.main(["--run", "shard2", "--runs-root", str(out), "--run-id", "half"]) == 2
+    assert "missing shard(s) 1/2 (given: 2/2 in shard2)" in capsys.readouterr().err
+    assert not (out / "half").exists()
+    assert merge.main(["--run", "shard1,shard2", "--runs-root", str(out), "--run-id", "merged"]) == 0
+    assert _deterministic(out / "merged") == _deterministic(reference)
+    summary = json.loads((out / "merged" / "summary.json").read_text())
+    ref = json.loads((reference / "summary.json").read_text())
+    pick = [{k: r.get(k) for k in ("model", "task", "quality", "nfe_mean", "tpf", "samples")} for r in summary["rows"]]
+    assert pick == [{k: r.get(k) for k in ("model", "task", "quality", "nfe_mean", "tpf", "samples")}
+                    for r in ref["rows"]]

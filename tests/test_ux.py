@@ -120,11 +120,29 @@ def test_progress_counts_every_sample_of_every_model_and_task(write_task, tmp_pa
     assert p.total == 15
     now[0] = 100.0  # the first model was already finished (resume): nothing decoded yet
     assert p.finished("ar", decoded_share=0.0) == "progress: 1/3 models, 5/15 samples (33%), 1m40s elapsed, ETA unknown"
-    now[0] = 110.0
+    now[0] = 110.0  # refusion decoded its whole budget in 10 s; llada's pace is not known: assumed the same
     assert p.finished("refusion", decoded_share=1.0) == ("progress: 2/3 models, 10/15 samples (67%), 1m50s "
-                                                         "elapsed, ETA 1m50s")
+                                                         "elapsed, ETA 10s (llada at the mean pace so far)")
     now[0] = 200.0
     assert p.finished("llada") == "progress: 3/3 models, 15/15 samples (100%), 3m20s elapsed, done"
+
+
+def test_eta_uses_each_models_budget_and_own_pace():
+    """The case the ETA got wrong: after a fast AR model it said 2 minutes, and LLaDA at steps = length took
+    ten times longer per token. With each model's budget and its own pace (an earlier run's, --rate) it
+    is right; without one it says which models it assumed the mean pace for."""
+    unit = {"name": "t", "leaves": ["t"], "samples": 10, "max_gen_toks": 256}
+    models = [{"name": "ar", "resolved_knobs": {"t": {"gen_length": 256}}},
+              {"name": "llada", "resolved_knobs": {"t": {"gen_length": 512, "steps": 512}}}]
+    now = [0.0]
+    p = summary.Progress({"models": models, "units": [unit]}, clock=lambda: now[0], rates={"llada": 51.2})
+    assert p.budget == {"ar": 2560, "llada": 5120}
+    now[0] = 12.8  # ar: 2560 budget tokens at 200 tokens/s
+    assert p.finished("ar").endswith("ETA 1m40s")  # llada: 5120 tokens at its own 51.2 tokens/s
+    now[0] = 0.0
+    q = summary.Progress({"models": models, "units": [unit]}, clock=lambda: now[0])
+    now[0] = 25.6
+    assert q.finished("ar").endswith("ETA 51s (llada at the mean pace so far)")  # 5120 / (2560 / 25.6)
 
 
 def test_progress_of_a_run_json_without_sample_counts():
@@ -302,3 +320,31 @@ def test_readme_lm_eval_command_runs_as_written(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: embedded_code executes generated code") and "--confirm_run_unsafe_code" in last
+
+
+def test_readme_out_folders_are_ignored_by_git():
+    """Every OUT folder README tells a user to write into is ignored, so the run after it is not `(dirty)`."""
+    outs = sorted(set(re.findall(r"\bOUT=([\w./-]+)", README)))
+    assert "results/table1" in outs, outs
+    for out in outs:
+        rc = subprocess.run(["git", "check-ignore", "-q", "--no-index", f"{out}/some-run/run.json"],
+                            cwd=REPO).returncode
+        assert rc == 0, f"{out} is not ignored by .gitignore"
+
+
+def test_readme_table1_recipe_is_nine_rows_in_one_run():
+    """The recipe's MODELS, as the shell joins its continued lines, parse into the nine Table 1 rows, with
+    enable_thinking=false as Qwen3's and ReFusion's own setting."""
+    block = README.split("### Regenerate Table 1")[1].split("```bash")[1].split("```")[0]
+    joined = re.sub(r"\\\n\s*", "", block)
+    evals = [ln for ln in joined.splitlines() if "make eval" in ln]
+    assert len(evals) == 1, evals
+    models = shlex.split(evals[0].split("MODELS=", 1)[1])[0]
+    specs = runner.parse_models(models)
+    assert [(m.name, m.decoder) for m in specs] == [
+        ("llama3", "ar"), ("qwen3", "ar"), ("llada", "llada"), ("llada_fast_dllm", "fast_dllm"), ("llada_d2f", "d2f"),
+        ("dream", "dream"), ("dream_fast_dllm", "fast_dllm"), ("dream_d2f", "d2f"), ("refusion", "refusion")]
+    thinking = {m.name: m.knobs.get("chat_template_args") for m in specs}
+    assert thinking == {**{m.name: None for m in specs}, "qwen3": "enable_thinking=false",
+                        "refusion": "enable_thinking=false"}
+    assert "RUN=table1" in joined

@@ -44,6 +44,7 @@ class CheckpointInfo:
     config: dict                      # the published config.json
     base: CheckpointInfo | None = None  # for a LoRA adapter: its base model
     adapter: dict | None = None       # adapter_config.json
+    warnings: tuple[str, ...] = ()    # what may be wrong but cannot be told from the files (a base's name)
 
 
 @dataclass
@@ -83,8 +84,23 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def clip_middle(text: str, limit: int = 300) -> str:
+    """``text`` on one line, at most ``limit`` characters, cut in the middle: the start says what failed
+    and the end usually names the file (a tokenizer error ends with the missing file's path)."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    keep = (limit - 5) // 2
+    return f"{text[:keep]} ... {text[-keep:]}"
+
+
 def safetensors_names(path: Path) -> list[str]:
-    """The tensor names of a safetensors file, read from its header; CheckpointError naming the file when
+    """The tensor names of a safetensors file, read from its header (see ``safetensors_shapes``)."""
+    return list(safetensors_shapes(path))
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a safetensors file, read from its header; CheckpointError naming the file when
     the header is unreadable or the data is cut short (a copy that stopped half-way)."""
     try:
         size = path.stat().st_size
@@ -105,7 +121,8 @@ def safetensors_names(path: Path) -> list[str]:
     if size < 8 + n + end:
         raise CheckpointError(f"checkpoint file {str(path)!r} cannot be read: truncated ({size} bytes, "
                               f"its header needs {8 + n + end})")
-    return [k for k in header if k != "__metadata__"]
+    return {k: tuple(int(x) for x in t.get("shape", ())) for k, t in header.items()
+            if k != "__metadata__" and isinstance(t, dict)}
 
 
 def _weight_names(p: Path) -> list[str]:
@@ -138,15 +155,20 @@ def _weight_names(p: Path) -> list[str]:
     return [n for f in files for n in safetensors_names(f)]
 
 
-def _expected_names(fam: Family, cfg) -> tuple[set[str], set[str]]:
-    """(parameter names, names that may be absent) of the family's class for ``cfg``, built on the meta device."""
+def _meta_shapes(fam: Family, cfg) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the family's class for ``cfg``, built on the meta device (no memory)."""
     import torch
     import transformers
 
     cls = getattr(transformers, fam.model_class)
     with torch.device("meta"):
         model = cls(cfg)
-    names = set(model.state_dict())
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _expected_names(fam: Family, cfg) -> tuple[set[str], set[str]]:
+    """(parameter names, names that may be absent) of the family's class for ``cfg``, built on the meta device."""
+    names = set(_meta_shapes(fam, cfg))
     optional = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
     optional |= {n for n in names if n.endswith("rotary_emb.inv_freq")}
     return names, optional
@@ -237,7 +259,69 @@ def _inspect_adapter(p: Path, base, seen: tuple[Path, ...]) -> CheckpointInfo:
     base_info = inspect_checkpoint(found, _seen=(*seen, p.resolve()))
     if base_info.adapter is not None:
         raise CheckpointError(f"adapter {str(p)!r}: its base {str(found)!r} is itself an adapter")
-    return CheckpointInfo(p.resolve(), base_info.family, base_info.causal, base_info.config, base_info, adapter)
+    check_adapter_fits(p, adapter, safetensors_shapes(weights), base_info)
+    return CheckpointInfo(p.resolve(), base_info.family, base_info.causal, base_info.config, base_info, adapter,
+                          (*base_info.warnings, *_base_name_warning(p, adapter, found)))
+
+
+# A LoRA tensor's name: the module path, then lora_A / lora_B (optionally .<adapter name>) .weight, or an
+# embedding's lora_embedding_A / _B.
+LORA_TENSOR = re.compile(r"(.*)\.(lora_[AB](?:\.[^.]+)?\.weight|lora_embedding_[AB](?:\.[^.]+)?)$")
+LORA_PREFIX = "base_model.model."
+
+
+def _lora_module(name: str, fam: Family) -> tuple[str, str] | None:
+    """(the base weight a LoRA tensor adapts, in the family's class names; lora_A / lora_B / ...) or None."""
+    inner = name[len(LORA_PREFIX):] if name.startswith(LORA_PREFIX) else name
+    m = LORA_TENSOR.match(inner)
+    if not m:
+        return None
+    return _map_name(m.group(1) + ".weight", fam.key_mapping), m.group(2).split(".")[0]
+
+
+def check_adapter_fits(p: Path, adapter: dict, shapes: dict[str, tuple[int, ...]], base: CheckpointInfo) -> None:
+    """CheckpointError unless every LoRA tensor of the adapter adapts a weight the base has, with its input
+    (lora_A) and output (lora_B) sizes, and every target module of adapter_config.json is a module of the
+    base: a D2F adapter given another model as its base fails here, before anything is written, instead of
+    with peft's ``size mismatch`` after the run started. Shapes only: the meta device, headers."""
+    fam = base.family
+    have = _meta_shapes(fam, build_config(fam, base.config))
+    where = f"adapter {str(p)!r} does not fit its base {str(base.path)!r} ({fam.name} family)"
+    for name, shape in shapes.items():
+        hit = _lora_module(name, fam)
+        if hit is None:
+            continue
+        weight, kind = hit
+        if weight not in have:
+            raise CheckpointError(f"{where}: LoRA tensor {name!r} adapts {weight!r}, which the base has not "
+                                  "(an adapter of another model family?)")
+        want = have[weight]
+        if len(shape) == 2 and len(want) == 2 and (
+                (kind == "lora_A" and shape[1] != want[1]) or (kind == "lora_B" and shape[0] != want[0])):
+            raise CheckpointError(f"{where}: LoRA tensor {name!r} has shape {list(shape)}, but the base's {weight!r} "
+                                  f"is {list(want)} (an adapter trained on another base model?)")
+    targets = adapter.get("target_modules")
+    if isinstance(targets, list):
+        renames = dict(fam.module_renames)
+        modules = {k.rsplit(".", 1)[0] for k in have}
+        absent = [t for t in targets if not any(mp == renames.get(t, t) or mp.endswith("." + renames.get(t, t))
+                                                for mp in modules)]
+        if absent:
+            raise CheckpointError(f"{where}: target_modules {absent} of {ADAPTER_CONFIG} are no modules of the base")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def _base_name_warning(p: Path, adapter: dict, found: Path) -> tuple[str, ...]:
+    """A warning when the base folder's name is not the model the adapter names (Dream-v0-Instruct-7B given
+    for Dream-v0-Base-7B has the same shapes and merges without complaint, but is not what D2F trained on)."""
+    declared = str(adapter.get("base_model_name_or_path") or "")
+    if not declared or _norm(Path(declared).name) == _norm(found.resolve().name):
+        return ()
+    return (f"adapter {str(p)!r} names its base {declared!r} in {ADAPTER_CONFIG}, but the base used is "
+            f"{str(found)!r}; check it is that model (same shapes do not prove it)",)
 
 
 # ---------------------------------------------------------------- loading
@@ -268,7 +352,7 @@ def check_tokenizer(info: CheckpointInfo) -> None:
         load_tokenizer(info)
     except Exception as e:  # noqa: BLE001 - whatever the tokenizer library raises, one line naming the folder
         raise CheckpointError(f"the tokenizer of {str(info.path)!r} does not load: "
-                              f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+                              f"{type(e).__name__}: {clip_middle(str(e))}") from None
 
 
 def _has_tokenizer(p: Path) -> bool:
@@ -303,12 +387,12 @@ def merge_lora(model, info: CheckpointInfo):
     config = LoraConfig(**{k: v for k, v in adapter.items() if k in keep and k not in ("base_model_name_or_path",
                                                                                        "revision")})
     state = load_file(str(info.path / "adapter_model.safetensors"))
-    prefix = "base_model.model."
+    prefix = LORA_PREFIX
     mapped = {}
     for k, v in state.items():
         inner = k[len(prefix):] if k.startswith(prefix) else k
         # The family's key mapping works on weight names: map the module path of the LoRA tensor.
-        m = re.match(r"(.*)\.(lora_[AB](?:\.[^.]+)?\.weight|lora_embedding_[AB](?:\.[^.]+)?)$", inner)
+        m = LORA_TENSOR.match(inner)
         if m:
             inner = _map_name(m.group(1) + ".weight", fam.key_mapping)[: -len(".weight")] + "." + m.group(2)
         mapped[prefix + inner] = v
@@ -361,7 +445,7 @@ def load_model(path: str | os.PathLike, *, device: str = "cpu", dtype: str = "fl
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"cannot load checkpoint {str(info.path)!r}: {' '.join(str(e).split())[:400]}") from e
+        raise CheckpointError(f"cannot load checkpoint {str(info.path)!r}: {clip_middle(str(e), 400)}") from e
     mask, eos = special_ids(model, tokenizer, info.family)
     if mask is not None:
         model.config.mask_token_id = mask  # the decoders read it from the config (refusion/decoding/common.py)

@@ -23,6 +23,25 @@ OURS_MARKERS = "osD^vP*Xh<>p"
 PAPER_MARKERS = "osD^vP*Xh"
 
 
+def model_colors(names: list[str]) -> dict[str, tuple]:
+    """One colour per model for every figure of a report (tab10, then tab20's lighter shades), so a model
+    is the same colour in the Pareto views, the bars, the latency lines and the memory panels."""
+    base = [plt.get_cmap("tab10")(i) for i in range(10)] + [plt.get_cmap("tab20")(2 * i + 1) for i in range(10)]
+    return {name: base[i % len(base)] for i, name in enumerate(dict.fromkeys(names))}
+
+
+def _color(colors: dict | None, name: str, i: int):
+    return (colors or {}).get(name, f"C{i % 10}")
+
+
+def _left_out_line(left_out: list[str], why: str) -> str:
+    """The title line naming the points a figure does not show, so a missing model is never silent."""
+    if not left_out:
+        return ""
+    names = ", ".join(left_out[:6]) + (f" and {len(left_out) - 6} more" if len(left_out) > 6 else "")
+    return f"\nnot shown: {names} ({why})"
+
+
 def _fig() -> tuple[Figure, plt.Axes]:
     fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     return fig, ax
@@ -34,15 +53,18 @@ def _legend(ax: plt.Axes) -> None:
 
 
 def pareto(title: str, ours: list[tuple], published: list[tuple[str, float, float]],
-           ours_label: str = "this run", published_label: str = "published") -> Figure:
+           ours_label: str = "this run", published_label: str = "published", colors: dict | None = None,
+           left_out: list[str] | None = None, left_out_why: str = "") -> Figure:
     """Quality (%) vs tokens/s: one marker per model/decoder; ours filled, published hollow grey.
 
     ``ours`` holds (name, tokens/s, quality) or (name, tokens/s, quality, detail); the detail (sample
-    count, device) joins the legend label, so a LIMIT-3 CPU point is never read as a full GPU one."""
+    count, device) joins the legend label, so a LIMIT-3 CPU point is never read as a full GPU one.
+    ``left_out``: our models the figure cannot show, named in the title with ``left_out_why``."""
     fig, ax = _fig()
+    title += _left_out_line(left_out or [], left_out_why)
     for i, (name, x, y, *detail) in enumerate(ours):
         what = ", ".join([ours_label, *[d for d in detail if d]])
-        ax.scatter([x], [y], marker=OURS_MARKERS[i % len(OURS_MARKERS)], s=60, color=f"C{i % 10}",
+        ax.scatter([x], [y], marker=OURS_MARKERS[i % len(OURS_MARKERS)], s=60, color=_color(colors, name, i),
                    edgecolors="black", linewidths=0.5, zorder=3, label=f"{name} ({what})")
     for i, (name, x, y) in enumerate(published):
         ax.scatter([x], [y], marker=PAPER_MARKERS[i % len(PAPER_MARKERS)], s=50, facecolors="none",
@@ -59,14 +81,14 @@ def pareto(title: str, ours: list[tuple], published: list[tuple[str, float, floa
 
 
 def grouped_bars(title: str, groups: list[str], series: dict[str, list[float | None]], ylabel: str,
-                 hline: float | None = None, xlabel: str = "task") -> Figure:
+                 hline: float | None = None, xlabel: str = "task", colors: dict | None = None) -> Figure:
     """One bar series per key of ``series``, one group per entry of ``groups`` (None = no bar)."""
     fig, ax = _fig()
     n = max(len(series), 1)
     width = 0.8 / n
     for i, (name, vals) in enumerate(series.items()):
         xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width=width, label=name, color=f"C{i % 10}")
+        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width=width, label=name, color=_color(colors, name, i))
     ax.set_xticks(range(len(groups)), groups, rotation=20 if len(groups) > 5 else 0, fontsize=8)
     if hline is not None:
         ax.axhline(hline, color="black", linewidth=0.8, linestyle="--")
@@ -78,13 +100,13 @@ def grouped_bars(title: str, groups: list[str], series: dict[str, list[float | N
     return fig
 
 
-def latency_cdf(title: str, latencies: dict[str, list[float]]) -> Figure:
+def latency_cdf(title: str, latencies: dict[str, list[float]], colors: dict | None = None) -> Figure:
     """Empirical CDF of per-sample decode seconds, one line per model/decoder."""
     fig, ax = _fig()
     for i, (name, xs) in enumerate(latencies.items()):
         xs = sorted(xs)
         ys = [(k + 1) / len(xs) for k in range(len(xs))]
-        ax.step(xs, ys, where="post", label=f"{name} (n={len(xs)})", color=f"C{i % 10}")
+        ax.step(xs, ys, where="post", label=f"{name} (n={len(xs)})", color=_color(colors, name, i))
     all_x = [x for xs in latencies.values() for x in xs if x > 0]
     if all_x and max(all_x) / min(all_x) > 20:
         ax.set_xscale("log")
@@ -107,17 +129,18 @@ def _in_unit(values: list[float | None]) -> tuple[list[float], str]:
 
 
 def memory_bars(title: str, models: list[str], peak_bytes: list[float | None], peak_label: str,
-                kv_bytes: list[float | None]) -> Figure:
+                kv_bytes: list[float | None], colors: dict | None = None) -> Figure:
     """Two panels: peak process (or GPU) memory and the decoder's peak KV-cache bytes, per model."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI, layout="constrained", sharey=True)
     peak, pu = _in_unit(peak_bytes)
     kv, ku = _in_unit(kv_bytes)
     # Horizontal bars: model names stay readable however many there are.
-    a1.barh(models, peak, color="C0", label=peak_label)
+    shades = [_color(colors, name, i) for i, name in enumerate(models)]  # each model its report colour
+    a1.barh(models, peak, color=shades, label=peak_label)
     a1.set_xlabel(f"{peak_label} ({pu})")
     a1.set_ylabel("model / decoder")
     a1.invert_yaxis()  # run order, top to bottom
-    a2.barh(models, kv, color="C1", label="peak KV cache")
+    a2.barh(models, kv, color=shades, hatch="//", label="peak KV cache")
     a2.set_xlabel(f"peak KV cache ({ku})")
     a2.set_ylabel("model / decoder")
     for a in (a1, a2):
@@ -191,12 +214,80 @@ def _memory(rs) -> tuple[list[str], list[float | None], str, list[float | None]]
     return names, peak, label, kv
 
 
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+
+
+def _task_paretos(s: dict, measured: list, who: str, pub_label: str, colors: dict) -> dict:
+    """One quality-vs-tokens/s figure per measured column; a measured model without both numbers is named."""
+    figs = {}
+    for c in measured:
+        shown, left_out = [], []
+        for r in s["ours"]:
+            if r["status"][c.key] != "ok":
+                continue
+            cell = r["cells"][c.key]
+            if cell["quality"] is None or not cell["tokens_per_s"]:
+                left_out.append(r["model"])
+                continue
+            shown.append((r["model"], cell["tokens_per_s"], cell["quality"], _detail(cell)))
+        pub = [(r["model"], r["cells"][c.key]["tokens_per_s"], r["cells"][c.key]["quality"])
+               for r in s["published"] if c.key in r["cells"]]
+        figs[f"pareto_{c.key}.png"] = (pareto(f"{c.label}: quality vs throughput", shown, pub, ours_label=who,
+                                              published_label=pub_label, colors=colors, left_out=left_out,
+                                              left_out_why="no quality or tokens/s"),
+                                       f"{c.label} ({c.key}): quality vs tokens/s"
+                                       + (f"; not shown: {', '.join(left_out)}" if left_out else ""))
+    return figs
+
+
+def _avg_pareto(s: dict, who: str, pub_avg: list, colors: dict) -> tuple[str, tuple]:
+    """Average quality vs average tokens/s over the suite: only models that measured every column have an
+    average comparable with the published one; the others are named in the title and the caption."""
+    suite = s["suite"]
+    short = "paper benchmarks" if suite.published else f"{suite.name} suite"
+    shown = [(r["model"], r["average"]["tokens_per_s"], r["average"]["quality"], _avg_detail(r))
+             for r in s["ours"] if r["average"]["complete"]]
+    left_out = [r["model"] for r in s["ours"] if not r["average"]["complete"]
+                and any(st == "ok" for st in r["status"].values())]
+    note = "" if suite.published else "\n(published: averages over the paper's 7 benchmarks, 7-8B models)"
+    fig = pareto(f"Average over the {suite.name} suite{note}", shown, pub_avg, ours_label=who,
+                 published_label="published avg: full test sets, GPU", colors=colors, left_out=left_out,
+                 left_out_why="not every task measured")
+    caption = f"{short}: average quality vs average tokens/s (models that measured every task)"
+    if left_out:
+        caption += f"; not shown (not every task measured): {', '.join(left_out)}"
+    return f"pareto_avg_{suite.name}.png", (fig, caption)
+
+
+def _speedup_bars(s: dict, measured: list, where: str, colors: dict) -> dict:
+    """One figure per AR reference, titled by it, one series per model with at least one ratio to it; a
+    merge of runs with two AR baselines gets two figures instead of one series overwriting the other."""
+    suite = s["suite"]
+    short = "paper benchmarks" if suite.published else f"{suite.name} suite"
+    refs = list(dict.fromkeys(x["reference"] for x in s["speedups"] if x["role"] == "AR baseline"))
+    figs = {}
+    for ref in refs:
+        rows = [x for x in s["speedups"] if x["reference"] == ref]
+        series = {x["model"]: [x["per_task"][c.key] for c in measured] + [x["mean_of_ratios"]] for x in rows
+                  if any(x["per_task"][c.key] is not None for c in measured)}
+        left_out = [x["model"] for x in rows if x["model"] not in series]
+        name = f"speedup_{suite.name}.png" if len(refs) == 1 else f"speedup_{suite.name}_vs_{_slug(ref)}.png"
+        title = (f"Speedup vs {ref} per task ({suite.name} suite)\n{where}"
+                 + _left_out_line(left_out, "no task measured comparably with " + ref))
+        figs[name] = (grouped_bars(title, [c.label for c in measured] + ["mean of ratios"], series,
+                                   f"speedup over {ref} (x, tokens/s ratio)", hline=1.0, colors=colors),
+                      f"{short}: speedup over {ref} per task and mean of per-task ratios"
+                      + (f"; not shown: {', '.join(left_out)}" if left_out else ""))
+    return figs
+
+
 def build_all(rs, data: dict) -> dict[str, tuple[Figure, str]]:
     """file name -> (figure, caption) for everything the run measured."""
     figs: dict[str, tuple[Figure, str]] = {}
     who = "these runs" if len(rs.runs) > 1 else "this run"
     where = _where(rs)
-    pub_label = "published: full test sets, GPU"
+    colors = model_colors([m["name"] for m in rs.models])
     pub_avg = []
     for s in data["suites"]:
         if s["suite"].published:
@@ -205,48 +296,26 @@ def build_all(rs, data: dict) -> dict[str, tuple[Figure, str]]:
         suite = s["suite"]
         short = "paper benchmarks" if suite.published else f"{suite.name} suite"
         measured = [c for c in suite.columns if any(r["status"][c.key] == "ok" for r in s["ours"])]
-        for c in measured:
-            ours = [(r["model"], r["cells"][c.key]["tokens_per_s"], r["cells"][c.key]["quality"],
-                     _detail(r["cells"][c.key]))
-                    for r in s["ours"] if r["status"][c.key] == "ok"
-                    and r["cells"][c.key]["quality"] is not None and r["cells"][c.key]["tokens_per_s"]]
-            pub = [(r["model"], r["cells"][c.key]["tokens_per_s"], r["cells"][c.key]["quality"])
-                   for r in s["published"] if c.key in r["cells"]]
-            figs[f"pareto_{c.key}.png"] = (pareto(f"{c.label}: quality vs throughput", ours, pub, ours_label=who,
-                                                  published_label=pub_label),
-                                           f"{c.label} ({c.key}): quality vs tokens/s")
-        if measured:
-            ours = [(r["model"], r["average"]["tokens_per_s"], r["average"]["quality"], _avg_detail(r))
-                    for r in s["ours"] if r["average"]["complete"]]
-            note = "" if suite.published else "\n(published: averages over the paper's 7 benchmarks, 7-8B models)"
-            figs[f"pareto_avg_{suite.name}.png"] = (
-                pareto(f"Average over the {suite.name} suite{note}", ours, pub_avg, ours_label=who,
-                       published_label="published avg: full test sets, GPU"),
-                f"{short}: average quality vs average tokens/s (models that measured every task)")
-            sp = [x for x in s["speedups"] if x["role"] == "AR baseline"]
-            if sp:
-                ref = sp[0]["reference"]
-                series = {x["model"]: [x["per_task"][c.key] for c in measured] + [x["mean_of_ratios"]] for x in sp}
-                figs[f"speedup_{suite.name}.png"] = (
-                    grouped_bars(f"Speedup vs {ref} per task ({suite.name} suite)\n{where}",
-                                 [c.label for c in measured] + ["mean of ratios"], series,
-                                 f"speedup over {ref} (x, tokens/s ratio)", hline=1.0),
-                    f"{short}: speedup over {ref} per task and mean of per-task ratios")
-            tpf = {r["model"]: [r["cells"][c.key]["tpf"] if r["status"][c.key] == "ok" else None for c in measured]
-                   for r in s["ours"] if any(r["status"][c.key] == "ok" for c in measured)}
-            figs[f"tpf_{suite.name}.png"] = (
-                grouped_bars(f"Tokens per forward per task ({suite.name} suite)\n{where}", [c.label for c in measured],
-                             tpf,
-                             "TPF (generated tokens / forward)", hline=1.0),
-                f"{short}: tokens per forward (TPF) per task")
+        figs.update(_task_paretos(s, measured, who, "published: full test sets, GPU", colors))
+        if not measured:
+            continue
+        name, fig = _avg_pareto(s, who, pub_avg, colors)
+        figs[name] = fig
+        figs.update(_speedup_bars(s, measured, where, colors))
+        tpf = {r["model"]: [r["cells"][c.key]["tpf"] if r["status"][c.key] == "ok" else None for c in measured]
+               for r in s["ours"] if any(r["status"][c.key] == "ok" for c in measured)}
+        figs[f"tpf_{suite.name}.png"] = (
+            grouped_bars(f"Tokens per forward per task ({suite.name} suite)\n{where}", [c.label for c in measured],
+                         tpf, "TPF (generated tokens / forward)", hline=1.0, colors=colors),
+            f"{short}: tokens per forward (TPF) per task")
     lat = _latencies(rs)
     if lat:
-        figs["latency.png"] = (latency_cdf(f"Decode latency per sample (all tasks of {who})\n{where}", lat),
+        figs["latency.png"] = (latency_cdf(f"Decode latency per sample (all tasks of {who})\n{where}", lat, colors),
                                "Latency distribution per decoder (CDF of per-sample decode seconds)")
     names, peak, label, kv = _memory(rs)
     if names:
         figs["memory.png"] = (memory_bars(f"Peak memory per decoder ({label}, KV cache)\n{where}", names, peak, label,
-                                          kv),
+                                          kv, colors),
                               f"Peak memory per decoder ({label} and peak KV cache)")
     return figs
 

@@ -63,6 +63,7 @@ def suites() -> tuple[Suite, ...]:
 
 
 def published_rows() -> list[dict]:
-    """One dict per published row: ``model``, ``kind`` (ar / mdm / refusion), ``decoder``,
+    """One dict per published row: ``model``, ``kind`` (ar / mdm / refusion), ``decoder``, ``family`` (of the
+    released checkpoint, harness/models/families.py: how our rows are matched to it),
     ``cells`` {task: {quality, tokens_per_s}} and the published ``average``."""
     return table1()["rows"]

@@ -87,7 +87,8 @@ def our_rows(rs: RunSet, suite: paper.Suite) -> list[dict]:
                               "quality_metric": met.get("quality_primary"), "run_id": met["_run_id"],
                               "samples": (met.get("speed") or {}).get("samples"), "device": met.get("_device")}
             status[col.key] = "ok"
-        rows.append({"model": m["name"], "decoder": m["decoder"], "source": ours_label(rs), "cells": cells,
+        rows.append({"model": m["name"], "decoder": m["decoder"], "family": m.get("family"),
+                     "source": ours_label(rs), "cells": cells,
                      "status": status, "average": _average(cells, len(suite.columns)),
                      "n": sorted({c["samples"] for c in cells.values() if c.get("samples") is not None}),
                      "device": sorted({c["device"] for c in cells.values() if c.get("device")})})
@@ -109,7 +110,8 @@ def published_rows(suite: paper.Suite) -> list[dict]:
     for r in paper.published_rows():
         cells = {c.key: {"task": c.key, **r["cells"][c.key]} for c in suite.columns if c.key in r["cells"]}
         avg = _average(cells, len(suite.columns))
-        rows.append({"model": r["model"], "decoder": r["decoder"], "kind": r["kind"], "source": "published",
+        rows.append({"model": r["model"], "decoder": r["decoder"], "kind": r["kind"], "family": r.get("family"),
+                     "source": "published",
                      "cells": cells, "status": {c.key: "ok" if c.key in cells else NOT_MEASURED
                                                 for c in suite.columns},
                      "average": avg, "published_average": r.get("average"), "n": PUBLISHED_N,
@@ -117,13 +119,21 @@ def published_rows(suite: paper.Suite) -> list[dict]:
     return rows
 
 
-def speedup_summary(row: dict, ref: dict, keys: list[str], same_run: bool = True) -> dict:
-    """Per-column speedup of ``row`` over ``ref`` (same task and run), their mean (the paper's
-    headline convention) and the ratio of the mean tokens/s over the same columns."""
+def speedup_summary(row: dict, ref: dict, keys: list[str], rs: RunSet | None = None) -> dict:
+    """Per-column speedup of ``row`` over ``ref`` (same task), their mean (the paper's headline convention)
+    and the ratio of the mean tokens/s over the same columns. With ``rs`` (our rows), cells of two runs are
+    divided only when the runs share hardware, dtype and batch size; otherwise the column is None and
+    ``refused`` says why. Without it (the published rows) every column is divided."""
     per: dict[str, float | None] = {}
+    refused: set[str] = set()
     for k in keys:
         a, b = row["cells"].get(k), ref["cells"].get(k)
-        if a is None or b is None or (same_run and (a.get("run_id"), a["task"]) != (b.get("run_id"), b["task"])):
+        if a is None or b is None or a["task"] != b["task"]:
+            per[k] = None
+            continue
+        why = rs.why_not_comparable(a.get("run_id"), b.get("run_id")) if rs is not None else None
+        if why:
+            refused.add(why)
             per[k] = None
             continue
         per[k] = speedup(a["tokens_per_s"], b["tokens_per_s"])
@@ -131,7 +141,7 @@ def speedup_summary(row: dict, ref: dict, keys: list[str], same_run: bool = True
     mine = _mean([row["cells"][k]["tokens_per_s"] for k in both])
     theirs = _mean([ref["cells"][k]["tokens_per_s"] for k in both])
     return {"per_task": per, "mean_of_ratios": _mean([per[k] for k in both]),
-            "ratio_of_averages": speedup(mine, theirs), "tasks": len(both)}
+            "ratio_of_averages": speedup(mine, theirs), "tasks": len(both), "refused": sorted(refused)}
 
 
 def is_masked_diffusion(decoder: str) -> bool:
@@ -144,25 +154,65 @@ def is_masked_diffusion(decoder: str) -> bool:
 
 
 def references(rs: RunSet) -> list[tuple[str, str]]:
-    """(row, role) pairs speedups are measured against: every row of the runs' AR model, then every
-    MDM baseline (a model with rows per run or per prompt variant is a reference in each)."""
+    """(row, role) pairs speedups are measured against: every row of the runs' AR baselines and of every
+    other AR model (the paper measures ReFusion against each AR row), then every MDM baseline (a model with
+    rows per run or per prompt variant is a reference in each)."""
     bases = {r["baseline"] for r in rs.runs if r.get("baseline")} or {rs.baseline}
     out = [(m["name"], "AR baseline") for m in rs.models if m["model"] in bases]
+    out += [(m["name"], "AR baseline") for m in rs.models if m["decoder"] == "ar" and m["model"] not in bases]
     out += [(m["name"], "MDM baseline") for m in rs.models if is_masked_diffusion(m["decoder"])]
     return out
 
 
+def _ours_for(pub: dict, ours: list[dict]) -> dict | None:
+    """Our row measuring what a published row measured: the same decoder on a checkpoint of the same family
+    (harness/models/families.py; a D2F adapter has its base's), or the only published row of its decoder."""
+    same = [r for r in ours if r["decoder"] == pub["decoder"] and suite_row_measured(r)]
+    exact = [r for r in same if r.get("family") == pub.get("family")]
+    unique = sum(1 for p in paper.published_rows() if p["decoder"] == pub["decoder"]) == 1
+    return exact[0] if exact else (same[0] if same and unique else None)
+
+
+def suite_row_measured(row: dict) -> bool:
+    return any(st == "ok" for st in row["status"].values())
+
+
+def claims(rs: RunSet, ours: list[dict], pub: list[dict], pub_sp: list[dict], keys: list[str]) -> list[dict]:
+    """The paper's speedup claims (ReFusion over each other published row) beside ours: the same pair of
+    systems found among our rows, divided over the tasks both measured."""
+    out = []
+    by_model = {r["model"]: r for r in pub}
+    for claim in pub_sp:
+        mine, other = _ours_for(by_model[claim["model"]], ours), _ours_for(by_model[claim["reference"]], ours)
+        got, why = None, f"no row of ours is {claim['reference'] if mine else claim['model']}"
+        if mine and other:
+            got = speedup_summary(mine, other, keys, rs)
+            why = None if got["tasks"] else ("; ".join(got["refused"]) or "no task measured by both")
+        out.append({"claim": f"{claim['model']} over {claim['reference']}", "published": claim,
+                    "ours": got if not why else None, "rows": [mine and mine["model"], other and other["model"]],
+                    "why": why})
+    return out
+
+
 def report_suites(rs: RunSet) -> list[paper.Suite]:
-    """The paper's benchmarks, the embedded suite, and any other task the run(s) measured."""
+    """The paper's benchmarks (they have published numbers), the embedded suite when the run(s) have an
+    embedded task (no table without data), and any other task the run(s) measured."""
     known = paper.suites()
     covered = {t for s in known for c in s.columns for t in c.tasks}
     units = []
     for r in rs.runs:
-        units += [u["name"] for u in r["units"] if u["name"] not in covered and u["name"] not in units]
-    if not units:
-        return list(known)
-    return [*known, paper.Suite("other", "Other tasks (no published numbers)",
-                                tuple(paper.Column(u, u, (u,)) for u in units), False)]
+        units += [u["name"] for u in r["units"] if u["name"] not in units]
+    keep = [s for s in known if s.published or any(t in units for c in s.columns for t in c.tasks)]
+    other = [u for u in units if u not in covered]
+    if not other:
+        return keep
+    return [*keep, paper.Suite("other", "Other tasks (no published numbers)",
+                               tuple(paper.Column(u, u, (u,)) for u in other), False)]
+
+
+def suite_measured(rows: list[dict]) -> bool:
+    """Whether the run(s) have any cell of a suite (measured or missing): else our table would be all n/m."""
+    return any(st != NOT_MEASURED for r in rows for st in r["status"].values())
 
 
 def build(rs: RunSet) -> dict:
@@ -178,15 +228,15 @@ def build(rs: RunSet) -> dict:
             for r in ours:
                 if r["model"] != ref_name:
                     sp.append({"model": r["model"], "decoder": r["decoder"], "reference": ref_name, "role": role,
-                               **speedup_summary(r, ref, keys)})
+                               **speedup_summary(r, ref, keys, rs)})
         pub = published_rows(s)
         pub_sp = []
         for ref in pub:
             for r in pub:
                 if r["kind"] == "refusion" and ref["kind"] != "refusion":
-                    pub_sp.append({"model": r["model"], "reference": ref["model"],
-                                   **speedup_summary(r, ref, keys, same_run=False)})
-        suites.append({"suite": s, "ours": ours, "published": pub, "speedups": sp, "published_speedups": pub_sp})
+                    pub_sp.append({"model": r["model"], "reference": ref["model"], **speedup_summary(r, ref, keys)})
+        suites.append({"suite": s, "ours": ours, "published": pub, "speedups": sp, "published_speedups": pub_sp,
+                       "claims": claims(rs, ours, pub, pub_sp, keys) if suite_measured(ours) else []})
     return {"suites": suites, "baseline": rs.baseline}
 
 
@@ -284,7 +334,10 @@ def table1_md(rs: RunSet, data: dict) -> str:
         suite: paper.Suite = s["suite"]
         head = ["Model", "decoder", "n", "device", *[c.label for c in suite.columns], "Avg"]
         lines += [f"## {suite.title}", "", f"### {heading}", ""]
-        lines += _md_table(head, [_row_cells(r, suite) for r in s["ours"]])
+        if not suite_measured(s["ours"]):
+            lines += [f"{heading} measured none of these tasks."]
+        else:
+            lines += _md_table(head, [_row_cells(r, suite) for r in s["ours"]])
         metrics = sorted({f"{c['task']}={c['quality_metric']}" for r in s["ours"] for c in r["cells"].values()})
         if metrics:
             lines += ["", "Quality metric per task: " + ", ".join(metrics)]
@@ -314,7 +367,7 @@ def table1_csv(data: dict) -> str:
                + ["avg_quality", "avg_tokens_per_s", "avg_columns", "avg_columns_total"])
     for s in data["suites"]:
         keys = {c.key for c in s["suite"].columns}
-        for r in s["ours"] + s["published"]:
+        for r in (s["ours"] if suite_measured(s["ours"]) else []) + s["published"]:
             vals = []
             for c in cols:
                 for what in ("quality", "tokens_per_s", "samples"):
@@ -349,7 +402,7 @@ def table1_tex(rs: RunSet, data: dict) -> str:
         out += [f"% {suite.title}", "\\begin{tabular}{llll" + "c" * (n + 1) + "}", "\\hline",
                 " & ".join(["Model", "Decoder", "n", "Device", *[_tex(c.label) for c in suite.columns], "Avg"])
                 + r" \\", "\\hline"]
-        for r in s["ours"]:
+        for r in s["ours"] if suite_measured(s["ours"]) else []:
             out.append(" & ".join(_tex(x) for x in _row_cells(r, suite)) + r" \\")
         if s["published"]:
             out += ["\\hline", f"\\multicolumn{{{n + 5}}}{{l}}{{\\emph{{Published: {_tex(paper.source())}}}}} \\\\",
@@ -360,11 +413,13 @@ def table1_tex(rs: RunSet, data: dict) -> str:
     return "\n".join(out)
 
 
-CONVENTION = ("speedup = TPS(model) / TPS(reference), same task, same run, TPS = generated tokens / decode "
+CONVENTION = ("speedup = TPS(model) / TPS(reference), same task, same run or runs on the same hardware with the "
+              "same dtype and batch size (run.json), TPS = generated tokens / decode "
               "seconds (ratio of sums). **mean of ratios** = mean over the tasks of the per-task speedups (the "
               "paper's headline convention: ReFusion is 2.33x faster than Qwen3-8B); **ratio of averages** = mean "
               "TPS of the model / mean TPS of the reference over the same tasks (2.24x for that pair). "
-              f"`{NOT_MEASURED}`: either side not measured (or measured in different runs).")
+              f"`{NOT_MEASURED}`: either side not measured, or measured in runs that are not comparable (the reason "
+              "follows the table).")
 
 
 def speedup_md(rs: RunSet, data: dict) -> str:
@@ -390,6 +445,10 @@ def speedup_md(rs: RunSet, data: dict) -> str:
                                [[x["model"], x["decoder"], *[_num(x["per_task"][c.key]) for c in measured],
                                  _num(x["mean_of_ratios"]), _num(x["ratio_of_averages"])] for x in rows])
             lines.append("")
+            for why in sorted({w for x in rows for w in x["refused"]}):
+                lines += [f"Not divided ({', '.join(x['model'] for x in rows if why in x['refused'])}): {why}.", ""]
+        if s.get("claims"):
+            lines += claims_md(s["claims"])
         if s["published_speedups"]:
             lines += [f"### Published speedups of ReFusion, for reference ({paper.source()})", ""]
             lines += _md_table(["model", "vs", *[c.label for c in suite.columns], "mean of ratios",
@@ -399,6 +458,23 @@ def speedup_md(rs: RunSet, data: dict) -> str:
                                 for x in s["published_speedups"]])
             lines.append("")
     return "\n".join(lines)
+
+
+def claims_md(rows: list[dict]) -> list[str]:
+    """The paper's speedup claims, published value beside ours (mean of per-task ratios and ratio of averages)."""
+    lines = [f"### The paper's speedup claims beside ours ({paper.source()})", "",
+             "Published: the paper's tokens/s over the seven benchmarks. Ours: the same two systems among our rows "
+             "(same decoder, same model family), over the tasks both measured, so with a small LIMIT, other "
+             "hardware or tiny models the values measure this setup, not the paper's.", ""]
+    body = []
+    for c in rows:
+        o, p = c["ours"] or {}, c["published"]
+        body.append([c["claim"], _num(p["mean_of_ratios"]), _num(o.get("mean_of_ratios")), _num(p["ratio_of_averages"]),
+                     _num(o.get("ratio_of_averages")), str(o.get("tasks", 0)),
+                     " / ".join(x for x in c["rows"] if x) if c["ours"] else c["why"]])
+    lines += _md_table(["claim", "published mean of ratios", "ours", "published ratio of averages", "ours",
+                        "tasks (ours)", "our rows"], body)
+    return lines + [""]
 
 
 def _show_path(path: str) -> str:

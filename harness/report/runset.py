@@ -50,6 +50,16 @@ class RunSet:
     def merged(self) -> bool:
         return len(self.runs) > 1
 
+    def why_not_comparable(self, run_a: str | None, run_b: str | None) -> str | None:
+        """None when cells of the two runs (by run id) may be divided: the same run, or runs with the same
+        hardware, dtype and batch size; else the reason, one line."""
+        if run_a == run_b:
+            return None
+        by_id = {(r.get("run_id") or Path(r["dir"]).name): r for r in self.runs}
+        if run_a not in by_id or run_b not in by_id:
+            return f"run {run_a if run_a not in by_id else run_b} unknown"
+        return not_comparable(by_id[run_a], by_id[run_b])
+
 
 # The help of the options whose meaning differs between `harness report` and `harness compare`.
 OPTION_HELP = {
@@ -146,7 +156,8 @@ def _task_settings(cfg: dict, model: dict, unit: dict) -> dict:
     leaves = unit.get("leaves") or [unit["name"]]
     tk = model.get("task_knobs") or {}
     return {**{k: model.get(k) for k in MODEL_KEYS}, **{k: cfg.get(k) for k in TASK_KEYS},
-            "task_knobs": {leaf: tk[leaf] for leaf in leaves if leaf in tk}}
+            "task_knobs": {leaf: tk[leaf] for leaf in leaves if leaf in tk},
+            "chat_template_args": model.get("chat_template_args", cfg.get("chat_template_args") or {})}
 
 
 def prompt_variant(cfg: dict, unit: str) -> str:
@@ -165,6 +176,29 @@ def device_text(cfg: dict) -> str:
         return str(env.get("gpu") or dev)
     threads = cfg.get("threads") or env.get("threads_per_process")
     return f"{dev} ({threads} threads)" if threads else dev
+
+
+def speed_setting(cfg: dict) -> dict:
+    """What decides a run's tokens/s besides the model: the hardware (the GPU, or the CPU and its threads
+    per process; run.json's ``environment.hardware``, derived for runs recorded before it), the dtype and
+    the batch size. Two runs with equal settings give comparable tokens/s, so speedups across them hold."""
+    env = cfg.get("environment") or {}
+    dev = str(cfg.get("device") or env.get("device") or "?")
+    hw = env.get("hardware")
+    if not hw:
+        threads = cfg.get("threads") or env.get("threads_per_process")
+        hw = env.get("gpu") if dev.startswith("cuda") else f"{env.get('cpu')}, {threads} thread(s) per process"
+    return {"hardware": hw or dev, "dtype": cfg.get("dtype", "float32"), "batch_size": cfg.get("batch_size", 1)}
+
+
+def not_comparable(a: dict, b: dict) -> str | None:
+    """Why tokens/s of run ``a`` and run ``b`` are not comparable (one line), or None when they are."""
+    sa, sb = speed_setting(a), speed_setting(b)
+    diff = [f"{k} {sa[k]} vs {sb[k]}" for k in sa if sa[k] != sb[k]]
+    if not diff:
+        return None
+    ida, idb = a.get("run_id") or "?", b.get("run_id") or "?"
+    return f"runs {ida} and {idb} differ in " + "; ".join(diff)
 
 
 def _split_models(cfgs: list[tuple[Path, dict]]) -> dict[str, str]:
@@ -204,6 +238,10 @@ def load_runs(dirs: list[Path], allow_partial: bool = False, labels: list[str | 
         for key in ("models", "units"):
             if not isinstance(cfg.get(key), list):
                 raise InputError(f"{d}/run.json: no {key!r} list (not written by `harness eval`?)")
+        if cfg.get("shard"):
+            sh = cfg["shard"]
+            raise InputError(f"{d} is shard {sh.get('index')}/{sh.get('count')} of a run: join the shards first "
+                             "(`make merge RUN=<every shard> NAME=<run id>`), then report the merged run")
         label = (labels[i] if labels and i < len(labels) else None) or cfg.get("run_id") or d.name
         cfgs.append((d, cfg))
         rs.runs.append({**cfg, "dir": str(d), "label": label})

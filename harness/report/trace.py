@@ -137,7 +137,8 @@ def decode_all(models, units: list[dict], leaf: str | None, prompts: dict[str, s
                 pretrained=spec["checkpoint"], decoder=spec["decoder"], device=settings["device"],
                 dtype=settings["dtype"], seed=settings["seed"], threads=settings["threads"],
                 task_knobs=spec["task_knobs"], warmup=False, base=spec.get("base"),
-                chat_template_args=settings["chat_template_args"] or None, **spec["knobs"])
+                chat_template_args=spec.get("chat_template_args", settings["chat_template_args"]) or None,
+                **spec["knobs"])
             if raw is not None:  # a text prompt: this model's chat template, as lm-eval applies it
                 context = raw if not settings["chat_template"] else lm.apply_chat_template(
                     [{"role": "user", "content": raw}])

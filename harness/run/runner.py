@@ -31,19 +31,21 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import fcntl
+import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness.run import summary
+from harness.run import cluster, summary
 from harness.run.metrics import speedup
 from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS, PRESETS, ModelSpec, paper_knobs
 from harness.run.store import atomic_write_json, read_json
@@ -55,9 +57,14 @@ DEFAULT_TASK = "embedded"
 DEFAULT_LIMIT = 20
 # Settings that must match for a run id to be resumed.
 RESUME_KEYS = ("task", "units", "models", "limit", "seed", "chat_template", "device", "batch_size",
-               "bootstrap_iters", "task_defaults", "baseline", "dtype", "chat_template_args")
+               "bootstrap_iters", "task_defaults", "baseline", "dtype", "chat_template_args", "shard")
+# Unit fields counted from the data, not set by the user (older runs lack them): not compared on resume.
+DERIVED_UNIT_KEYS = ("samples", "docs", "max_gen_toks", "data_sha256")
 # Model options that choose how a checkpoint loads, not how it decodes: taken out of the knob list.
 LOAD_OPTIONS = ("base",)
+# A model's own chat-template arguments (``chat_template_args=enable_thinking=false;x=1``), replacing the
+# run-wide --chat-template-args for that model: Qwen3 / ReFusion and the other rows in one run.
+TEMPLATE_OPTION = "chat_template_args"
 
 
 class InputError(Exception):
@@ -229,9 +236,11 @@ def resolve_units(task_arg: str, tasks_dirs: list[Path], limit: int | None = Non
         except Exception as e:  # noqa: BLE001 - lm-eval wraps dataset errors in many types
             raise InputError(f"task {name!r}: cannot load its data: {_root_message(e)}") from e
         gmap = loaded.get("group_map", {})
-        counts = {leaf: check_docs(leaf, task, limit) for leaf, task in loaded.get("tasks", {}).items()}
+        checked = {leaf: check_docs(leaf, task, limit) for leaf, task in loaded.get("tasks", {}).items()}
+        counts = {leaf: n for leaf, (n, _) in checked.items()}
+        leaf_budgets = {leaf: generation_budget(task) for leaf, task in loaded.get("tasks", {}).items()}
         if budgets is not None:
-            budgets.update({leaf: generation_budget(task) for leaf, task in loaded.get("tasks", {}).items()})
+            budgets.update(leaf_budgets)
 
         def expand(n: str) -> list[str]:
             if n in KNOWN or n not in gmap:
@@ -243,8 +252,13 @@ def resolve_units(task_arg: str, tasks_dirs: list[Path], limit: int | None = Non
                                                                   sorted(_leaves(u, gmap)))
             primary = KNOWN[u].primary if u in KNOWN else None
             if not any(x["name"] == u for x in units):  # samples: documents after LIMIT (overall progress)
+                digest = hashlib.sha256("".join(checked[leaf][1] for leaf in leaves if leaf in checked).encode())
                 units.append({"name": u, "leaves": leaves, "primary": primary,
-                              "samples": sum(counts.get(leaf, 0) for leaf in leaves)})
+                              "samples": sum(counts.get(leaf, 0) for leaf in leaves),
+                              # per leaf: documents after LIMIT (what --shard splits), the request budget
+                              "docs": {leaf: counts.get(leaf, 0) for leaf in leaves},
+                              "max_gen_toks": max((leaf_budgets.get(leaf) or 0 for leaf in leaves), default=0) or None,
+                              "data_sha256": digest.hexdigest()})
     return units
 
 
@@ -268,9 +282,10 @@ def _data_where(task) -> str:
     return str(getattr(cfg, "dataset_path", None) or "its dataset")
 
 
-def check_docs(leaf: str, task, limit: int | None) -> int:
+def check_docs(leaf: str, task, limit: int | None) -> tuple[int, str]:
     """Render every document the run will use with the task's templates and check its gold answer
-    (tasks/checks.py); InputError naming the first bad one. Returns how many documents the run will use.
+    (tasks/checks.py); InputError naming the first bad one. Returns how many documents the run will use
+    and a hash of them (shards of one run must agree on it).
 
     lm-eval checks only the first document when it builds a task, so a bad later row
     would otherwise stop the model's worker mid-run.
@@ -281,10 +296,12 @@ def check_docs(leaf: str, task, limit: int | None) -> int:
         raise InputError(f"task {leaf!r}: cannot load its data: {_root_message(e)}") from e
     choice = getattr(task, "OUTPUT_TYPE", None) == "multiple_choice"
     n = 0
+    digest = hashlib.sha256()
     for i, doc in enumerate(docs):
         if limit is not None and i >= limit:
             break
         n += 1
+        digest.update(json.dumps(doc, sort_keys=True, default=str).encode())
         try:
             task.doc_to_text(doc)
             problem = target_problem(task, doc)  # also renders the target
@@ -295,7 +312,7 @@ def check_docs(leaf: str, task, limit: int | None) -> int:
             raise InputError(f"task {leaf!r}, document {i} of {_data_where(task)}: {why}") from e
         if problem:
             raise InputError(f"task {leaf!r}, row {i + 1} of {_data_where(task)}: {problem}")
-    return n
+    return n, digest.hexdigest()
 
 
 def generation_budget(task) -> int | None:
@@ -322,15 +339,56 @@ def _local_path(path: str) -> Path:
     return p
 
 
+def shown_values(values: dict) -> dict:
+    """The knob values as the decoders really use them where a knob's default is None (refusion/decoding/
+    mdm.py): ``steps`` is gen_length (512 on the paper's tasks), fast_dllm's ``commit_first`` follows
+    ``shift``, an unset ``top_p`` / ``top_k`` is off. What the dry run prints and run.json records never
+    says None."""
+    out = dict(values)
+    if "steps" in out and out["steps"] is None:
+        out["steps"] = out.get("gen_length")
+    if "commit_first" in out and out["commit_first"] is None:
+        out["commit_first"] = out.get("shift")
+    for k in ("top_p", "top_k"):
+        if k in out and out[k] is None:
+            out[k] = "off"
+    return out
+
+
+def _inspect(m: ModelSpec, ckpt: Path, base: str | None, inspected: dict[str, Any]):
+    """The checkpoint check of one model, once per run (cached by name); its warnings printed once."""
+    from harness.models.checkpoints import check_tokenizer, inspect_checkpoint
+
+    if m.name not in inspected:
+        info = inspect_checkpoint(ckpt, base)
+        check_tokenizer(info)
+        for w in info.warnings:
+            print(f"warning: model {m.name!r}: {w}", file=sys.stderr)
+        inspected[m.name] = info
+    return inspected[m.name]
+
+
+def _template_args(m: ModelSpec) -> dict:
+    from harness.run.lm_adapter import parse_chat_template_args
+
+    value = m.knobs[TEMPLATE_OPTION]
+    try:  # several arguments are joined by ';' (a comma would start the next knob)
+        return parse_chat_template_args("" if value is None else str(value))
+    except ValueError as e:
+        raise InputError(f"model {m.name!r}: {TEMPLATE_OPTION}: {e}") from None
+
+
 def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: bool,
                     inspected: dict[str, Any] | None = None, seed: int | None = None,
                     budgets: dict[str, int | None] | None = None) -> list[dict]:
-    """Check decoders, checkpoints (completely: harness/checkpoints.inspect_checkpoint), the attention each
-    decoder needs, and knobs; return each model with its per-leaf task knobs and the knob values each
-    leaf will really use (``resolved_knobs``: decoder defaults < the checkpoint's own decoding settings
-    (Dream's generation_config.json) < the task's settings < the model's knobs).
+    """Check decoders, checkpoints (completely: harness/models/checkpoints.inspect_checkpoint, an adapter
+    against its base), the attention each decoder needs, and knobs; return each model with its per-leaf
+    task knobs, the base an adapter is merged into (given or found), and the knob values each leaf will
+    really use (``resolved_knobs``: decoder defaults < the checkpoint's own decoding settings (Dream's
+    generation_config.json) < the task's settings < the model's knobs; ``budgets``: each leaf's
+    response budget, against which the knob rules are checked where gen_length comes from the request).
     ``inspected`` caches checkpoint checks by model name across calls."""
-    from harness.models.checkpoints import CheckpointError, check_tokenizer, inspect_checkpoint
+    from harness.models.checkpoints import CheckpointError
     from harness.run.lm_adapter import checkpoint_knobs
     from refusion.decoding import DECODERS, check_attention, check_knob_values, make_knobs
 
@@ -340,20 +398,22 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
         if m.decoder not in DECODERS:
             raise InputError(f"model {m.name!r}: unknown decoder {m.decoder!r}; valid decoders: "
                              f"{', '.join(sorted(DECODERS))}")
-        knobs = {k: v for k, v in m.knobs.items() if k not in LOAD_OPTIONS}
-        load = {k: str(_local_path(str(v)).resolve()) for k, v in m.knobs.items() if k in LOAD_OPTIONS}
+        knobs = {k: v for k, v in m.knobs.items() if k not in (*LOAD_OPTIONS, TEMPLATE_OPTION)}
+        load: dict[str, Any] = {k: str(_local_path(str(v)).resolve()) for k, v in m.knobs.items()
+                                if k in LOAD_OPTIONS}
+        if TEMPLATE_OPTION in m.knobs:
+            load[TEMPLATE_OPTION] = _template_args(m)
         ckpt = _local_path(m.checkpoint)
         try:
-            if m.name not in inspected:
-                inspected[m.name] = inspect_checkpoint(ckpt, load.get("base"))
-                check_tokenizer(inspected[m.name])
-            info = inspected[m.name]
+            info = _inspect(m, ckpt, load.get("base"), inspected)
             check_attention(m.decoder, info.causal)
             own = checkpoint_knobs(info, m.decoder)  # Dream: shift=true, its generation_config.json
         except CheckpointError as e:
             raise InputError(f"model {m.name!r}: {e}") from None
         except ValueError as e:
             raise InputError(f"model {m.name!r} ({ckpt}): {e}") from None
+        if info.base is not None:
+            load["base"] = str(info.base.path)  # the base really used, found beside the adapter or given
         try:  # each knob on its own now; the rules across knobs per task below, with its real budget
             check_knob_values(m.decoder, {**own, **knobs})
             if "gen_length" in {**own, **knobs} or "gen_length" not in DECODERS[m.decoder].knobs.names():
@@ -394,7 +454,7 @@ def _leaf_knobs(m: ModelSpec, user: dict, own: dict, units: list[dict], task_def
                 values["gen_length"] = "max_gen_toks"  # the adapter takes the request's budget
             if "seed" in accepted and "seed" not in user and seed is not None:
                 values["seed"] = seed  # the adapter passes the run's seed
-            resolved[leaf] = values
+            resolved[leaf] = shown_values(values)
             if tk:
                 task_knobs[leaf] = tk
     return task_knobs, resolved
@@ -432,7 +492,10 @@ def environment(device: str, threads: int, num_processes: int, seed: int) -> dic
 
         gpu = torch.cuda.get_device_name(0)
     status = git("status", "--porcelain")
-    return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
+    # What a tokens/s figure was measured on: runs with the same hardware (and dtype, batch size) can be
+    # compared across runs (harness/report/runset.py speed_setting).
+    hardware = gpu if gpu else f"{cpu}, {threads} thread(s) per process"
+    return {"hardware": hardware, "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
             "packages": pkgs, "python": platform.python_version(), "platform": platform.platform(),
             "device": device, "cpu": cpu, "gpu": gpu, "cpu_count": os.cpu_count(), "threads_per_process": threads,
             "num_processes": num_processes, "seed": seed}
@@ -446,15 +509,16 @@ def worker_error_file(run_dir: Path, model: str) -> Path:
     return run_dir / "models" / model / "error.txt"
 
 
-def worker_command(run_dir: Path, model: str, num_processes: int, port: int, debug: bool = False) -> list[str]:
+def worker_command(run_dir: Path, model: str, num_processes: int, port: int, debug: bool = False,
+                   launch: dict | None = None) -> list[str]:
     base = ["-m", "harness.run.worker", "--run-dir", str(run_dir), "--model", model,
             "--error-file", str(worker_error_file(run_dir, model))] + (["--debug"] if debug else [])
-    if num_processes <= 1:
+    launch = launch or {}
+    if num_processes <= 1 and not launch.get("accelerate_config") and int(launch.get("num_machines") or 1) == 1:
         return [sys.executable, *base]
     # --multi_gpu picks accelerate's multi-process (torchrun) launcher; on CPU the adapter joins gloo.
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-            str(num_processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(port), *base]
+    return [sys.executable, "-m", "accelerate.commands.launch", *cluster.launch_args(launch, num_processes, port),
+            *base]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -485,8 +549,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                    help="weights and activations (default: auto = bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--dry-run", action="store_true",
-                   help="check everything, print the knob values each (model, task) will use, and exit "
-                   "(nothing is written)")
+                   help="check everything, print the knob values each (model, task) will use and the requests and "
+                   "generated-token budget of each, and exit (nothing is written)")
+    p.add_argument("--rate", default=None,
+                   help="budget tokens per second per device (a number, or an earlier run's folder for each model's own "
+                   "pace there): --dry-run prints device-hours (GPU-hours on GPUs) and the ETA uses it")
+    p.add_argument("--shard", default=None, help="I/N: run only shard I of N of every task's documents (every N-th "
+                   "from I-1); N independent jobs (a Slurm array) cover the run, `harness merge` joins them")
+    c = p.add_argument_group("several machines (accelerate launch's own options, passed through)")
+    c.add_argument("--num-machines", type=int, default=None, help="machines of one data-parallel job (default: 1)")
+    c.add_argument("--machine-rank", type=int, default=None, help="this machine's rank (0: the one that writes)")
+    c.add_argument("--main-process-ip", default=None, help="address of machine rank 0")
+    c.add_argument("--main-process-port", type=int, default=None, help="its port (default: derived from the pid)")
+    c.add_argument("--accelerate-config", default=None,
+                   help="accelerate's config file instead (its machines, ranks, addresses)")
     p.add_argument("--prompts", choices=("stock", "paper"), default="stock",
                    help="stock: lm-eval's prompts (default); paper: the ReFusion authors' prompt variants "
                    "(gsm8k_cot_paper, gpqa_main_generative_paper, humaneval_instruct_noprefix, mbpp_paper) "
@@ -502,20 +578,38 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_out_writable(out: Path, run_id: str | None) -> None:
-    """InputError unless the run folder can be created in OUT (checked, not tried: nothing is written)."""
-    target = out / run_id if run_id else out
-    probe = target
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise InputError(f"--out {str(out)!r}: {str(probe)!r} is a file, not a folder; choose another --out")
-    # effective ids: what the open() calls of this process will be allowed
+def _may(path: Path, mode: int) -> bool:
+    """Whether this process may use ``path`` with ``mode`` (os.access with the effective ids, which the
+    open() calls of this process will be checked against); one place, so tests can inject a refusal."""
     eff = os.access in os.supports_effective_ids
-    if not os.access(probe, os.W_OK | os.X_OK, effective_ids=eff):
-        raise InputError(f"--out folder {str(probe)!r} is not writable; choose another --out "
+    return os.access(path, mode, effective_ids=eff)
+
+
+def check_out_writable(out: Path, run_id: str | None) -> None:
+    """InputError unless the run folder can be created in OUT (checked, not tried: nothing is written).
+
+    Walks from the filesystem root down to the deepest existing folder on the way to the run folder:
+    each folder passed through must be searchable (x), the deepest also writable. A folder that
+    cannot be searched is named instead of letting stat()'s PermissionError out as a traceback."""
+    target = (out / run_id if run_id else out).absolute()
+    deepest = Path(target.anchor)
+    for part in target.parts[1:]:
+        if not _may(deepest, os.X_OK):
+            raise InputError(f"--out {str(out)!r}: folder {str(deepest)!r} cannot be entered (no search "
+                             "permission); choose another --out or make it accessible")
+        nxt = deepest / part
+        try:
+            st = os.stat(nxt)
+        except (FileNotFoundError, NotADirectoryError):
+            break
+        except OSError as e:  # PermissionError and the like: the folder above cannot be read into
+            raise InputError(f"--out {str(out)!r}: cannot look into {str(deepest)!r} ({e.strerror}); "
+                             "choose another --out") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise InputError(f"--out {str(out)!r}: {str(nxt)!r} is a file, not a folder; choose another --out")
+        deepest = nxt
+    if not _may(deepest, os.W_OK | os.X_OK):
+        raise InputError(f"--out folder {str(deepest)!r} is not writable; choose another --out "
                          "or make it writable")
 
 
@@ -560,15 +654,31 @@ def build_config(ns: argparse.Namespace) -> dict:
         limit = DEFAULT_LIMIT
     budgets: dict[str, int | None] = {}
     units = resolve_units(task_arg, tasks_dirs, limit, budgets)
+    try:
+        shard = cluster.parse_shard(ns.shard)
+        units = cluster.apply_shard(units, shard)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     model_cfgs = validate_models(models, units, task_defaults, inspected, ns.seed, budgets)
+    for m in model_cfgs:  # each model records the arguments its template gets: its own, else the run's
+        m.setdefault(TEMPLATE_OPTION, template_args)
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
         raise InputError(f"--baseline {baseline!r} is not a model of this run; valid: "
                          f"{', '.join(m['name'] for m in model_cfgs)}")
     if baseline is None:
         baseline = next((m["name"] for m in model_cfgs if m["decoder"] == "ar"), None)
-    threads = ns.threads or max(1, (os.cpu_count() or 1) // ns.num_processes)
-    return {
+    launch = {k: getattr(ns, k) for k in cluster.LAUNCH_OPTIONS if getattr(ns, k) is not None}
+    try:
+        cluster.check_launch(launch, ns.num_processes)
+        launch["machine_rank"] = cluster.machine_rank(launch)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if int(launch.get("num_machines") or 1) > 1 and ns.run_id is None:
+        raise InputError("--num-machines > 1 needs --run-id: every machine writes into that one run folder")
+    per_machine = max(1, ns.num_processes // int(launch.get("num_machines") or 1))
+    threads = ns.threads or max(1, (os.cpu_count() or 1) // per_machine)
+    return {"shard": shard, "launch": launch,
         "task": ns.task, "units": units, "models": model_cfgs, "limit": limit, "seed": ns.seed,
         "chat_template": not ns.no_chat_template, "device": device, "threads": threads,
         "num_processes": ns.num_processes, "batch_size": ns.batch_size, "bootstrap_iters": ns.bootstrap_iters,
@@ -579,6 +689,16 @@ def build_config(ns: argparse.Namespace) -> dict:
     }
 
 
+def dtype_warning(cfg: dict) -> str | None:
+    """One line when the run asks for half precision on the CPU: it works, but most CPUs have no fast
+    bfloat16/float16 kernels, so decoding is several times slower than in float32 (the issue that added
+    this line met a run that looked hung)."""
+    if cfg["device"] == "cpu" and cfg["dtype"] in ("bfloat16", "float16"):
+        return (f"{cfg['dtype']} on the CPU is slow (most CPUs have no fast {cfg['dtype']} kernels; expect several "
+                "times float32's decode time); use DTYPE=auto or float32 on the CPU")
+    return None
+
+
 def describe_resolved(cfg: dict) -> str:
     """What a run will do, per model and task: the knob values each leaf task will use (``--dry-run``)."""
     lines = [f"task {cfg['task']}, limit {cfg['limit'] or 'all'}, device {cfg['device']}, dtype {cfg['dtype']}, "
@@ -586,8 +706,10 @@ def describe_resolved(cfg: dict) -> str:
              + (f" with {cfg['chat_template_args']}" if cfg["chat_template_args"] else "")]
     for m in cfg["models"]:
         attn = "causal" if m["causal"] else "bidirectional"
+        own = m.get(TEMPLATE_OPTION, cfg["chat_template_args"])
         lines.append(f"{m['name']}: decoder {m['decoder']} on {m['checkpoint']} ({m['family']} family, {attn}"
-                     + (f", LoRA on base {m['base']}" if m.get("base") else "") + ")")
+                     + (f", LoRA on base {m['base']}" if m.get("base") else "")
+                     + (f", chat template arguments {own}" if own != cfg["chat_template_args"] else "") + ")")
         for u in cfg["units"]:
             groups: dict[str, list[str]] = {}
             for leaf in u["leaves"]:
@@ -641,7 +763,7 @@ def lock_run_dir(run_dir: Path) -> None:
 def _resume_value(key: str, value: Any) -> Any:
     """A setting as compared on resume: a unit's sample count is derived, not set (older runs lack it)."""
     if key == "units" and isinstance(value, list):
-        return [{k: v for k, v in u.items() if k != "samples"} for u in value]
+        return [{k: v for k, v in u.items() if k not in DERIVED_UNIT_KEYS} for u in value]
     return value
 
 
@@ -671,6 +793,31 @@ def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
     atomic_write_json(run_dir / "run.json", {**cfg, "run_id": run_id, "environment": env, "created": created,
                                              "sessions": [{"started": created, "models": []}]})
     return run_dir
+
+
+JOIN_WAIT_S = 600.0  # how long a machine of rank > 0 waits for rank 0 to create the run folder
+
+
+def _join_run_dir(out: Path, run_id: str | None, cfg: dict, wait_s: float = JOIN_WAIT_S) -> Path:
+    """Machine rank > 0: the run folder rank 0 creates (same --out on a shared file system, same --run-id),
+    once its run.json is there, with the same settings; nothing is written."""
+    import time
+
+    if run_id is None:
+        raise InputError("--machine-rank > 0 needs the --run-id machine rank 0 uses (one run folder for all)")
+    run_json = out / run_id / "run.json"
+    deadline = time.monotonic() + wait_s
+    while not run_json.is_file():
+        if time.monotonic() > deadline:
+            raise InputError(f"{run_json} did not appear within {wait_s:.0f} s: start machine rank 0 with the "
+                             "same --out (a shared folder) and --run-id")
+        time.sleep(0.5)
+    old = read_json(run_json)
+    diff = [k for k in RESUME_KEYS if _resume_value(k, old.get(k)) != _resume_value(k, cfg.get(k))]
+    if diff:
+        raise InputError(f"run {run_id!r} of machine rank 0 has other settings ({', '.join(diff)}); give every "
+                         "machine the same command")
+    return out / run_id
 
 
 def finalize(run_dir: Path) -> dict:
@@ -750,10 +897,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"task {short!r} is {real!r}", file=sys.stderr)
     try:
         cfg = build_config(ns)
+        warning = dtype_warning(cfg)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+        try:
+            rates = cluster.parse_rate(ns.rate, cfg)
+        except ValueError as e:
+            raise InputError(str(e)) from None
         if ns.dry_run:
             print(describe_resolved(cfg))
+            print(cluster.describe_budget(cfg, rates))
             return 0
-        run_dir = _prepare_run_dir(Path(ns.out), ns.run_id, cfg)
+        if cfg["launch"].get("machine_rank"):
+            run_dir = _join_run_dir(Path(ns.out), ns.run_id, cfg)
+        else:
+            run_dir = _prepare_run_dir(Path(ns.out), ns.run_id, cfg)
     except KnobHelp as h:
         from harness.run.knobs import describe
 
@@ -764,8 +922,34 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    rc = _run_models(run_dir, cfg, ns.debug, rates)
+    if rc is not None:
+        return rc
+    if cfg["launch"].get("machine_rank"):
+        print(f"machine rank {cfg['launch']['machine_rank']}: every model done; machine rank 0 writes the results "
+              f"in {run_dir}", file=sys.stderr)
+        return 0
+    result = finalize(run_dir)
+    print(summary.table(result))
+    print(summary.one_line(result, run_dir))
+    return 0
+
+
+def _worker_port(launch: dict) -> int:
+    # One machine: a port of its own per runner, so two runs side by side do not meet; several machines
+    # must agree on it, so accelerate's usual port unless given.
+    if launch.get("main_process_port"):
+        return int(launch["main_process_port"])
+    return 29500 if int(launch.get("num_machines") or 1) > 1 else 29500 + (os.getpid() % 1000)
+
+
+def _run_models(run_dir: Path, cfg: dict, debug: bool, rates: dict[str, float] | None = None) -> int | None:
+    """Each model's worker in turn (skipping finished ones); an exit status to stop with, or None when done.
+    A machine of rank > 0 starts the same workers, which join rank 0's through accelerate, and writes
+    nothing of the run's own (run.json, summary): rank 0 does."""
+    rank = int(cfg["launch"].get("machine_rank") or 0)
     n = len(cfg["models"])
-    progress = summary.Progress(cfg)
+    progress = summary.Progress(cfg, rates=rates)
     print(progress.start_line(), file=sys.stderr)
     for i, m in enumerate(cfg["models"], 1):
         if (run_dir / "models" / m["name"] / "done.json").exists():
@@ -773,14 +957,16 @@ def main(argv: list[str] | None = None) -> int:
             print(progress.finished(m["name"], decoded_share=0.0), file=sys.stderr)
             continue
         print(f"[{i}/{n}] {m['name']}: {m['decoder']} on {m['checkpoint']}", file=sys.stderr)
-        summary.session_ran(run_dir / "run.json", m["name"])
-        cmd = worker_command(run_dir, m["name"], cfg["num_processes"], 29500 + (os.getpid() % 1000), ns.debug)
+        if rank == 0:
+            summary.session_ran(run_dir / "run.json", m["name"])
+        cmd = worker_command(run_dir, m["name"], cfg["num_processes"], _worker_port(cfg["launch"]), debug,
+                             cfg["launch"])
         err_file = worker_error_file(run_dir, m["name"])
         err_file.unlink(missing_ok=True)
         # The worker's temporary files (torchelastic_* of a multi-process launch, the sandbox's
-        # folders) go to a folder of its own inside the run folder, removed when the worker ends; one
-        # left by a runner killed with SIGKILL is removed when the run resumes.
-        tmp = run_dir / f".tmp-{m['name']}"
+        # folders) go to a folder of its own inside the run folder (one per machine: the folder may be
+        # shared), removed when the worker ends; one left by a runner killed with SIGKILL is removed on resume.
+        tmp = run_dir / (f".tmp-{m['name']}" + (f"-machine{rank}" if rank else ""))
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o700)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -806,10 +992,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(progress.finished(m["name"], summary.decoded_share(run_dir / "models" / m["name"] / "done.json")),
               file=sys.stderr)
-    result = finalize(run_dir)
-    print(summary.table(result))
-    print(summary.one_line(result, run_dir))
-    return 0
+    return None
 
 
 if __name__ == "__main__":

@@ -180,42 +180,69 @@ class Progress:
     """Done / total samples of a whole run (every model x task), one line per finished model, with an ETA.
 
     A unit's ``samples`` is its document count after LIMIT (the runner counts them while checking
-    the data). The ETA extrapolates this session's pace: the seconds spent so far over the samples
-    decoded in this session (a resumed model's samples read back from its journal cost nothing).
+    the data). The ETA is the remaining models' generated-token budget (requests x gen_length,
+    harness/run/cluster.py) over each one's pace in budget tokens per second: its own from ``rates``
+    (``--rate``: a number, or an earlier run's measured pace per model), else the mean pace of the models
+    decoded so far in this session, and says which models it assumed that for (LLaDA at steps = length
+    runs 10x slower per token than AR, so one model's pace says little about another's). Without a
+    budget it extrapolates this session's samples per second. A resumed model's samples read back from
+    its journal cost nothing and measure no pace.
     """
 
-    def __init__(self, cfg: dict, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: dict, clock: Callable[[], float] = time.monotonic, rates: dict | None = None):
+        from harness.run.cluster import budget
+
         self.models = [m["name"] for m in cfg["models"]]
         counts = [u.get("samples") for u in cfg["units"]]
         self.per_model = sum(counts) if counts and None not in counts else None
         self.total = None if self.per_model is None else self.per_model * len(self.models)
         self.units = len(cfg["units"])
+        tokens: dict[str, int | None] = {}
+        for b in budget(cfg) if self.per_model is not None else []:
+            tokens[b["model"]] = None if b["tokens"] is None or tokens.get(b["model"], 0) is None \
+                else tokens.get(b["model"], 0) + b["tokens"]
+        self.budget = tokens if tokens and None not in tokens.values() else None
+        self.rates = dict(rates or {})
+        self.paces: dict[str, float] = {}  # budget tokens / s measured this session
         self.finished_models = 0
         self.done = 0
         self.decoded = 0.0
         self.clock = clock
-        self.t0 = clock()
+        self.t0 = self.last = clock()
 
     def start_line(self) -> str:
         total = f" = {self.total} samples" if self.total is not None else ""
         return f"run: {len(self.models)} model(s) x {self.units} task(s){total}"
 
+    def _eta(self, model: str, share: float, spent: float, elapsed: float) -> str:
+        left = self.total - self.done
+        if left == 0:
+            return "done"
+        if self.budget is not None:
+            if share > 0 and spent > 0:
+                self.paces[model] = self.budget[model] * share / spent
+            rest = self.models[self.finished_models:]
+            mean = sum(self.paces.values()) / len(self.paces) if self.paces else None
+            assumed = [m for m in rest if m not in self.rates and m not in self.paces]
+            if assumed and mean is None:
+                return "ETA unknown"
+            seconds = sum(self.budget[m] / (self.rates.get(m) or self.paces.get(m) or mean) for m in rest)
+            return f"ETA {_duration(seconds)}" + (f" ({', '.join(assumed)} at the mean pace so far)" if assumed else "")
+        return f"ETA {_duration(elapsed / self.decoded * left)}" if self.decoded > 0 else "ETA unknown"
+
     def finished(self, model: str, decoded_share: float = 1.0) -> str:
         """``model`` is finished; ``decoded_share`` of its samples was decoded now (0 when skipped)."""
         self.finished_models += 1
         n = len(self.models)
+        now = self.clock()
+        spent, self.last = now - self.last, now
         if self.per_model is None:
             return f"progress: {self.finished_models}/{n} models ({model} finished)"
         self.done += self.per_model
-        self.decoded += self.per_model * max(0.0, min(1.0, decoded_share))
-        elapsed = self.clock() - self.t0
-        left = self.total - self.done
-        if left == 0:
-            eta = "done"
-        elif self.decoded > 0:
-            eta = f"ETA {_duration(elapsed / self.decoded * left)}"
-        else:
-            eta = "ETA unknown"
+        share = max(0.0, min(1.0, decoded_share))
+        self.decoded += self.per_model * share
+        elapsed = now - self.t0
+        eta = self._eta(model, share, spent, elapsed)
         pct = 100.0 * self.done / self.total if self.total else 100.0
         return (f"progress: {self.finished_models}/{n} models, {self.done}/{self.total} samples ({pct:.0f}%), "
                 f"{_duration(elapsed)} elapsed, {eta}")

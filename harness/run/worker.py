@@ -133,23 +133,50 @@ def _evaluate(cfg: dict, spec: dict, mdir: Path):
         pretrained=spec["checkpoint"], decoder=spec["decoder"], batch_size=cfg["batch_size"],
         device=cfg["device"], seed=cfg["seed"], threads=cfg["threads"], journal_dir=str(mdir / "journal"),
         task_knobs=spec["task_knobs"], dtype=cfg.get("dtype", "float32"), base=spec.get("base"),
-        chat_template_args=cfg.get("chat_template_args") or None,
+        chat_template_args=spec.get("chat_template_args", cfg.get("chat_template_args")) or None,
         response_extract="python_fence" if cfg.get("prompts") == "paper" else None, **spec["knobs"])
     # The built-in tasks folder, then the run's --tasks-dir folders (runner.task_manager: later ones win).
     dirs = list(dict.fromkeys([cfg["tasks_dir"], *cfg.get("tasks_dirs", [])]))
     tm = TaskManager(include_path=dirs, include_defaults=False)
+    from harness.run.cluster import shard_docs
+
+    # A shard (--shard I/N) decodes its own documents of every leaf task, chosen from those LIMIT leaves.
+    shard = cfg.get("shard")
+    samples = {leaf: shard_docs(n, shard) for u in cfg["units"] for leaf, n in (u.get("docs") or {}).items()} \
+        if shard else None
     res = lm_eval.simple_evaluate(
-        model=lm, tasks=[u["name"] for u in cfg["units"]], task_manager=tm, limit=cfg["limit"],
+        model=lm, tasks=[u["name"] for u in cfg["units"]], task_manager=tm,
+        limit=None if shard else cfg["limit"], samples=samples,
         apply_chat_template=cfg["chat_template"], log_samples=True, bootstrap_iters=cfg["bootstrap_iters"],
         random_seed=cfg["seed"], numpy_random_seed=cfg["seed"], torch_random_seed=cfg["seed"],
         fewshot_random_seed=cfg["seed"], confirm_run_unsafe_code=True)
     return lm, res
 
 
+def _shard_doc_ids(cfg: dict, journal: dict[str, dict]) -> dict[str, dict]:
+    """A shard's journal numbers its documents by position among the shard's own (lm-eval enumerates the
+    selected documents), while lm-eval's sample log keeps their index in the task: the records get the
+    task's index, so each sample row joins its own decode (and the shards' logs merge by document)."""
+    shard = cfg.get("shard")
+    if not shard:
+        return journal
+    from harness.run.cluster import shard_docs
+
+    picks = {leaf: shard_docs(n, shard) for u in cfg["units"] for leaf, n in (u.get("docs") or {}).items()}
+    out = {}
+    for key, rec in journal.items():
+        pos = rec.get("doc_id")
+        if rec.get("task") in picks and isinstance(pos, int) and 0 <= pos < len(picks[rec["task"]]):
+            rec = {**rec, "doc_id": picks[rec["task"]][pos]}
+        out[key] = rec
+    return out
+
+
 def _write_results(run_dir: Path, cfg: dict, spec: dict, res: dict, journal: dict[str, dict],
                    ranks: list[dict]) -> None:
     """Rank 0: lm-eval's results, per unit the sample rows and the metrics file, then done.json."""
     mdir = run_dir / "models" / spec["name"]
+    journal = _shard_doc_ids(cfg, journal)
     keys: dict[str, set[str]] = {}
     for r in ranks:
         for task, ks in r["keys"].items():
@@ -190,7 +217,7 @@ def _unit_metrics(cfg: dict, spec: dict, unit: dict, recs: list[dict], gen_recs:
         "run": {"run_id": cfg.get("run_id"), "seed": cfg["seed"], "limit": cfg["limit"],
                 "chat_template": cfg["chat_template"], "num_processes": cfg["num_processes"],
                 "threads": cfg["threads"], "device": cfg["device"], "batch_size": cfg["batch_size"],
-                "dtype": cfg.get("dtype", "float32"), "chat_template_args": cfg.get("chat_template_args", {}),
+                "dtype": cfg.get("dtype", "float32"), "chat_template_args": spec.get("chat_template_args", cfg.get("chat_template_args", {})),
                 "environment": cfg.get("environment")},
         "knobs_used": spec.get("resolved_knobs", {}).get(unit["leaves"][0]) if unit["leaves"] else None,
     }
