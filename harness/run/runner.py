@@ -614,8 +614,6 @@ def build_config(ns: argparse.Namespace) -> dict:
     except ValueError as e:
         raise InputError(str(e)) from None
     model_cfgs = validate_models(models, units, task_defaults, inspected, ns.seed)
-    for m in model_cfgs:  # each model records the arguments its template gets: its own, else the run's
-        m.setdefault(TEMPLATE_OPTION, template_args)
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
         raise InputError(f"--baseline {baseline!r} is not a model of this run; valid: "
