@@ -682,10 +682,12 @@ def test_report_names_the_base_an_adapter_ran_on(tmp_path):
                    ["embedded_math"])
     cfg = json.loads((run / "run.json").read_text())
     cfg["models"][1]["base"] = "/ckpt/Dream-v0-Base-7B"  # as the runner records it, given or found beside
+    cfg["models"][0]["chat_template_args"] = {"enable_thinking": False}  # a model's own template arguments
     (run / "run.json").write_text(json.dumps(cfg))
     rs = paper_report.load_runs([run])
     index = paper_report.index_md(rs, paper_report.build(rs), {})
     assert "| d2f | d2f | `/ckpt/d2f` + base `/ckpt/Dream-v0-Base-7B` |" in index
+    assert "| ar | ar | `/ckpt/ar` | chat_template_args={'enable_thinking': False} |" in index
 
 
 NINE = [("llama3", "ar", "llama"), ("qwen3", "ar", "qwen3"), ("llada", "llada", "llada"),

@@ -220,6 +220,22 @@ def test_resume_accepts_a_run_json_written_before_units_counted_samples():
     assert runner._resume_value("limit", 3) == 3
 
 
+def test_resume_accepts_a_run_json_written_before_this_branch():
+    """A run.json from before: resolved knobs with None, no base of an adapter found beside it, no per-leaf
+    counts or data hash, no shard. Still resumable; a changed knob or base still is not."""
+    old = {"units": [{"name": "t", "leaves": ["t"], "primary": None, "samples": 2}], "limit": 2,
+           "models": [{"name": "d", "decoder": "d2f", "knobs": {}, "resolved_knobs": {"t": {"steps": None}}}]}
+    new = {"units": [{"name": "t", "leaves": ["t"], "primary": None, "samples": 2, "docs": {"t": 2},
+                      "data_sha256": "x", "max_gen_toks": 8}], "limit": 2, "shard": None,
+           "models": [{"name": "d", "decoder": "d2f", "knobs": {}, "base": "/ckpt/base",
+                       "resolved_knobs": {"t": {"steps": 8}}}]}
+    assert runner.settings_diff(old, new) == []
+    changed = {**new, "models": [{**new["models"][0], "knobs": {"block_size": 4}}]}
+    assert runner.settings_diff(old, changed) == ["models"]
+    with_base = {**old, "models": [{**old["models"][0], "base": "/ckpt/other"}]}
+    assert runner.settings_diff(with_base, new) == ["models"]
+
+
 # ---------------------------------------------------------------- library noise
 
 

@@ -523,7 +523,9 @@ def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
                   "| model | decoder | checkpoint | knobs given | knobs used per task (resolved) |",
                   "|---|---|---|---|---|"]
         for m in r["models"]:
-            knobs = ", ".join(f"{k}={v}" for k, v in sorted((m.get("knobs") or {}).items())) or "-"
+            given = {**(m.get("knobs") or {}), **({"chat_template_args": m["chat_template_args"]}
+                                                   if "chat_template_args" in m else {})}
+            knobs = ", ".join(f"{k}={v}" for k, v in sorted(given.items())) or "-"
             # What each task really ran with (decoder defaults < checkpoint < task < model knobs); runs
             # recorded before resolved_knobs existed show their task defaults instead.
             used = m.get("resolved_knobs") or m.get("task_knobs") or {}

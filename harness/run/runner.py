@@ -660,8 +660,6 @@ def build_config(ns: argparse.Namespace) -> dict:
     except ValueError as e:
         raise InputError(str(e)) from None
     model_cfgs = validate_models(models, units, task_defaults, inspected, ns.seed, budgets)
-    for m in model_cfgs:  # each model records the arguments its template gets: its own, else the run's
-        m.setdefault(TEMPLATE_OPTION, template_args)
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
         raise InputError(f"--baseline {baseline!r} is not a model of this run; valid: "
@@ -760,6 +758,34 @@ def lock_run_dir(run_dir: Path) -> None:
     _held_locks.append(fd)
 
 
+def settings_diff(old: dict, cfg: dict) -> list[str]:
+    """The resume settings in which a recorded run.json and this command differ. What is derived, not set,
+    is left out: a unit's counts and data hash, a model's resolved knobs (they follow from the knobs,
+    the task and the checkpoint, compared themselves) and a base an older run.json did not record (one
+    found beside its adapter)."""
+    old_models = {m.get("name"): m for m in old.get("models") or [] if isinstance(m, dict)}
+
+    def models(entries: Any, other: dict[str, dict] | None) -> Any:
+        if not isinstance(entries, list):
+            return entries
+        out = []
+        for m in entries:
+            m = {k: v for k, v in m.items() if k != "resolved_knobs"}
+            if other is not None and "base" not in other.get(m.get("name"), {"base": None}):
+                m.pop("base", None)
+            out.append(m)
+        return out
+
+    diff = []
+    for k in RESUME_KEYS:
+        a, b = _resume_value(k, old.get(k)), _resume_value(k, cfg.get(k))
+        if k == "models":
+            a, b = models(a, None), models(b, old_models)
+        if a != b:
+            diff.append(k)
+    return diff
+
+
 def _resume_value(key: str, value: Any) -> Any:
     """A setting as compared on resume: a unit's sample count is derived, not set (older runs lack it)."""
     if key == "units" and isinstance(value, list):
@@ -774,7 +800,7 @@ def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
     lock_run_dir(run_dir)
     if (run_dir / "run.json").exists():
         old = read_json(run_dir / "run.json")
-        diff = [k for k in RESUME_KEYS if _resume_value(k, old.get(k)) != _resume_value(k, cfg.get(k))]
+        diff = settings_diff(old, cfg)
         if diff:
             raise InputError(f"run {run_id!r} exists with different settings ({', '.join(diff)}); "
                              "use a new --run-id or the same settings to resume")
@@ -813,7 +839,7 @@ def _join_run_dir(out: Path, run_id: str | None, cfg: dict, wait_s: float = JOIN
                              "same --out (a shared folder) and --run-id")
         time.sleep(0.5)
     old = read_json(run_json)
-    diff = [k for k in RESUME_KEYS if _resume_value(k, old.get(k)) != _resume_value(k, cfg.get(k))]
+    diff = settings_diff(old, cfg)
     if diff:
         raise InputError(f"run {run_id!r} of machine rank 0 has other settings ({', '.join(diff)}); give every "
                          "machine the same command")
