@@ -25,29 +25,23 @@ import torch
 
 from refusion.decoding import Decoder, register
 from refusion.decoding.common import Meter, cut_after_eos, eos_ids, forward, make_generator, mask_id
-from refusion.decoding.knobs import Knobs, gen_length, knob, seed, temperature
-from refusion.decoding.mdm import (block_length_knob, check_blocks, commit_topk, finished, masked_start, propose,
-                                   stop_at_eos_knob)
+from refusion.decoding.knobs import Knobs, gen_length, seed, temperature
+from refusion.decoding.mdm import (block_length_knob, block_schedule, check_steps, commit_topk, finished, masked_start,
+                                   propose, steps_knob, stop_at_eos_knob)
 
 
 @dataclass(frozen=True)
 class LtrLladaKnobs(Knobs):
     """Knobs of ``ltr_llada``: those of ``llada`` without ``remasking`` (the order is fixed)."""
     gen_length: int = gen_length(128)
-    steps: int = knob(None, "forwards in all (default gen_length: one token per step); a multiple of the block "
-                      "count, at most gen_length", low=1, optional=True)
+    steps: int = steps_knob()
     block_length: int = block_length_knob()
     temperature: float = temperature()
     stop_at_eos: bool = stop_at_eos_knob()
     seed: int = seed()
 
     def check(self) -> None:
-        check_blocks(self)
-        n_blocks = self.gen_length // self.block_length
-        steps = self.gen_length if self.steps is None else self.steps
-        if not n_blocks <= steps <= self.gen_length or steps % n_blocks:
-            raise ValueError(f"steps must be a multiple of the block count {n_blocks} in [{n_blocks}, "
-                             f"{self.gen_length}], got {self.steps}")
+        check_steps(self)  # block_length divides gen_length; steps a multiple of the block count
 
 
 @torch.no_grad()
@@ -62,11 +56,9 @@ def ltr_llada(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     gen = make_generator(input_ids.device, k.seed)
     meter = Meter(model, ("step",))  # one phase: every forward is a full one
     x, attn, pos = masked_start(model, input_ids, attention_mask, k.gen_length, mask)  # [B, P+G] each
-    p0, n_blocks = input_ids.shape[1], k.gen_length // k.block_length
-    per_block = (k.gen_length if k.steps is None else k.steps) // n_blocks
+    p0 = input_ids.shape[1]
+    n_blocks, schedule = block_schedule(k)  # tokens committed at each step of a block, as llada
     meter.track(x.shape[0], k.gen_length, x.device)  # the commit log: which forward fixed each token
-    # Tokens committed at each step of a block: block_length spread evenly, remainder first (as llada).
-    schedule = [k.block_length // per_block + (i < k.block_length % per_block) for i in range(per_block)]
     # Position score: the leftmost position ranks first ([block], larger = earlier).
     leftness = -torch.arange(k.block_length, dtype=torch.float32, device=x.device)
     for b in range(n_blocks):

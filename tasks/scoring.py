@@ -82,14 +82,17 @@ def _score_embedded(name: str, responses: list[str], docs: list[dict]) -> list[d
 
 
 # ---------------------------------------------------------------- lm-eval tasks
-def task_manager(include_defaults: bool = False):
-    """A TaskManager that indexes our YAMLs. Entries from include_path override
-    lm-eval's built-ins of the same name (later paths win, with a warning), so
-    ours are used either way; include_defaults=False is the default because it
-    skips indexing ~10k built-in YAMLs and removes the ambiguity altogether."""
+def task_manager(include_defaults: bool = False, extra_dirs=()):
+    """A TaskManager that indexes our YAMLs, then the folders ``extra_dirs`` (a user's tasks, ``--tasks-dir``).
+    Entries from include_path override lm-eval's built-ins of the same name and later paths win over
+    earlier ones (with a warning), so ours are used either way and a user's folder wins over ours;
+    include_defaults=False is the default because it skips indexing ~10k built-in YAMLs and removes the
+    ambiguity altogether."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR), include_defaults=include_defaults)
+    extra = [str(d) for d in extra_dirs if Path(d).resolve() != TASKS_DIR]
+    return TaskManager(include_path=[str(TASKS_DIR), *extra] if extra else str(TASKS_DIR),
+                       include_defaults=include_defaults)
 
 
 @functools.lru_cache(maxsize=64)

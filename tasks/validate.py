@@ -22,7 +22,7 @@ import time
 
 from tasks import math_equiv
 from tasks.info import BENCHMARK_TASKS, EMBEDDED_TASKS, PAPER_TASKS, PAPER_VARIANTS, TASKS, UnknownTask, task_info
-from tasks.scoring import lm_eval_task, score_many
+from tasks.scoring import lm_eval_task, score_many, task_manager
 
 ALL_TASKS = BENCHMARK_TASKS + PAPER_TASKS + EMBEDDED_TASKS
 # Reference solutions that fail under the upstream task definition itself.
@@ -176,14 +176,6 @@ def _data_error(exc: BaseException) -> str | None:
     return None
 
 
-def _task_manager(dirs: list[str]):
-    from lm_eval.tasks import TaskManager
-
-    from tasks.scoring import TASKS_DIR
-
-    return TaskManager(include_path=[str(TASKS_DIR), *dirs], include_defaults=False)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness validate-tasks", description=__doc__.split("\n")[0])
     p.add_argument("--tasks", default=",".join(ALL_TASKS),
@@ -209,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     datasets.disable_progress_bars()  # one line per task, not a progress bar per subtask
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    tm = _task_manager(args.tasks_dir)
+    tm = task_manager(extra_dirs=args.tasks_dir)
     valid = set(tm.all_tasks) | set(tm.all_groups) | set(TASKS)
     unknown = [t for t in names if t not in valid]
     if unknown:

@@ -10,6 +10,7 @@ Fixtures:
   write_task(folder, name, n, ...)    a minimal local lm-eval YAML task over a JSONL file
   assert_close(actual, expected)      two float computations of the same math agree (dtype-aware tolerance)
   fake_venv                           a VENV for `make` whose setup is done (its python is this one)
+  load_example(name)                  the module examples/<name>.py (docs/extending.md's worked examples)
 """
 
 import json
@@ -299,3 +300,19 @@ def fake_venv(tmp_path) -> Path:
     wrapper.chmod(0o755)
     (venv / ".setup-done").touch()
     return venv
+
+
+@pytest.fixture(scope="session")
+def load_example():
+    """`load_example(name) -> module` of examples/<name>.py (examples/ is not a package: the guide's files stand
+    alone, so they are loaded by path)."""
+    import importlib.util
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"examples_{name}", REPO / "examples" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -20,9 +20,7 @@ deliberately broken decoder (it calls the model around the meter) shows that the
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -61,15 +59,6 @@ def _prompts(tok) -> list[torch.Tensor]:
     return [torch.tensor(encode_chat(tok, q)) for q in QUERIES]
 
 
-def _left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(r.numel() for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
-    return ids, mask
-
-
 def base_knobs(entry: Decoder, **extra) -> dict:
     """The decoder's defaults with the suite's budget (and ``extra``), where its knob class takes them."""
     names = set(entry.knobs.names())
@@ -86,10 +75,10 @@ class Conformance:
     the decoder and the rule. Decodes through the raw ``fn``, so the suite does not lean on the
     registry's own runtime check (``refusion.decoding.check_result``)."""
 
-    def __init__(self, name: str, entry: Decoder, model, tok):
+    def __init__(self, name: str, entry: Decoder, model, tok, left_pad):
         self.name, self.entry, self.model, self.tok = name, entry, model, tok
         self.rows = _prompts(tok)
-        self.ids, self.mask = _left_pad(self.rows, tok.pad_token_id)
+        self.ids, self.mask = left_pad(self.rows, tok.pad_token_id)
         self.knobs = base_knobs(entry)
         self._greedy = None
 
@@ -186,9 +175,10 @@ class Conformance:
 
     def knobs_rule(self) -> None:
         cls = self.entry.knobs
+        kinds = {row["name"]: row["type"] for row in cls.describe()}
         for f in fields(cls):
             meta = f.metadata
-            kind = _kind(cls, f.name)
+            kind = kinds[f.name]
             if meta["choices"] is not None:
                 bad = "no-such-choice"
             elif kind == "bool":
@@ -214,22 +204,14 @@ class Conformance:
         getattr(self, "knobs_rule" if rule == "knobs" else rule)()
 
 
-def _kind(cls, name: str) -> str:
-    hint = str(next(f.type for f in fields(cls) if f.name == name))  # a string under postponed annotations
-    return next((k for k in ("bool", "int", "float", "str") if k in hint), "other")
-
-
-def check_all(name: str, entry: Decoder, models, rules=RULES, suites: dict | None = None) -> None:
+def check_all(name: str, entry: Decoder, models, left_pad, rules=RULES, suites: dict | None = None) -> None:
     """Run ``rules`` on decoder ``name``; ``suites`` keeps one Conformance per entry (its greedy decode) across calls."""
+    suites = {} if suites is None else suites
     key = (name, id(entry))
-    if suites is None or key not in suites:
-        model, tok = models[entry.causal]
-        c = Conformance(name, entry, model, tok)
-        if suites is not None:
-            suites[key] = c
-    c = suites[key] if suites is not None else c
+    if key not in suites:
+        suites[key] = Conformance(name, entry, *models[entry.causal], left_pad)
     for rule in rules:
-        c.run(rule)
+        suites[key].run(rule)
 
 
 @pytest.fixture(scope="module")
@@ -239,8 +221,8 @@ def suites():
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("name", sorted(DECODERS))
-def test_conformance(name, rule, models, suites):
-    check_all(name, DECODERS[name], models, (rule,), suites)
+def test_conformance(name, rule, models, suites, left_pad):
+    check_all(name, DECODERS[name], models, left_pad, (rule,), suites)
 
 
 # ---------------------------------------------------------------- the suite catches a broken decoder
@@ -260,13 +242,13 @@ def _skips_meter(model, input_ids, attention_mask=None, knobs=None, *, eos_token
     return responses, meter.finish(responses)
 
 
-def test_a_decoder_that_skips_the_meter_fails_the_suite_and_the_run(models, monkeypatch):
+def test_a_decoder_that_skips_the_meter_fails_the_suite_and_the_run(models, monkeypatch, left_pad):
     entry = Decoder(name="skips_meter", fn=_skips_meter, knobs=LladaKnobs, batched=False, causal=True,
                     masked_diffusion=False)
     monkeypatch.setitem(DECODERS, "skips_meter", entry)
     with pytest.raises(AssertionError, match=r"decoder 'skips_meter' breaks rule 'counts': \d+ tokens generated "
                                              r"with 0 counted forwards"):
-        check_all("skips_meter", entry, models, ("counts",))
+        check_all("skips_meter", entry, models, left_pad, ("counts",))
     # At run time the registry refuses its result instead of reporting a TPF of 0.
     model, tok = models[True]
     ids = _prompts(tok)[0][None]
@@ -289,18 +271,8 @@ def test_registration_states_every_flag():
 # ---------------------------------------------------------------- docs/extending.md's example decoder
 
 
-def load_example(name: str):
-    """A module of examples/ by file name (examples/ is not a package: the guide's files stand alone)."""
-    path = REPO / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
-def example_decoder():
+def example_decoder(load_example):
     """docs/extending.md's decoder, registered as its file says; unregistered afterwards."""
     example = load_example("decoder_ltr_llada")
     assert "ltr_llada" not in DECODERS
@@ -310,7 +282,7 @@ def example_decoder():
         DECODERS.pop("ltr_llada", None)
 
 
-def test_example_decoder_passes_the_suite(models, example_decoder):
+def test_example_decoder_passes_the_suite(models, example_decoder, left_pad):
     entry = example_decoder
     # The registry line docs/extending.md and the example's docstring give is the one the example runs.
     line = ('register("ltr_llada", ltr_llada, LtrLladaKnobs, batched=True, causal=False, '
@@ -318,7 +290,7 @@ def test_example_decoder_passes_the_suite(models, example_decoder):
     assert line in (REPO / "docs" / "extending.md").read_text(encoding="utf-8")
     assert line in (REPO / "examples" / "decoder_ltr_llada.py").read_text(encoding="utf-8")
     assert DECODERS["ltr_llada"] is entry and entry.masked_diffusion and not entry.causal
-    check_all("ltr_llada", entry, models)
+    check_all("ltr_llada", entry, models, left_pad)
     # It really is left to right: each forward commits the leftmost masked position (one token per step).
     model, tok = models[False]
     _, stats = DECODERS["ltr_llada"](model, _prompts(tok)[0][None], None, {"gen_length": 16, "block_length": 8})

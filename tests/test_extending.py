@@ -7,10 +7,8 @@ bad inputs an extender meets, each one `error:` line and exit 2 before any model
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +19,6 @@ from tasks import validate
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_TASKS = REPO / "examples" / "tasks"
 GUIDE = (REPO / "docs" / "extending.md").read_text(encoding="utf-8")
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"examples_{name}", REPO / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
 
 
 def _error(capsys, argv: list[str], out: Path) -> str:
@@ -88,7 +78,8 @@ def test_validate_tasks_checks_a_custom_task(tmp_path, capsys):
 # ---------------------------------------------------------------- the example family
 
 
-def test_example_family_folder_loads_with_bidirectional_attention(tmp_path, monkeypatch, make_checkpoint):
+def test_example_family_folder_loads_with_bidirectional_attention(tmp_path, monkeypatch, make_checkpoint,
+                                                                  load_example):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -112,7 +103,7 @@ def test_example_family_folder_loads_with_bidirectional_attention(tmp_path, monk
 
     with pytest.raises(ValueError, match="model_type 'bidir_llama' is not a family"):
         inspect_checkpoint(folder)
-    _load("family_bidir_llama").register_example()
+    load_example("family_bidir_llama").register_example()
     info = inspect_checkpoint(folder)
     assert info.family.name == "bidir_llama" and info.causal is False
     loaded = load_model(folder)

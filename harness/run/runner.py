@@ -50,6 +50,7 @@ from harness.run.metrics import speedup
 from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS, PRESETS, ModelSpec, paper_knobs
 from harness.run.store import atomic_write_json, read_json
 from tasks.checks import target_problem
+from tasks.scoring import task_manager
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TASK = "embedded"
@@ -186,15 +187,6 @@ def _root_message(exc: BaseException) -> str:
     return f"{type(seen).__name__}: {seen}".replace("\n", " ")
 
 
-def task_manager(tasks_dirs: list[Path]):
-    """lm-eval's TaskManager over the built-in tasks/ folder plus ``tasks_dirs`` (later folders win on a name
-    clash, as lm-eval merges its include paths); none of lm-eval's own task YAMLs."""
-    from lm_eval.tasks import TaskManager
-
-    paths = [str(REPO / "tasks")] + [str(d) for d in tasks_dirs if Path(d).resolve() != (REPO / "tasks").resolve()]
-    return TaskManager(include_path=paths, include_defaults=False)
-
-
 def task_names(task_arg: str, tm) -> list[str]:
     """The comma list's names, each a task or group of ``tm`` (a TaskManager: indexing only, no data read);
     InputError listing the valid names otherwise."""
@@ -209,13 +201,14 @@ def task_names(task_arg: str, tm) -> list[str]:
 
 
 def resolve_units(task_arg: str, tasks_dirs: list[Path], limit: int | None = None,
-                  budgets: dict[str, int | None] | None = None) -> list[dict]:
+                  budgets: dict[str, int | None] | None = None, tm=None) -> list[dict]:
     """Task names -> units ({name, leaves, primary}); raises InputError for unknown names or missing data.
 
     A unit is what one metrics file covers: a benchmark (mmlu_pro with its 14 subjects
     is one unit) or a leaf task. A suite group without an aggregate (``embedded``)
     expands to its members. ``budgets``, when given, is filled with each leaf's
-    response budget (``generation_budget``).
+    response budget (``generation_budget``). ``tm``: the TaskManager over tasks/ and
+    ``tasks_dirs`` when the caller built it already.
     """
     import logging
 
@@ -227,7 +220,7 @@ def resolve_units(task_arg: str, tasks_dirs: list[Path], limit: int | None = Non
     except ImportError:
         pass
     from tasks.info import TASKS as KNOWN
-    tm = task_manager(tasks_dirs)
+    tm = tm or task_manager(extra_dirs=tasks_dirs)
     names = task_names(task_arg, tm)
     units: list[dict] = []
     for name in names:
@@ -646,14 +639,15 @@ def build_config(ns: argparse.Namespace) -> dict:
     task_defaults = not ns.no_task_defaults
     inspected: dict[str, Any] = {}
     task_arg = paper_tasks(ns.task) if ns.prompts == "paper" else ns.task
-    task_names(task_arg, task_manager(tasks_dirs))  # a misspelt task fails in seconds, before any checkpoint
+    tm = task_manager(extra_dirs=tasks_dirs)  # tasks/ and the --tasks-dir folders: indexing only
+    task_names(task_arg, tm)  # a misspelt task fails in seconds, before any checkpoint
     # Cheap checks first (decoders, every checkpoint completely, attention, model knobs), before tasks load.
     validate_models(models, [], task_defaults, inspected)
     limit = ns.limit
     if limit is None and ns.task == DEFAULT_TASK and (ns.models is None or ns.models.strip() in MODEL_GROUPS):
         limit = DEFAULT_LIMIT
     budgets: dict[str, int | None] = {}
-    units = resolve_units(task_arg, tasks_dirs, limit, budgets)
+    units = resolve_units(task_arg, tasks_dirs, limit, budgets, tm)
     try:
         shard = cluster.parse_shard(ns.shard)
         units = cluster.apply_shard(units, shard)

@@ -15,7 +15,8 @@ Public building blocks for variants (docs/extending.md writes a left-to-right LL
 ``masked_start`` (the canvas), ``propose`` / ``dream_propose`` (token and confidence per position),
 ``commit_topk`` / ``commit_sampled`` (unmask k positions of each row), ``finished`` / ``settled`` (when
 the answer can no longer change), ``top_p_filter`` / ``top_k_filter``, and the knob pieces
-``block_length_knob`` / ``stop_at_eos_knob`` / ``check_blocks``. With ``common.Meter``, ``common.forward``
+``block_length_knob`` / ``steps_knob`` / ``stop_at_eos_knob`` / ``check_blocks`` / ``check_steps``, and
+``block_schedule`` (LLaDA's tokens per step). With ``common.Meter``, ``common.forward``
 (the only counted way to call the model) and ``common.cut_after_eos`` they make a whole decoder.
 """
 
@@ -45,10 +46,10 @@ from .common import (
 )
 from .knobs import Knobs, gen_length, knob, seed, temperature
 
-__all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "block_length_knob", "check_blocks",
-           "commit_sampled", "commit_topk", "dream", "dream_generation_defaults", "dream_propose", "fast_dllm",
-           "finished", "llada", "masked_start", "propose", "settled", "stop_at_eos_knob", "top_k_filter",
-           "top_p_filter"]
+__all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "block_length_knob", "block_schedule",
+           "check_blocks", "check_steps", "commit_sampled", "commit_topk", "dream", "dream_generation_defaults",
+           "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "propose", "settled", "steps_knob",
+           "stop_at_eos_knob", "top_k_filter", "top_p_filter"]
 
 
 def block_length_knob() -> int:
@@ -68,12 +69,37 @@ def check_blocks(k) -> None:
         raise ValueError(f"block_length must divide gen_length {k.gen_length}, got {k.block_length}")
 
 
+def steps_knob() -> int:
+    """The ``steps`` knob field of LLaDA-style block decoding (default None = gen_length); pair it with
+    ``check_steps`` in ``check()`` and read it back with ``block_schedule``."""
+    return knob(None, "forwards in all (default gen_length: one token per step); a multiple of the block "
+                "count, at most gen_length", low=1, optional=True)
+
+
+def check_steps(k) -> None:
+    """ValueError unless ``k.block_length`` divides ``k.gen_length`` and ``k.steps`` (None = gen_length) is a
+    multiple of the block count, at most gen_length."""
+    check_blocks(k)
+    n_blocks = k.gen_length // k.block_length
+    steps = k.gen_length if k.steps is None else k.steps
+    if not n_blocks <= steps <= k.gen_length or steps % n_blocks:
+        raise ValueError(f"steps must be a multiple of the block count {n_blocks} in [{n_blocks}, "
+                         f"{k.gen_length}], got {k.steps}")
+
+
+def block_schedule(k) -> tuple[int, list[int]]:
+    """(block count, tokens committed at each step of a block) for knobs checked by ``check_steps``: the
+    block's length spread evenly over steps / n_blocks steps, remainder first (LLaDA's schedule)."""
+    n_blocks = k.gen_length // k.block_length
+    per_block = (k.gen_length if k.steps is None else k.steps) // n_blocks
+    return n_blocks, [k.block_length // per_block + (i < k.block_length % per_block) for i in range(per_block)]
+
+
 @dataclass(frozen=True)
 class LladaKnobs(Knobs):
     """Knobs of ``llada`` (docs/design.md §4)."""
     gen_length: int = gen_length(128)
-    steps: int = knob(None, "forwards in all (default gen_length: one token per step); a multiple of the block "
-                      "count, at most gen_length", low=1, optional=True)
+    steps: int = steps_knob()
     block_length: int = block_length_knob()
     remasking: str = knob("low_confidence", "which masked tokens a step unmasks",
                           choices=("low_confidence", "random"))
@@ -82,12 +108,7 @@ class LladaKnobs(Knobs):
     seed: int = seed()
 
     def check(self) -> None:
-        check_blocks(self)
-        n_blocks = self.gen_length // self.block_length
-        steps = self.gen_length if self.steps is None else self.steps
-        if not n_blocks <= steps <= self.gen_length or steps % n_blocks:
-            raise ValueError(f"steps must be a multiple of the block count {n_blocks} in [{n_blocks}, "
-                             f"{self.gen_length}], got {self.steps}")
+        check_steps(self)
 
 
 @dataclass(frozen=True)
@@ -313,16 +334,13 @@ def llada(
     """
     k = LladaKnobs.of(knobs, overrides, "llada")
     gen_length, block_length, remasking, temperature = k.gen_length, k.block_length, k.remasking, k.temperature
-    n_blocks = gen_length // block_length
-    steps = gen_length if k.steps is None else k.steps
+    n_blocks, schedule = block_schedule(k)  # tokens unmasked at each step of a block
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
     meter = Meter(model, ("step",))
     x, attn, pos = masked_start(model, input_ids, attention_mask, gen_length, mask)
-    p0, per_block = input_ids.shape[1], steps // n_blocks
+    p0 = input_ids.shape[1]
     meter.track(x.shape[0], gen_length, x.device)
-    # Tokens unmasked at each step of a block: block_length spread evenly, remainder first.
-    schedule = [block_length // per_block + (i < block_length % per_block) for i in range(per_block)]
     for b in range(n_blocks):
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
         for n_unmask in schedule:
