@@ -161,6 +161,18 @@ def check_targets(results: dict) -> dict:
     return checks
 
 
+OUTSIDE_FORWARD_TARGET = 0.05  # issue 32: at most 5% of decode time outside model forwards, every decoder
+
+
+def check_outside_forward(results: dict) -> dict:
+    """Per kind and decoder preset: the share of decode time spent outside model calls (the decoder's own
+    step logic: docs/design.md §6), as (value, target, met)."""
+    return {kind: {label: [round(x["outside_forward_share"], 4), f"<= {OUTSIDE_FORWARD_TARGET}",
+                           x["outside_forward_share"] <= OUTSIDE_FORWARD_TARGET]
+                   for label, x in r.items() if x.get("outside_forward_share") is not None}
+            for kind, r in results.items()}
+
+
 def check_refusion(results: dict, batch: dict, long: dict | None) -> dict:
     """The packed layout's saving, the decoder's overhead and batching, each (value, target, met)."""
     checks: dict = {}
@@ -252,11 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     if all({"ar", "refusion", "llada", "fast_dllm"} <= set(r) for r in results.values()):
         report["targets"] = check_targets(results)
     report["refusion_checks"] = check_refusion(results, batch, long)
+    report["outside_forward"] = check_outside_forward(results)
     atomic_write_json(a.out, _strip(report))
     for kind, r in results.items():
         for label, x in r.items():
             print(f"{kind:<7} {label:<24} acc={x['accuracy']:6.2f}  tps={x['tps']:8.1f}  tpf={x['tpf']:5.2f}  "
-                  f"nfe/sample={x['nfe_per_sample']:6.1f}", file=sys.stderr)
+                  f"nfe/sample={x['nfe_per_sample']:6.1f}  outside={x['outside_forward_share']:.3f}", file=sys.stderr)
     print(f"wrote {a.out}")
     return 0
 

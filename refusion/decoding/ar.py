@@ -67,20 +67,27 @@ def ar(
     )[:, -1]  # [B, V]: left padding puts every row's last real token at the end
     next_pos = mask.sum(-1, keepdim=True)  # [B, 1] position of the first response token
 
-    out = torch.empty(batch, 0, dtype=torch.long, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    # Everything a step needs is laid out once (docs/design.md §6, "work outside the forwards"): the
+    # padding mask of every length [B, P + G] and the response positions [B, G] are sliced per step, and
+    # the tokens go into a preallocated [B, G]; the EOS check reads the step's B tokens on the host once.
+    full_mask = torch.cat([mask, mask.new_ones(batch, gen_length)], 1)  # [B, P + G]
+    positions = next_pos + torch.arange(gen_length, device=device)  # [B, G]
+    out = torch.empty(batch, gen_length, dtype=torch.long, device=device)
+    eos_set, done = frozenset(eos), [False] * batch
+    n_prompt, n = mask.shape[1], 0
     for step in range(gen_length):
         tok, _ = pick(logits, temperature, gen)  # [B]
-        out = torch.cat([out, tok[:, None]], 1)
-        meter.settle(out)
-        done |= is_eos(tok, eos)
-        if bool(done.all()) or step == gen_length - 1:
+        out[:, step] = tok
+        n = step + 1
+        meter.settle(out[:, :n])
+        done = [d or t in eos_set for d, t in zip(done, tok.tolist())]
+        if all(done) or step == gen_length - 1:
             break
         # Finished rows keep decoding junk that is cut afterwards; one batched call.
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         logits = forward(
             model, meter, "step", tok[:, None],
-            position_ids=next_pos + step, attention_mask=mask, cache=cache,
+            position_ids=positions[:, step:n], attention_mask=full_mask[:, :n_prompt + n], cache=cache,
         )[:, -1]
+    out = out[:, :n]
     responses = [cut_after_eos(row, eos) for row in out]
     return responses, meter.finish(responses)

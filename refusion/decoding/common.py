@@ -14,6 +14,7 @@ plus the phase of every forward (``forward_phase``): what `harness trace` draws.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 
@@ -47,9 +48,24 @@ def mask_id(model, mask_token_id: int | None) -> int:
     return int(value)
 
 
+@functools.lru_cache(maxsize=64)
+def id_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The ids as a 1-D long tensor on `device`, built once per (ids, device): decoders ask for the EOS
+    set every step, and a fresh host-to-device tensor per step is pure overhead (docs/design.md §6). Read-only."""
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
 def is_eos(tokens: torch.Tensor, eos: tuple[int, ...]) -> torch.Tensor:
     """Bool tensor, same shape as `tokens`, True where the token is any EOS id."""
-    return torch.isin(tokens, torch.tensor(eos, device=tokens.device))
+    if len(eos) == 1:  # one comparison instead of isin's sort-based kernel
+        return tokens == eos[0]
+    return torch.isin(tokens, id_tensor(eos, tokens.device))
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to float32, as a Python float: a float32 tensor compared with a Python number is
+    compared in float32, so host-side comparisons of confidences read from such a tensor use this."""
+    return torch.tensor(value, dtype=torch.float32).item()
 
 
 def cut_after_eos(tokens: torch.Tensor, eos: tuple[int, ...]) -> torch.Tensor:
@@ -202,9 +218,9 @@ def cache_bytes(cache: DynamicCache | None) -> int:
         return 0
     total = 0
     for layer in cache.layers:
-        if getattr(layer, "is_initialized", False) and layer.keys is not None:
-            total += layer.keys.numel() * layer.keys.element_size()
-            total += layer.values.numel() * layer.values.element_size()
+        keys = getattr(layer, "keys", None)  # None until the layer's first update
+        if keys is not None:
+            total += keys.nbytes + layer.values.nbytes
     return total
 
 
@@ -360,15 +376,15 @@ def choose(
     it first is exactly as without the exclusion; sampling draws from the other tokens.
     """
     if not sample:
-        if exclude is None:
-            conf, tok = probs.max(dim=-1)
+        conf, tok = probs.max(dim=-1)
+        if exclude is None or not bool((tok == exclude).any()):
+            # max returns the first maximal index, as argmax does: the exclusion below changes nothing here
             return tok, conf
-        idx = torch.tensor([exclude], device=probs.device)
-        tok = probs.index_fill(-1, idx, -1.0).argmax(-1)
+        tok = probs.index_fill(-1, id_tensor((exclude,), probs.device), -1.0).argmax(-1)
     else:
         flat = probs.reshape(-1, probs.shape[-1])
         if exclude is not None:
-            flat = flat.index_fill(-1, torch.tensor([exclude], device=probs.device), 0.0)
+            flat = flat.index_fill(-1, id_tensor((exclude,), probs.device), 0.0)
         tok = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
     return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 

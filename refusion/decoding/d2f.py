@@ -43,22 +43,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
 from .common import (
     Meter,
-    cache_append,
+    as_float32,
     cut_after_eos,
     eos_ids,
-    is_eos,
     left_padding_mask,
     make_generator,
     mask_id,
     pick,
 )
 from .knobs import Knobs, gen_length, knob, seed, temperature
-from .mdm import settled
 from .refusion import Req, Steps, drive_rows  # per-row generators answered by one stacked model call
 
 ACTIVE, TO_CACHE, CACHED = "active", "to_cache", "cached"
@@ -99,46 +98,64 @@ class _Run:
     mask: int
     eos: tuple[int, ...]
     on_cache: Callable[[dict], None] | None
+    skip: float  # skip_threshold as float32: probabilities are float32, compared in float32 as torch does
 
 
 def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | None,
                 gen: torch.Generator | None, counts: dict, meter: Meter) -> Steps:
-    """One row's pipeline (module doc); yields its model requests, returns its response."""
+    """One row's pipeline (module doc); yields its model requests, returns its response.
+
+    The row's bookkeeping lives on the host, read once per step (docs/design.md §6): the open (masked)
+    positions of every block, the committed tokens, the decoded fractions; the tensors (ids, block index,
+    positions) are laid out once at full length and sliced to the blocks added so far."""
     k, mask, device = kn.knobs, kn.mask, prompt.device
     size, n_prompt = k.block_size, prompt.numel()
-    ids = prompt.clone()  # [L]: the prompt, then every block added so far (mask where undecoded)
-    blk = torch.zeros(n_prompt, dtype=torch.long, device=device)  # [L] block index; prompt = 0
+    total = n_prompt + kn.n_blocks * size
+    ids = torch.cat([prompt, prompt.new_full((total - n_prompt,), mask)])  # [P + G]: undecoded = mask
+    blk = torch.cat([prompt.new_zeros(n_prompt), torch.arange(1, kn.n_blocks + 1, device=device).repeat_interleave(size)])
+    positions = torch.arange(total, device=device)
+    length = n_prompt  # positions [0, length) exist: the prompt, then every block added so far
     state = [TO_CACHE]  # per block; the prompt is encoded (and cached) by the first forward
     full = [True]  # per block: fully active
+    open_: list[list[int]] = [[]]  # per block: its masked positions (absolute), ascending
+    toks: list[int | None] = []  # the response so far on the host (None = masked)
     cached = 0  # positions [0, cached) hold KV in the cache: prompt, then finished blocks in order
     last = None  # shift: logit [V] at position cached - 1, which predicts position `cached`
-    eos_seen = False
+    eos_set, eos_seen = frozenset(kn.eos), False
+    greedy = k.temperature == 0
+    vis, vis_key = None, None
 
     def span(j: int) -> tuple[int, int]:
         return (0, n_prompt) if j == 0 else (n_prompt + (j - 1) * size, n_prompt + j * size)
 
     def decoded(j: int) -> float:
-        lo, hi = span(j)
-        return float((ids[lo:hi] != mask).float().mean()) if j else 1.0
+        # The decoded fraction as the float32 mean of a 0/1 tensor gives it (an exact count over size).
+        return float(np.float32(size - len(open_[j])) / np.float32(size)) if j else 1.0
 
     while True:
         n = len(state) - 1  # response blocks so far
         if n < kn.n_blocks and not eos_seen and decoded(n) >= k.block_add_threshold:
-            ids = torch.cat([ids, torch.full((size,), mask, dtype=torch.long, device=device)])
-            blk = torch.cat([blk, torch.full((size,), n + 1, dtype=torch.long, device=device)])
+            lo, hi = span(n + 1)
+            length = hi
             state.append(ACTIVE)
             full.append(False)
+            open_.append(list(range(lo, hi)))
+            toks += [None] * size
         for j in range(1, len(state)):
             full[j] = full[j] or decoded(j - 1) >= k.decoded_token_threshold
         active = [j for j, s in enumerate(state) if s == ACTIVE]
-        if not active or (k.stop_at_eos and settled(ids[None, n_prompt:], mask, kn.eos)):
+        if not active or (k.stop_at_eos and eos_seen and _settled(toks, eos_set)):
             break
 
-        # Forward every position not in the cache; with no_cache, the whole row.
+        # Forward every position not in the cache; with no_cache, the whole row. The blocks finished last step
+        # lead the query: the call keeps their KV in the cache (cache step of the module doc).
         start = 0 if cache is None else cached
-        vis = blk[None, :] <= blk[start:, None]  # [q, L]: key block <= query block (cache keys are earlier blocks)
-        pos = torch.arange(start, ids.numel(), device=device)
-        logits, kv = yield Req("step", cache, ids[None, start:], pos[None], vis)
+        if vis_key != (start, length):  # the pattern changes only when a block joins or one is cached
+            vis, vis_key = blk[None, :length] <= blk[start:length, None], (start, length)  # [q, L]: key <= query block
+        new = [j for j in range(len(state)) if state[j] == TO_CACHE]
+        end = span(new[-1])[1] if new else cached
+        keep = end - cached if cache is not None else 0
+        logits, kv = yield Req("step", cache, ids[None, start:length], positions[None, start:length], vis, keep=keep)
         logits = logits[0]  # [q, V]; row j is position start + j
         if k.shift:  # the prediction for position p is the logit at p - 1; `last` serves p = start
             head = logits[:1] if last is None else last[None]
@@ -146,14 +163,9 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
         else:
             pred = logits
 
-        new = [j for j in range(len(state)) if state[j] == TO_CACHE]
         if new:  # finished blocks are contiguous from `cached` (module doc: retire)
-            end = span(new[-1])[1]
-            if cache is not None:
-                n_new = end - cached
-                cache_append(cache, [[(kk[:, :, :n_new], vv[:, :, :n_new]) for kk, vv in kv]])
-                if kn.on_cache is not None:
-                    kn.on_cache({"row": b, "ids": ids[:end].clone(), "cache": cache})
+            if cache is not None and kn.on_cache is not None:
+                kn.on_cache({"row": b, "ids": ids[:end].clone(), "cache": cache})
             last = logits[end - start - 1]
             cached = end
             for j in new:
@@ -162,24 +174,52 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
         counts["row_steps"] += 1
         counts["active_blocks"] += len(active)
         counts["pipeline_max"] = max(counts["pipeline_max"], len(active))
-        for j in active:
-            lo, hi = span(j)
-            masked = ids[lo:hi] == mask  # [size]
-            if not bool(masked.any()):
-                continue
-            tok, prob = pick(pred[lo - start:hi - start], k.temperature, gen, exclude=mask)  # [size] each
-            prob = torch.where(masked, prob, torch.full_like(prob, -1.0))
-            take = prob > k.skip_threshold
-            if full[j] and not bool(take.any()):
-                take[prob.argmax()] = True
-            ids[lo:hi] = torch.where(take, tok, ids[lo:hi])
-            eos_seen = eos_seen or bool(is_eos(tok[take], kn.eos).any())
-        meter.settle(ids[n_prompt:], mask, row=b)  # this step's commits came from the forward just answered
+        work = [j for j in active if open_[j]]  # active blocks with masks left (the others commit nothing)
+        if work:
+            # Token and probability of every position of those blocks: one pick over all of them when greedy
+            # (each position's softmax is its own), one per block when sampling (the generator's draws).
+            spans = [span(j) for j in work]
+            if greedy and len(work) > 1:
+                rows = torch.cat([torch.arange(lo - start, hi - start, device=device) for lo, hi in spans])
+                tok, prob = pick(pred[rows], k.temperature, gen, exclude=mask)
+            elif greedy:
+                tok, prob = pick(pred[spans[0][0] - start:spans[0][1] - start], k.temperature, gen, exclude=mask)
+            else:
+                picks = [pick(pred[lo - start:hi - start], k.temperature, gen, exclude=mask) for lo, hi in spans]
+                tok, prob = torch.cat([t for t, _ in picks]), torch.cat([p for _, p in picks])
+            tok_h, prob_h = tok.tolist(), prob.tolist()
+            commit_pos, commit_tok = [], []
+            for i, (j, (lo, _)) in enumerate(zip(work, spans)):
+                base = i * size - lo  # index into tok_h / prob_h of absolute position p: p + base
+                take = [p for p in open_[j] if prob_h[p + base] > kn.skip]
+                if full[j] and not take:  # the single most confident masked token (first on ties)
+                    take = [max(open_[j], key=lambda p: prob_h[p + base])]
+                if take:
+                    commit_pos += take
+                    commit_tok += [tok_h[p + base] for p in take]
+                    taken = set(take)
+                    open_[j] = [p for p in open_[j] if p not in taken]
+            if commit_pos:
+                ids[torch.tensor(commit_pos, device=device)] = torch.tensor(commit_tok, device=device)
+                cols = [p - n_prompt for p in commit_pos]
+                for c, t in zip(cols, commit_tok):
+                    toks[c] = t
+                eos_seen = eos_seen or any(t in eos_set for t in commit_tok)
+                meter.commit(b, cols, [meter.calls - 1] * len(cols), [meter.phase_log[-1]] * len(cols))
         for j in active:  # in order, so a block retires right after its predecessor
-            lo, hi = span(j)
-            if state[j - 1] != ACTIVE and not bool((ids[lo:hi] == mask).any()):
+            if state[j - 1] != ACTIVE and not open_[j]:
                 state[j] = TO_CACHE
-    return cut_after_eos(ids[n_prompt:], kn.eos)
+    return cut_after_eos(ids[n_prompt:length], kn.eos)
+
+
+def _settled(toks: list[int | None], eos_set: frozenset) -> bool:
+    """``mdm.settled`` for one row on the host (None = masked): an EOS with nothing masked before it."""
+    for t in toks:
+        if t is None:
+            return False
+        if t in eos_set:
+            return True
+    return False
 
 
 @torch.no_grad()
@@ -203,7 +243,8 @@ def d2f(
     pipeline_mean (active blocks per row step).
     """
     k = D2fKnobs.of(knobs, overrides, "d2f")
-    kn = _Run(k, k.gen_length // k.block_size, mask_id(model, mask_token_id), eos_ids(model, eos_token_id), on_cache)
+    kn = _Run(k, k.gen_length // k.block_size, mask_id(model, mask_token_id), eos_ids(model, eos_token_id), on_cache,
+              as_float32(k.skip_threshold))
     pad = left_padding_mask(input_ids, attention_mask)
     meter = Meter(model, ("step",))
     counts = {"row_steps": 0, "active_blocks": 0, "pipeline_max": 0}

@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from .common import (
     Meter,
+    as_float32,
     cache_keep,
     choose,
     cut_after_eos,
@@ -46,10 +47,10 @@ from .common import (
 )
 from .knobs import Knobs, gen_length, knob, seed, temperature
 
-__all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "block_length_knob", "block_schedule",
-           "check_blocks", "check_steps", "commit_sampled", "commit_topk", "dream", "dream_generation_defaults",
+__all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "as_float32", "block_length_knob",
+           "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "dream_generation_defaults",
            "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "propose", "settled", "steps_knob",
-           "stop_at_eos_knob", "top_k_filter", "top_p_filter"]
+           "stop_at_eos_knob", "top_k_filter", "top_open", "top_p_filter"]
 
 
 def block_length_knob() -> int:
@@ -234,6 +235,29 @@ def commit_topk(x, x0, conf, k) -> None:
     x[chosen] = x0[chosen]
 
 
+def top_open(conf: list[float], open_: list[int], n: int) -> list[int]:
+    """Host form of ``commit_topk``'s choice for one row: the ``n`` open positions (ascending list) of highest
+    confidence ``conf`` (the row's values, read once per step), ties to the leftmost (a stable sort)."""
+    return sorted(open_, key=lambda j: -conf[j])[:n] if n < len(open_) else list(open_)
+
+
+def commit_chosen(x, x0, chosen: list[list[int]], meter: Meter, offset: int) -> None:
+    """Write x0 into x [B, n] at the host lists of positions ``chosen`` (per row) and mark them committed by
+    the forward just made (``Meter.commit``; response column = ``offset`` + position). Two kernels and one
+    small host-to-device copy for the whole batch, instead of per-position indexing."""
+    rows = [b for b, c in enumerate(chosen) for _ in c]
+    cols = [j for c in chosen for j in c]
+    if not cols:
+        return
+    r = torch.tensor(rows, device=x.device)
+    c = torch.tensor(cols, device=x.device)
+    x[r, c] = x0[r, c]
+    f, kind = meter.calls - 1, meter.phase_log[-1]
+    for b, cs in enumerate(chosen):
+        if cs:
+            meter.commit(b, [offset + j for j in cs], [f] * len(cs), [kind] * len(cs))
+
+
 def propose(logits, temperature, gen, mask):
     """Proposed token per position and its confidence, the *untempered* softmax probability
     (as in LLaDA: sampling noise picks the token, the model's own probability ranks it).
@@ -343,15 +367,16 @@ def llada(
     meter.track(x.shape[0], gen_length, x.device)
     for b in range(n_blocks):
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
+        open_ = [list(range(block_length)) for _ in range(x.shape[0])]  # host: the block's masked positions
         for n_unmask in schedule:
             logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, lo:hi]
             x0, prob = propose(logits, temperature, gen, mask)  # [B, block]
             if remasking == "random":
                 prob = torch.rand(prob.shape, generator=gen, device=prob.device)
-            block = x[:, lo:hi]
-            conf = torch.where(block == mask, prob, torch.full_like(prob, -torch.inf))
-            commit_topk(block, x0, conf, torch.full((x.shape[0],), n_unmask, device=x.device))
-            meter.settle(x[:, p0:], mask)
+            # commit_topk on the host: the n_unmask most confident open positions per row, ties to the leftmost.
+            chosen = [top_open(c, op, n_unmask) for c, op in zip(prob.tolist(), open_)]
+            commit_chosen(x[:, lo:hi], x0, chosen, meter, lo - p0)
+            open_ = [[j for j in op if j not in set(c)] for op, c in zip(open_, chosen)]
         if k.stop_at_eos and finished(x, p0, hi, eos):
             break
     responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
@@ -403,6 +428,7 @@ def fast_dllm(
     x, attn, pos = masked_start(model, input_ids, attention_mask, gen_length, mask)
     p0, total = input_ids.shape[1], x.shape[1]
     meter.track(x.shape[0], gen_length, x.device)
+    rows, thr = x.shape[0], as_float32(threshold)
     for b in range(gen_length // block_length):
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
         # Block token j is predicted by the logit at j - shift. Cached steps forward the window [a, ...):
@@ -410,8 +436,13 @@ def fast_dllm(
         # committed by then; its slot gets a stand-in logit, never read) and without shift.
         a = lo - int(shift and not dream_loop)
         window_idx = (torch.arange(lo, hi, device=x.device) - shift - a).clamp_min(0)  # [block]
+        if cache_mode == "dual":  # cache order is prefix, suffix, then the window forwarded
+            order = torch.cat([attn[:, :a], attn[:, hi:], attn[:, a:hi]], 1)
+        # Host bookkeeping, once per step (docs/design.md §6): the block's open (masked) positions per row.
+        # A block starts all masked: nothing writes ahead of the current block.
+        open_ = [list(range(block_length)) for _ in range(rows)]
         kv, first = None, True
-        while bool((x[:, lo:hi] == mask).any()):
+        while any(open_):
             if first or cache_mode == "none":
                 if first:
                     kv = None if cache_mode == "none" else DynamicCache(config=model.config)
@@ -425,8 +456,7 @@ def fast_dllm(
                 logits = forward(model, meter, "cached", x[:, a:], position_ids=pos[:, a:], attention_mask=attn,
                                  cache=kv)[:, window_idx]
                 cache_keep(kv, a)
-            else:  # dual: cache order is prefix, suffix, then the window just forwarded
-                order = torch.cat([attn[:, :a], attn[:, hi:], attn[:, a:hi]], 1)
+            else:  # dual
                 logits = forward(model, meter, "cached", x[:, a:hi], position_ids=pos[:, a:hi], attention_mask=order,
                                  cache=kv)[:, window_idx]
                 cache_keep(kv, a + total - hi)
@@ -434,22 +464,83 @@ def fast_dllm(
                 x0, prob = dream_propose(logits, "maskgit_plus", temperature, k.top_p, k.top_k, gen, mask)
             else:
                 x0, prob = propose(logits, temperature, gen, mask)  # [B, block]
-            block = x[:, lo:hi]
             if dream_loop and first:
-                block[:, 0] = x0[:, 0]  # the authors' rule: the full forward fixes the block's first token only
+                chosen = [[0] for _ in range(rows)]  # the authors' rule: the full forward fixes the block's first token only
             else:
-                masked = block == mask
-                conf = torch.where(masked, prob, torch.full_like(prob, -torch.inf))
-                passed = conf >= threshold if dream_loop else conf > threshold
-                # Count per row: all that pass, at least one while the row has masks left.
-                n_unmask = torch.maximum(passed.sum(-1), masked.any(-1).long())
-                commit_topk(block, x0, conf, n_unmask)
-            meter.settle(x[:, p0:], mask)
+                # commit_topk's rule on the host: per row every open position whose confidence passes (at
+                # least the most confident one), most confident first, ties to the leftmost.
+                conf = prob.tolist()  # [B][block], float32 values
+                chosen = []
+                for c, op in zip(conf, open_):
+                    passed = sum(1 for j in op if (c[j] >= thr if dream_loop else c[j] > thr))
+                    chosen.append(top_open(c, op, max(passed, 1 if op else 0)))
+            commit_chosen(x[:, lo:hi], x0, chosen, meter, lo - p0)
+            open_ = [[j for j in op if j not in set(c)] for op, c in zip(open_, chosen)]
             first = False
         if k.stop_at_eos and finished(x, p0, hi, eos):
             break
     responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
     return responses, meter.finish(responses)
+
+
+def _dream_greedy(model, meter, k, x, attn, pos, p0, times, mask, eos) -> None:
+    """``dream``'s loop for greedy top-k unmasking (temperature 0, alg != origin, alg_temp 0), with its
+    bookkeeping on the host once per step (docs/design.md §6): the open positions of each row are a host
+    list, the proposal and confidence are computed for the open columns only (each row's softmax and
+    confidence do not depend on the other rows), and the schedule's float32 count, the top-k choice and the
+    stop check read host values. Same tokens as the general loop; writes x in place."""
+    resp, rows, gen_length = x[:, p0:], x.shape[0], x.shape[1] - p0
+    open_ = [list(range(gen_length)) for _ in range(rows)]
+    toks: list[list[int | None]] = [[None] * gen_length for _ in range(rows)]  # committed tokens, host copy
+    eos_set, steps = frozenset(eos), times.numel() - 1
+    parts = (1 - times[1:] / times[:-1]).tolist()  # float32 values: the share of the masks step i unmasks
+    for i in range(steps):
+        if not any(open_):
+            break
+        cols = sorted(set().union(*open_))  # columns still open in some row
+        where = {j: t for t, j in enumerate(cols)}
+        # Shift: position p0 - 1 + j predicts response token j. [B, m, V]
+        logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, p0 - 1:-1]
+        if len(cols) < gen_length:
+            logits = logits[:, torch.tensor(cols, device=x.device)]
+        x0, conf = dream_propose(logits, k.alg, k.temperature, k.top_p, k.top_k, None, mask)  # [B, m] each
+        last, left = i == steps - 1, steps - i
+        confs, x0s = conf.tolist(), x0.tolist()
+        chosen = []
+        for b in range(rows):
+            m = len(open_[b])
+            if last:
+                n = m
+            elif k.transfer_schedule == "dream":  # int() of a float32 product: truncation, as Dream
+                n = int(torch.tensor(m, dtype=torch.float32) * parts[i]) if m else 0
+            else:
+                n = m // left
+            row = confs[b]
+            chosen.append(top_open({j: row[where[j]] for j in open_[b]}, open_[b], n))
+        r = [b for b, c in enumerate(chosen) for _ in c]
+        c = [j for cs in chosen for j in cs]
+        if c:
+            resp[torch.tensor(r, device=x.device), torch.tensor(c, device=x.device)] = torch.tensor(
+                [x0s[b][where[j]] for b, j in zip(r, c)], device=x.device)
+        f, kind = meter.calls - 1, meter.phase_log[-1]
+        for b, cs in enumerate(chosen):
+            for j in cs:
+                toks[b][j] = x0s[b][where[j]]
+            if cs:
+                meter.commit(b, cs, [f] * len(cs), [kind] * len(cs))
+            open_[b] = [j for j in open_[b] if j not in set(cs)]
+        if k.stop_at_eos and all(_settled_row(t, eos_set) for t in toks):
+            break
+
+
+def _settled_row(toks: list[int | None], eos_set: frozenset) -> bool:
+    """Host form of ``settled`` for one row (None = still masked): an EOS with nothing masked before it."""
+    for t in toks:
+        if t is None:
+            return False
+        if t in eos_set:
+            return True
+    return False
 
 
 @torch.no_grad()
@@ -493,6 +584,9 @@ def dream(
     meter.track(x.shape[0], k.gen_length, x.device)
     # Dream's times, float32 on the decoding device as in the reference (the rounding of int() depends on it).
     times = torch.linspace(1, k.eps, steps + 1, dtype=torch.float32, device=x.device)
+    if k.temperature == 0 and k.alg != "origin" and k.alg_temp == 0:
+        _dream_greedy(model, meter, k, x, attn, pos, p0, times, mask, eos)
+        steps = 0  # done: the loop below is the general path (sampling, origin, alg_temp)
     for i in range(steps):
         masked = resp == mask  # [B, G]
         if not bool(masked.any()):

@@ -67,6 +67,7 @@ from ..kernels import SlotLayout, attention_backend, require
 from ..slot_attention import slot_visibility
 from .common import (
     Meter,
+    as_float32,
     cache_append,
     cache_from,
     cache_len,
@@ -197,6 +198,7 @@ class Req:
     rows: list[int] | None = None
     extra: int = 0
     layout: SlotLayout | None = None
+    keep: int = 0  # the call commits the KV of the first `keep` query tokens to the row's cache (rows None)
 
 
 def _vis(r: Req) -> torch.Tensor:
@@ -284,6 +286,8 @@ def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa") -> li
     always take the dense mask (rows with different layouts).
     """
     phases = tuple(dict.fromkeys(r.phase for r in reqs))
+    if any(r.keep and (r.rows is not None or r.cache is None) for r in reqs):
+        raise ValueError("Req.keep needs the row's own cache (rows None)")
     if len(reqs) == 1:
         r = reqs[0]
         cache = r.cache
@@ -300,7 +304,8 @@ def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa") -> li
         if cache is None:
             return [(logits, None)]
         kv = [(lay.keys[:, :, -q:], lay.values[:, :, -q:]) for lay in cache.layers]
-        cache.crop(-q)
+        if q > r.keep:  # kept KV stays where the model's update put it: no copy (crop is a slice)
+            cache.crop(-(q - r.keep))
         return [(logits, kv)]
 
     device = reqs[0].ids.device
@@ -334,9 +339,11 @@ def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa") -> li
     logits = forward(model, meter, phases, ids, position_ids=pos, visible=vis, cache=cache,
                      kv_extra=sum(r.extra for r in reqs))
     out, u0 = [], 0
-    for q, u in zip(qs, us):
+    for r, q, u in zip(reqs, qs, us):
         kv = None if cache is None else [(lay.keys[u0:u0 + u, :, tm:tm + q], lay.values[u0:u0 + u, :, tm:tm + q])
                                          for lay in cache.layers]
+        if r.keep and kv is not None:
+            cache_append(r.cache, [[(k[:, :, :r.keep], v[:, :, :r.keep]) for k, v in kv]])
         out.append((logits[u0:u0 + u, :q], kv))
         u0 += u
     return out
@@ -413,14 +420,24 @@ def _plan(st: _State, kn: _Run) -> Steps:
     L, m = kn.slot_size, len(st.masked)
     pos = st.positions[st.masked].flatten()  # [m * L]
     logits, _ = yield from _ask(st, "plan", torch.full_like(pos, kn.mask)[None], pos[None], [m * L])
-    tok, conf = pick(logits[0], kn.temperature, st.gen)
-    tok, conf = tok.view(m, L), conf.view(m, L)
+    logits = logits[0].view(m, L, -1)  # [m, L, V]
+    if kn.temperature > 0:  # sampling draws every position, in order (the generator's stream)
+        tok, conf = pick(logits, kn.temperature, st.gen)  # [m, L] each
+        first = conf[:, 0].tolist()
+    elif not kn.left_to_right:
+        # Greedy: each position's pick is its own row's softmax, so only what is used is computed -- the
+        # slots' first tokens to choose the slots, then the chosen slots' drafts.
+        first = pick(logits[:, 0], 0.0, None)[1].tolist()
     if kn.left_to_right:
         picked = [0]
-    else:
-        picked = (conf[:, 0] > kn.slot_threshold).nonzero().flatten().tolist() or [int(conf[:, 0].argmax())]
+    else:  # the slots whose first token passes, else the most confident one (first on ties); host values
+        picked = [i for i, c in enumerate(first) if c > kn.slot_threshold] or [max(range(m), key=first.__getitem__)]
     st.slots = [st.masked[i] for i in picked]  # position order
-    st.drafts = tok[picked].clone()  # [k, L]
+    if kn.temperature > 0:
+        st.drafts = tok[picked].clone()  # [k, L]
+    else:
+        rows = picked[0] if len(picked) == 1 else torch.tensor(picked, device=logits.device)
+        st.drafts = pick(logits[rows].view(len(picked), L, -1), 0.0, None)[0]  # [k, L]
     st.fixed = [[(st.now(), "plan")] for _ in picked]  # a picked slot's first token is always accepted
 
 
@@ -445,19 +462,19 @@ def _global_verify(st: _State, kn: _Run) -> Steps:
     L, k = kn.slot_size, len(st.slots)
     stream, spos = st.drafts.flatten(), st.positions[st.slots].flatten()  # [k * L]
     logits, kv = yield from _ask(st, "verify", stream[None], spos[None], [k * L])
-    probs = torch.ones(k * L, device=stream.device)
-    probs[1:] = token_prob(logits[0, :-1], stream[1:], kn.temperature)  # token i from position i - 1
-    ok = probs > kn.token_threshold
-    ok[::L] = True  # a slot's first token is always accepted
-    n_acc = int(ok.long().cumprod(0).sum())
-    hits = is_eos(stream[:n_acc], kn.eos).nonzero()
-    n_commit = int(hits[0, 0]) + 1 if hits.numel() else (n_acc // L) * L
+    # Host bookkeeping once per step: the probabilities and the stream are read once. Token i > 0 is predicted
+    # from position i - 1; a slot's first token is always accepted; the accepted run is the leading one.
+    probs = [1.0] + token_prob(logits[0, :-1], stream[1:], kn.temperature).tolist()  # [k * L]
+    n_acc = next((i for i in range(1, k * L) if i % L and not probs[i] > kn.token_threshold), k * L)
+    tokens = stream.tolist()
+    hit = next((i for i in range(n_acc) if tokens[i] in kn.eos), None)
+    n_commit = hit + 1 if hit is not None else (n_acc // L) * L
     if not n_commit:
-        st.accepted = infill_seeds(probs, L, kn.token_threshold, kn.infill_seed)
+        st.accepted = infill_seeds(torch.tensor(probs), L, kn.token_threshold, kn.infill_seed)
         st.fixed = [f + [(st.now(), "verify")] * (n - 1) for f, n in zip(st.fixed, st.accepted)]
         return False
     fixed = [st.fixed[i // L][0] if i % L == 0 else (st.now(), "verify") for i in range(n_commit)]
-    st.add(stream[:n_commit].tolist(), spos[:n_commit].tolist(), kn.eos, fixed=fixed)  # causal
+    st.add(tokens[:n_commit], spos[:n_commit].tolist(), kn.eos, fixed=fixed)  # causal
     if st.cache is not None:
         cache_append(st.cache, [[(ks[:, :, :n_commit], vs[:, :, :n_commit]) for ks, vs in kv]])
     st.counts["verify_commits"] += 1
@@ -644,7 +661,10 @@ def refusion(
     slot_size, n_slots = k.slot_size, k.n_slots
     kn = _Run(
         slot_size=slot_size, n_slots=n_slots, per_block=n_slots // k.serial_num_blocks,
-        slot_threshold=k.slot_threshold, token_threshold=k.token_threshold, temperature=k.temperature,
+        # float32 like the probabilities they meet: a tensor compares with a Python number in float32, and the
+        # host-side comparisons below (values read once per step) must decide the same way
+        slot_threshold=as_float32(k.slot_threshold), token_threshold=as_float32(k.token_threshold),
+        temperature=k.temperature,
         left_to_right=k.left_to_right, recompute_kv=k.recompute_kv, no_cache=k.no_cache,
         infill_seed=k.infill_seed, kv_layout=k.kv_layout, attn=k.attn,
         mask=mask_id(model, mask_token_id), eos=eos_ids(model, eos_token_id), on_commit=on_commit,
