@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test test-slow eval report merge compare sweep trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels regress regress-update clean
+.PHONY: help setup test test-slow eval report merge compare sweep trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -133,6 +133,20 @@ export DEVICE BENCH_ARGS
 
 bench-kernels: setup ## slot-attention kernels (sdpa/replicated/flex, +triton and bf16 on cuda): make bench-kernels DEVICE=cuda
 	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness bench-kernels --device "$$DEVICE" $$BENCH_ARGS
+
+# The authors' side runs in a scratch venv (transformers 4.52.x) on a checkout of ML-GSAI/ReFusion; see
+# `python scripts/side_by_side_authors.py --help` for both.
+AUTHORS_PY ?=
+REFUSION_REPO ?=
+SBS_ARGS ?=
+override AUTHORS_PY := $(value AUTHORS_PY)
+override REFUSION_REPO := $(value REFUSION_REPO)
+override SBS_ARGS := $(value SBS_ARGS)
+export AUTHORS_PY REFUSION_REPO SBS_ARGS
+
+side-by-side: setup ## our ReFusion decoder vs the authors' loop, same tokens: make side-by-side AUTHORS_PY=... REFUSION_REPO=... SBS_ARGS=...
+	@set -f; HF_HUB_OFFLINE=1 exec $(PY) scripts/side_by_side_authors.py $${AUTHORS_PY:+--theirs-python "$$AUTHORS_PY"} \
+		$${REFUSION_REPO:+--refusion-repo "$$REFUSION_REPO"} $$SBS_ARGS
 
 regress: setup ## CI regression check: default run at a fixed LIMIT vs results/baseline/embedded.json
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness regress
