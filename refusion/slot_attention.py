@@ -24,6 +24,7 @@ the replicated computation, at the op level and through a whole Qwen3 model.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -41,13 +42,19 @@ def slot_visibility(prefix_len: int, slot_lens: Sequence[int], device: torch.dev
     With a single slot this is the ordinary causal pattern after a cache, so the
     plan and verify forwards use it too.
     """
-    n = int(sum(slot_lens))
-    # Causal after the prefix in one op (key j visible iff j <= prefix_len + i); this runs once per
-    # decoder forward, so it is kept cheap.
-    vis = torch.ones(n, prefix_len + n, dtype=torch.bool, device=device).tril(prefix_len)
-    if len(slot_lens) > 1:  # nothing across slots
+    inside = _in_slot_pattern(tuple(int(s) for s in slot_lens), torch.device(device))  # [n, n], shared: read only
+    # Runs once per decoder forward: every prefix key, then the in-slot pattern (built once per slot lengths).
+    return torch.cat([inside.new_ones(inside.shape[0], prefix_len), inside], 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _in_slot_pattern(slot_lens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Bool [n, n]: causal inside each slot, nothing across slots (cached; callers copy, never write)."""
+    n = sum(slot_lens)
+    vis = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    if len(slot_lens) > 1:
         sid = slot_ids(slot_lens, device)  # [n]
-        vis[:, prefix_len:] &= sid[:, None] == sid[None, :]
+        vis &= sid[:, None] == sid[None, :]
     return vis
 
 
