@@ -677,8 +677,15 @@ def build_config(ns: argparse.Namespace) -> dict:
         "task_defaults": task_defaults, "baseline": baseline, "tasks_dir": str(REPO / "tasks"),
         "tasks_dirs": [str(d.resolve()) for d in tasks_dirs],
         "prompts": ns.prompts, "dtype": resolve_dtype(ns.dtype, device), "dtype_requested": ns.dtype,
-        "chat_template_args": template_args,
+        "chat_template_args": template_args, "compile": compile_settings(model_cfgs),
     }
+
+
+def compile_settings(model_cfgs: list[dict]) -> dict[str, bool]:
+    """Per model, whether it decodes compiled (the decoder knob ``compile`` on for any of its tasks): recorded
+    in run.json (derived from the knobs, so not compared on resume) and named by the summary and report."""
+    return {m["name"]: any(bool(v.get("compile")) for v in (m.get("resolved_knobs") or {}).values())
+            for m in model_cfgs}
 
 
 def dtype_warning(cfg: dict) -> str | None:

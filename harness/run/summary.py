@@ -26,6 +26,10 @@ def _row(m: dict) -> dict:
         "peak_rss_bytes": m["memory"].get("peak_rss_bytes"), "kv_peak_bytes": m["memory"].get("kv_peak_bytes"),
         "gpu_peak_bytes": m["memory"].get("gpu_peak_bytes"),
         "outside_forward_share": s.get("outside_forward_share"),
+        # compiled decoding (knob compile): graphs compiled and their seconds, left out of tok/s and latency
+        "compiled": bool((s.get("compile") or {}).get("compiled")),
+        "compilations": (s.get("compile") or {}).get("compilations", 0),
+        "compile_s": (s.get("compile") or {}).get("compile_s", 0.0),
     }
 
 
@@ -40,8 +44,30 @@ def summary(cfg: dict, metrics: list[dict]) -> dict:
         "run_id": cfg.get("run_id"), "task": cfg["task"], "limit": cfg["limit"], "baseline": cfg.get("baseline"),
         "models": [m["name"] for m in cfg["models"]], "units": [u["name"] for u in cfg["units"]],
         "rows": rows, "mean_speedup": {k: sum(v) / len(v) for k, v in by_model.items()},
-        "environment": cfg.get("environment"), "sessions": sessions(cfg),
+        "environment": cfg.get("environment"), "sessions": sessions(cfg), "compile": compile_totals(cfg, rows),
     }
+
+
+def compile_totals(cfg: dict, rows: list[dict]) -> dict:
+    """Per model: whether it decoded compiled (the knob ``compile``, as run.json records it, or as its samples
+    say), and the graphs compiled and their seconds over its tasks (warm-up calls not included)."""
+    out = {}
+    for m in cfg["models"]:
+        mine = [r for r in rows if r["model"] == m["name"]]
+        on = bool((cfg.get("compile") or {}).get(m["name"])) or any(r["compiled"] for r in mine)
+        out[m["name"]] = {"compiled": on, "compilations": sum(r["compilations"] or 0 for r in mine),
+                          "compile_s": sum(r["compile_s"] or 0.0 for r in mine)}
+    return out
+
+
+def compile_note(s: dict) -> str | None:
+    """One line naming the models decoded under torch.compile (None when every model ran eager)."""
+    on = {k: v for k, v in (s.get("compile") or {}).items() if v["compiled"]}
+    if not on:
+        return None
+    per = "; ".join(f"{k}: {v['compilations']} compilation(s), {v['compile_s']:.1f} s" for k, v in on.items())
+    return (f"Compiled decoding (knob compile: torch.compile, static shapes) for {', '.join(on)} ({per}); "
+            "compile seconds are left out of tok/s and latency. The other models, and the paper, decode eagerly.")
 
 
 # ---------------------------------------------------------------- sessions (resume)
@@ -138,6 +164,8 @@ def markdown(s: dict) -> str:
     lines += ["| " + " | ".join(_cells(r)[i] for i in keep) + " |" for r in s["rows"]]
     if s["mean_speedup"] and s.get("baseline"):
         lines += ["", "Mean per-task speedup: " + ", ".join(f"{k} {v:.2f}x" for k, v in s["mean_speedup"].items())]
+    if compile_note(s):
+        lines += ["", compile_note(s)]
     env = s.get("environment") or {}
     lines += ["", f"Quality metric per task: " + ", ".join(sorted({f"{r['task']}={r['quality_metric']}"
                                                                   for r in s["rows"]})),
