@@ -236,3 +236,65 @@ def test_compiled_tokens_equal_eager_inductor_sweep(name, models, monkeypatch, r
     total = compare(name, models, 3, "inductor", monkeypatch)
     record_property("compilations", total["compilations"])
     record_property("compile_s", round(total["compile_s"], 1))
+
+
+# ---------------------------------------------------------------- the variants' paths (aot_eager: quick)
+
+
+def test_compiled_refusion_variants_and_batches_equal_eager(models, left_pad, monkeypatch):
+    """The paths the default decodes above barely take: parallel infill of several slots (forced: every slot
+    picked, no draft accepted by verification) in the packed and replicated layouts (the cache's batch
+    operations), recompute_kv (crop + a recompute forward) and no_cache; and left-padded batches of
+    refusion and d2f, whose stacked calls hand the compiled path a DynamicCache (staged)."""
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    model, tok = models[True]
+    ids = _prompts(tok, 1)[0][None]
+    forced = {"gen_length": 16, "slot_size": 4, "slot_threshold": 0.0, "token_threshold": 1.0}
+    for extra in ({}, {"kv_layout": "replicated"}, {"recompute_kv": True}, {"no_cache": True}):
+        knobs = {**forced, **extra}
+        eager, es = DECODERS["refusion"](model, ids, None, knobs)
+        comp, cs = DECODERS["refusion"](model, ids, None, {**knobs, "compile": True})
+        assert comp[0].tolist() == eager[0].tolist() and cs["nfe"] == es["nfe"], extra
+        assert es["slots_parallel_max"] > 1 and es["nfe_infill"] > 0, "the forced knobs no longer force infill"
+    for name, causal, knobs in (("refusion", True, forced), ("d2f", False, {"gen_length": 16, "block_size": 8})):
+        m, t = models[causal]
+        batch, pad = left_pad(_prompts(t, 1), t.pad_token_id)
+        eager, es = DECODERS[name](m, batch, pad, knobs)
+        comp, cs = DECODERS[name](m, batch, pad, {**knobs, "compile": True})
+        assert [x.tolist() for x in comp] == [x.tolist() for x in eager] and cs["nfe"] == es["nfe"], name
+
+
+# ---------------------------------------------------------------- the harness records
+
+
+def test_harness_records_compile_time_apart(make_checkpoint, tmp_path):
+    """lm_decode takes a call's compile seconds out of its records' decode_s and records them (split like
+    decode_s, the batch's compilations on its first row); metrics.aggregate sums them per (model, task)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from harness.run.lm_decode import DecoderCall
+    from harness.run.metrics import aggregate
+
+    path = make_checkpoint(tmp_path / "ar")
+    model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    pause = 0.5
+
+    def decoder(*args, **kwargs):  # an eager decode that pretends to have compiled for `pause` seconds
+        import time
+
+        tokens, stats = DECODERS["ar"](*args, **kwargs)
+        time.sleep(pause)
+        stats["timings"]["compile_s"] = pause
+        return tokens, {**stats, "compiled": True, "compilations": 3}
+
+    call = DecoderCall(decoder, "ar", model, tok, torch.device("cpu"), response_extract=None, warmup=True)
+    items = [{"key": f"k{i}", "task": "t", "doc_id": i, "idx": 0, "context": text, "until": [],
+              "knobs": {"gen_length": 4}} for i, text in enumerate(["one two", "three four five"])]
+    recs = call.run(items, rank=0)
+    assert call.warmup_compile == {"compilations": 3, "compile_s": pause}
+    assert [r["compiled"] for r in recs] == [True, True] and [r["compilations"] for r in recs] == [3, 0]
+    assert [r["compile_s"] for r in recs] == [pause / 2] * 2
+    assert all(r["decode_s"] < pause / 2 for r in recs), [r["decode_s"] for r in recs]  # the pause is not decoding
+    assert aggregate(recs)["compile"] == {"compiled": True, "compilations": 3, "compile_s": pause}
+    assert aggregate([{**r, "compiled": False, "compilations": 0, "compile_s": 0.0} for r in recs])["compile"] == \
+        {"compiled": False, "compilations": 0, "compile_s": 0.0}

@@ -33,7 +33,8 @@ def _row(m: dict) -> dict:
     }
 
 
-def summary(cfg: dict, metrics: list[dict]) -> dict:
+def summary(cfg: dict, metrics: list[dict], warmup: dict[str, dict] | None = None) -> dict:
+    """The run summary; ``warmup``: per model, what its warm-up calls compiled (done.json's warmup_compile)."""
     rows = [_row(m) for m in metrics]
     # Mean over tasks of the per-task speedup: the paper's headline convention (docs/design.md §6).
     by_model: dict[str, list[float]] = {}
@@ -44,19 +45,38 @@ def summary(cfg: dict, metrics: list[dict]) -> dict:
         "run_id": cfg.get("run_id"), "task": cfg["task"], "limit": cfg["limit"], "baseline": cfg.get("baseline"),
         "models": [m["name"] for m in cfg["models"]], "units": [u["name"] for u in cfg["units"]],
         "rows": rows, "mean_speedup": {k: sum(v) / len(v) for k, v in by_model.items()},
-        "environment": cfg.get("environment"), "sessions": sessions(cfg), "compile": compile_totals(cfg, rows),
+        "environment": cfg.get("environment"), "sessions": sessions(cfg),
+        "compile": compile_totals(cfg, rows, warmup or {}),
     }
 
 
-def compile_totals(cfg: dict, rows: list[dict]) -> dict:
+def compile_totals(cfg: dict, rows: list[dict], warmup: dict[str, dict]) -> dict:
     """Per model: whether it decoded compiled (the knob ``compile``, as run.json records it, or as its samples
-    say), and the graphs compiled and their seconds over its tasks (warm-up calls not included)."""
+    say), and the graphs compiled and their seconds: its warm-up calls' (``warmup``, per model) plus those
+    of its recorded decodes over every task."""
     out = {}
     for m in cfg["models"]:
         mine = [r for r in rows if r["model"] == m["name"]]
+        warm = warmup.get(m["name"]) or {}
         on = bool((cfg.get("compile") or {}).get(m["name"])) or any(r["compiled"] for r in mine)
-        out[m["name"]] = {"compiled": on, "compilations": sum(r["compilations"] or 0 for r in mine),
-                          "compile_s": sum(r["compile_s"] or 0.0 for r in mine)}
+        out[m["name"]] = {"compiled": on,
+                          "compilations": sum(r["compilations"] or 0 for r in mine) + warm.get("compilations", 0),
+                          "compile_s": sum(r["compile_s"] or 0.0 for r in mine) + warm.get("compile_s", 0.0),
+                          "warmup_compilations": warm.get("compilations", 0),
+                          "warmup_compile_s": warm.get("compile_s", 0.0)}
+    return out
+
+
+def warmup_compile(run_dir: Path, cfg: dict) -> dict[str, dict]:
+    """Per model, the compilations and compile seconds of its warm-up calls, summed over its ranks
+    (``models/<name>/done.json``; {} for a model whose done.json lacks them)."""
+    out = {}
+    for m in cfg["models"]:
+        path = run_dir / "models" / m["name"] / "done.json"
+        ranks = [w for w in (read_json(path).get("warmup_compile") or []) if w] if path.is_file() else []
+        if ranks:
+            out[m["name"]] = {"compilations": sum(int(w.get("compilations", 0)) for w in ranks),
+                              "compile_s": sum(float(w.get("compile_s", 0.0)) for w in ranks)}
     return out
 
 
@@ -65,7 +85,8 @@ def compile_note(s: dict) -> str | None:
     on = {k: v for k, v in (s.get("compile") or {}).items() if v["compiled"]}
     if not on:
         return None
-    per = "; ".join(f"{k}: {v['compilations']} compilation(s), {v['compile_s']:.1f} s" for k, v in on.items())
+    per = "; ".join(f"{k}: {v['compilations']} compilation(s), {v['compile_s']:.1f} s, warm-up call included"
+                    for k, v in on.items())
     return (f"Compiled decoding (knob compile: torch.compile, static shapes) for {', '.join(on)} ({per}); "
             "compile seconds are left out of tok/s and latency. The other models, and the paper, decode eagerly.")
 
