@@ -342,13 +342,6 @@ class StaticKV(Cache):
         lay = self.layers[0]
         return 0 if lay._k is None else lay._k.shape[0]
 
-    def reserved_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for x in self.layers for t in (x._k, x._v) if t is not None)
-
-
-def new_static_cache(model, reserve: int) -> StaticKV:
-    return StaticKV(model.config, reserve)
-
 
 # ---------------------------------------------------------------- the compiled call
 
@@ -375,7 +368,7 @@ def _model_call(model, input_ids, position_ids, mask, cache_position, keys, valu
 
 
 class _Entry:
-    """One model's compiled callable, the call counts per static signature (the recording call of a
+    """One model's compiled callable (per backend and device type), the call counts per static signature (the recording call of a
     CUDA graph is a warm-up too) and the totals."""
 
     def __init__(self, fn, cudagraphs: bool) -> None:
@@ -388,13 +381,14 @@ _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _entry(model, device: torch.device) -> _Entry:
-    e = _MEMO.get(model)
-    cuda = device.type == "cuda"
-    if e is None:
-        mode = "reduce-overhead" if cuda and BACKEND == "inductor" else None
+    """The model's compiled callable for the current BACKEND and device type (made at the first call)."""
+    per_model = _MEMO.setdefault(model, {})
+    key = (BACKEND, device.type)
+    if key not in per_model:
+        mode = "reduce-overhead" if device.type == "cuda" and BACKEND == "inductor" else None
         fn = torch.compile(_model_call, backend=BACKEND, mode=mode, dynamic=False, fullgraph=True)
-        e = _MEMO[model] = _Entry(fn, cudagraphs=mode == "reduce-overhead")
-    return e
+        per_model[key] = _Entry(fn, cudagraphs=mode == "reduce-overhead")
+    return per_model[key]
 
 
 def clear() -> None:
@@ -407,8 +401,7 @@ def clear() -> None:
 
 def compilations(model) -> int:
     """Graphs compiled so far for ``model`` by compiled forwards (0 when none ran)."""
-    e = _MEMO.get(model)
-    return 0 if e is None else e.compilations
+    return sum(e.compilations for e in _MEMO.get(model, {}).values())
 
 
 def _graphs() -> int:
