@@ -25,7 +25,7 @@ import torch
 
 from refusion.decoding import Decoder, register
 from refusion.decoding.common import Meter, cut_after_eos, eos_ids, forward, make_generator, mask_id
-from refusion.decoding.knobs import Knobs, gen_length, seed, temperature
+from refusion.decoding.knobs import Knobs, compile_knob, gen_length, seed, temperature
 from refusion.decoding.mdm import (block_length_knob, block_schedule, check_steps, commit_topk, finished, masked_start,
                                    propose, steps_knob, stop_at_eos_knob)
 
@@ -39,6 +39,7 @@ class LtrLladaKnobs(Knobs):
     temperature: float = temperature()
     stop_at_eos: bool = stop_at_eos_knob()
     seed: int = seed()
+    compile: bool = compile_knob()  # every decoder has it: Meter(..., compile=) does the rest
 
     def check(self) -> None:
         check_steps(self)  # block_length divides gen_length; steps a multiple of the block count
@@ -54,7 +55,7 @@ def ltr_llada(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     k = LtrLladaKnobs.of(knobs, overrides, "ltr_llada")
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
-    meter = Meter(model, ("step",))  # one phase: every forward is a full one
+    meter = Meter(model, ("step",), compile=k.compile)  # one phase: every forward is a full one
     x, attn, pos = masked_start(model, input_ids, attention_mask, k.gen_length, mask)  # [B, P+G] each
     p0 = input_ids.shape[1]
     n_blocks, schedule = block_schedule(k)  # tokens committed at each step of a block, as llada

@@ -746,3 +746,22 @@ def test_published_claims_are_filled_from_one_or_two_comparable_runs(tmp_path):
     assert "dtype float32 vs bfloat16" in refused[-1]
     assert _claims(sp)["ReFusion over Qwen3-8B"][2] == got["ReFusion over Qwen3-8B"][2]  # the same run: kept
     assert "Not divided (qwen3, refusion): runs a and b differ in hardware" in sp
+
+
+def test_report_marks_models_decoded_compiled(tmp_path):
+    """A model decoded with the knob compile: a "yes" cell with its compilations in the runs table, and a note
+    that its rows are compiled while the published numbers are eager; an eager model says "no"."""
+    run = fake_run(tmp_path / "runs", "c", [("ar", "ar"), ("arc", "ar", {"compile": True})],
+                   {("ar", "embedded_math"): (0.5, 100.0, 1.0), ("arc", "embedded_math"): (0.5, 150.0, 1.0)},
+                   ["embedded_math"], extra={"compile": {"ar": False, "arc": True}})
+    path = run / "metrics" / "arc__embedded_math.json"
+    met = json.loads(path.read_text())
+    met["speed"]["compile"] = {"compiled": True, "compilations": 3, "compile_s": 1.5}
+    met["run"] = {"run_id": "c"}
+    path.write_text(json.dumps(met))
+    rs = paper_report.load_runs([run])
+    index = paper_report.index_md(rs, paper_report.build(rs), {})
+    assert "| knobs used per task (resolved) | compiled |" in index
+    assert re.search(r"^\| arc \| ar \| .* \| yes: 3 compilation\(s\), 1\.5 s \|$", index, re.M), index
+    assert re.search(r"^\| ar \| ar \| .* \| no \|$", index, re.M), index
+    assert any("arc decoded compiled" in n and "published numbers, are eager" in n for n in paper_report.run_notes(rs))

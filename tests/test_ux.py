@@ -364,3 +364,22 @@ def test_readme_table1_recipe_is_nine_rows_in_one_run():
     assert thinking == {**{m.name: None for m in specs}, "qwen3": "enable_thinking=false",
                         "refusion": "enable_thinking=false"}
     assert "RUN=table1" in joined
+
+
+def test_summary_records_compiled_models():
+    """Under the knob compile the summary's rows and per-model totals carry compilations and compile seconds,
+    and summary.md names the compiled models; an eager run has no such line."""
+    comp = _metrics("refusion", 100.0, 2.0)
+    comp["speed"]["compile"] = {"compiled": True, "compilations": 4, "compile_s": 2.5}
+    s = summary.summary(_cfg(["ar", "refusion"], "ar", compile={"ar": False, "refusion": True}),
+                        [_metrics("ar", 50.0, 1.0), comp], {"refusion": {"compilations": 2, "compile_s": 10.0}})
+    row = next(r for r in s["rows"] if r["model"] == "refusion")
+    assert row["compiled"] and row["compilations"] == 4 and row["compile_s"] == 2.5
+    assert s["compile"] == {"ar": {"compiled": False, "compilations": 0, "compile_s": 0.0, "warmup_compilations": 0,
+                                   "warmup_compile_s": 0.0},
+                            "refusion": {"compiled": True, "compilations": 6, "compile_s": 12.5,
+                                         "warmup_compilations": 2, "warmup_compile_s": 10.0}}
+    assert "Compiled decoding (knob compile: torch.compile, static shapes) for refusion (refusion: 6 compilation(s), " \
+           "12.5 s, warm-up call included)" in summary.markdown(s)
+    eager = summary.summary(_cfg(["ar"], "ar"), [_metrics("ar", 50.0, 1.0)])
+    assert "Compiled decoding" not in summary.markdown(eager) and not eager["compile"]["ar"]["compiled"]

@@ -38,7 +38,7 @@ from harness.run.metrics import speedup
 # Loading lives in harness/report/runset.py; load_runs stays importable from here (harness.report.sweep, tests).
 from harness.report.runset import (PAPER_ROW, InputError, RunSet, device_text, load_runs, resolve_runs,
                                    run_parser)
-from harness.run.store import atomic_dir
+from harness.run.store import atomic_dir, read_json
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_MEASURED = "n/m"  # the run has no such (model, task)
@@ -309,7 +309,27 @@ def run_notes(rs: RunSet) -> list[str]:
         note = session_note(sessions(r))
         if note:
             out.append(f"{r['label']}: {note}")
+        on = [m["name"] for m in r["models"] if compile_cell(rs, r, m) != "no"]
+        if on:
+            out.append(f"{r['label']}: {', '.join(on)} decoded compiled (decoder knob compile: torch.compile with static "
+                       "shapes; compile seconds left out of tok/s); the other rows, and the published numbers, are eager.")
     return out + rs.notes
+
+
+def compile_cell(rs: RunSet, run: dict, model: dict) -> str:
+    """A model's cell in the runs table: "no" (eager), or "yes" with the graphs compiled and their seconds: the
+    run's summary.json totals (warm-up calls included) when it has them, else the sum over its metrics files."""
+    mets = [met for met in rs.metrics.values() if met.get("model") == model["name"]
+            and (met.get("run") or {}).get("run_id") == run.get("run_id")]
+    comp = [(met.get("speed") or {}).get("compile") or {} for met in mets]
+    resolved = (model.get("resolved_knobs") or {}).values()
+    if not ((run.get("compile") or {}).get(model["name"]) or any(c.get("compiled") for c in comp)
+            or any(k.get("compile") for k in resolved)):
+        return "no"
+    path = Path(run["dir"]) / "summary.json"
+    total = ((read_json(path).get("compile") or {}).get(model["name"]) if path.is_file() else None) or {
+        "compilations": sum(c.get("compilations", 0) for c in comp), "compile_s": sum(c.get("compile_s", 0.0) for c in comp)}
+    return f"yes: {total['compilations']} compilation(s), {total['compile_s']:.1f} s"
 
 
 def _prompts_line(rs: RunSet) -> str:
@@ -520,8 +540,8 @@ def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
                   f"python {env.get('python')}, torch {pk.get('torch')}, transformers {pk.get('transformers')}, "
                   f"lm-eval {pk.get('lm-eval')}, CPU {env.get('cpu')} ({env.get('cpu_count')} cores), "
                   f"GPU {env.get('gpu')}, {env.get('platform')}", "",
-                  "| model | decoder | checkpoint | knobs given | knobs used per task (resolved) |",
-                  "|---|---|---|---|---|"]
+                  "| model | decoder | checkpoint | knobs given | knobs used per task (resolved) | compiled |",
+                  "|---|---|---|---|---|---|"]
         for m in r["models"]:
             given = {**(m.get("knobs") or {}), **({"chat_template_args": m["chat_template_args"]}
                                                    if "chat_template_args" in m else {})}
@@ -532,7 +552,7 @@ def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
             per_task = "; ".join(f"{t}: " + ", ".join(f"{k}={v}" for k, v in sorted(tk.items()))
                                  for t, tk in sorted(used.items())) or "-"
             ckpt = f"`{_show_path(m['checkpoint'])}`" + (f" + base `{_show_path(m['base'])}`" if m.get("base") else "")
-            lines.append(f"| {m['name']} | {m['decoder']} | {ckpt} | {knobs} | {per_task} |")
+            lines.append(f"| {m['name']} | {m['decoder']} | {ckpt} | {knobs} | {per_task} | {compile_cell(rs, r, m)} |")
         lines.append("")
     return "\n".join(lines)
 

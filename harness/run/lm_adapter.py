@@ -201,6 +201,8 @@ class RefusionBenchLM(TemplateLM):
     computed = property(lambda self: self.records.computed, doc="requests run in this process")
     served = property(lambda self: self.records.served, doc="requests answered from the journal")
     warmup_s = property(lambda self: self.call.warmup_s, doc="seconds of the warm-up call, None before it")
+    warmup_compile = property(lambda self: self.call.warmup_compile,
+                              doc="graphs the warm-up call compiled and their seconds (decoder knob compile)")
     rank = property(lambda self: self._rank)
     world_size = property(lambda self: self._world_size)
     tokenizer_name = property(lambda self: str(self.tokenizer.name_or_path).replace("/", "__"))

@@ -1,7 +1,10 @@
 """The decoder-call piece of the lm-eval model (``harness/run/lm_adapter.py``): prepared requests in,
 journal records out. Tokenizes and left-pads a batch, calls the decoder (timed alone after one warm-up
 call, with device synchronisation: docs/design.md §6), cuts the response text, and builds one record
-per row from the decoder's stats. No decoding logic lives here."""
+per row from the decoder's stats. No decoding logic lives here. Under the decoder knob ``compile`` the
+seconds of the call's warm-up forwards (compiling a new shape bucket; stats ``timings["compile_s"]``)
+are recorded apart (``compile_s``, ``compilations``) and left out of ``decode_s``, as the decoder's
+own timings leave them out (docs/design.md "Compiled decoding")."""
 
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ class DecoderCall:
         self._knob_objs: dict[str, Any] = {}  # validated knob sets by their JSON, built once each
         self._warm = not warmup
         self.warmup_s: float | None = None
+        self.warmup_compile = {"compilations": 0, "compile_s": 0.0}  # what the warm-up call compiled
 
     def knob_obj(self, knobs: dict[str, Any]):
         """The decoder's knob dataclass for one knob dict (validated once, then reused)."""
@@ -89,9 +93,11 @@ class DecoderCall:
             # Warm-up: the first real call pays for allocator growth and lazy init; excluded from timing.
             t0 = time.perf_counter()
             # Same knobs as the real call: a shortened gen_length can violate block/slot constraints.
-            self.decoder(self.model, ids[:1, -prompt_len:], None, knobs, **special)
+            _, warm = self.decoder(self.model, ids[:1, -prompt_len:], None, knobs, **special)
             self.sync()
             self.warmup_s = time.perf_counter() - t0
+            self.warmup_compile = {"compilations": int(warm.get("compilations", 0)),
+                                   "compile_s": float(warm["timings"].get("compile_s", 0.0))}
             self._warm = True
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -108,6 +114,9 @@ class DecoderCall:
         prompts, ids, mask = self._encode(items)
         tokens, stats, wall, gpu_peak = self._timed_call(ids, mask, len(prompts[0]), self.knob_obj(items[0]["knobs"]))
         out = []
+        # Forwards that compiled a new shape bucket (compile knob): timed apart, not decoding time.
+        compile_s = float(stats["timings"].get("compile_s", 0.0))
+        wall = max(0.0, wall - compile_s)
         for row, (it, p, toks) in enumerate(zip(items, prompts, tokens)):
             toks = [int(t) for t in toks.tolist()]  # cut by the decoder after the first EOS (docs/design.md §6)
             rec = {
@@ -121,6 +130,9 @@ class DecoderCall:
                 "forward_s": stats["timings"]["forward_s"] / len(items),
                 "kv_peak_bytes": stats.get("kv_peak_bytes"), "gpu_peak_bytes": gpu_peak,
                 "knobs": it["knobs"], "response": self.cut(toks, it["until"]),
+                # split like decode_s (sums stay the batch's); the batch's compilations on its first row
+                "compiled": bool(stats.get("compiled", False)), "compile_s": compile_s / len(items),
+                "compilations": int(stats.get("compilations", 0)) if row == 0 else 0,
             }
             rec["tpf"] = rec["generated_tokens"] / rec["nfe"] if rec["nfe"] else 0.0
             rec.update({k: int(v) for k, v in stats.items() if k.startswith("nfe_")})

@@ -3,7 +3,9 @@
 A sample record (one journal line) carries at least ``generated_tokens``,
 ``nfe``, ``decode_s`` (the decoder call only, after warm-up, device
 synchronised) and optionally ``forward_s`` (time inside model calls), per-phase
-``nfe_*`` counts, ``kv_peak_bytes`` and ``gpu_peak_bytes``. Everything here is a pure function of those records, so a
+``nfe_*`` counts, ``kv_peak_bytes`` and ``gpu_peak_bytes``, and under the decoder knob ``compile``
+``compiled``, ``compilations`` and ``compile_s`` (warm-up seconds, already left out of ``decode_s``).
+Everything here is a pure function of those records, so a
 resumed run that reads the same records back produces the same figures.
 """
 
@@ -57,6 +59,10 @@ def aggregate(records: Iterable[dict]) -> dict:
     out["nfe_by_phase"] = {k: sum(int(r.get(k, 0)) for r in recs) for k in phases}
     kv = [int(r["kv_peak_bytes"]) for r in recs if r.get("kv_peak_bytes") is not None]
     gpu = [int(r["gpu_peak_bytes"]) for r in recs if r.get("gpu_peak_bytes") is not None]
+    # Compiled decoding (knob compile): graphs compiled and their seconds, apart from the decode time above.
+    out["compile"] = {"compiled": any(bool(r.get("compiled")) for r in recs),
+                      "compilations": sum(int(r.get("compilations") or 0) for r in recs),
+                      "compile_s": sum(float(r.get("compile_s") or 0.0) for r in recs)}
     out["memory"] = {
         "kv_peak_bytes": max(kv) if kv else None,
         "gpu_peak_bytes": max(gpu) if gpu else None,

@@ -677,8 +677,15 @@ def build_config(ns: argparse.Namespace) -> dict:
         "task_defaults": task_defaults, "baseline": baseline, "tasks_dir": str(REPO / "tasks"),
         "tasks_dirs": [str(d.resolve()) for d in tasks_dirs],
         "prompts": ns.prompts, "dtype": resolve_dtype(ns.dtype, device), "dtype_requested": ns.dtype,
-        "chat_template_args": template_args,
+        "chat_template_args": template_args, "compile": compile_settings(model_cfgs),
     }
+
+
+def compile_settings(model_cfgs: list[dict]) -> dict[str, bool]:
+    """Per model, whether it decodes compiled (the decoder knob ``compile`` on for any of its tasks): recorded
+    in run.json (derived from the knobs, so not compared on resume) and named by the summary and report."""
+    return {m["name"]: any(bool(v.get("compile")) for v in (m.get("resolved_knobs") or {}).values())
+            for m in model_cfgs}
 
 
 def dtype_warning(cfg: dict) -> str | None:
@@ -701,7 +708,9 @@ def describe_resolved(cfg: dict) -> str:
         own = m.get(TEMPLATE_OPTION, cfg["chat_template_args"])
         lines.append(f"{m['name']}: decoder {m['decoder']} on {m['checkpoint']} ({m['family']} family, {attn}"
                      + (f", LoRA on base {m['base']}" if m.get("base") else "")
-                     + (f", chat template arguments {own}" if own != cfg["chat_template_args"] else "") + ")")
+                     + (f", chat template arguments {own}" if own != cfg["chat_template_args"] else "")
+                     + (", compiled: torch.compile, static shapes" if (cfg.get("compile") or {}).get(m["name"]) else "")
+                     + ")")
         for u in cfg["units"]:
             groups: dict[str, list[str]] = {}
             for leaf in u["leaves"]:
@@ -855,7 +864,7 @@ def finalize(run_dir: Path) -> dict:
         b = base_tps.get(r["task"])
         r["speedup"] = {"baseline": base, "tokens_per_s": speedup(r["speed"]["tokens_per_s"]["ratio_of_sums"], b)}
         atomic_write_json(run_dir / "metrics" / f"{r['model']}__{r['task']}.json", r)
-    result = summary.summary(cfg, rows)
+    result = summary.summary(cfg, rows, summary.warmup_compile(run_dir, cfg))
     atomic_write_json(run_dir / "summary.json", result)
     (run_dir / "summary.md").parent.mkdir(parents=True, exist_ok=True)
     from harness.run.store import atomic_write_text

@@ -26,10 +26,15 @@ def _row(m: dict) -> dict:
         "peak_rss_bytes": m["memory"].get("peak_rss_bytes"), "kv_peak_bytes": m["memory"].get("kv_peak_bytes"),
         "gpu_peak_bytes": m["memory"].get("gpu_peak_bytes"),
         "outside_forward_share": s.get("outside_forward_share"),
+        # compiled decoding (knob compile): graphs compiled and their seconds, left out of tok/s and latency
+        "compiled": bool((s.get("compile") or {}).get("compiled")),
+        "compilations": (s.get("compile") or {}).get("compilations", 0),
+        "compile_s": (s.get("compile") or {}).get("compile_s", 0.0),
     }
 
 
-def summary(cfg: dict, metrics: list[dict]) -> dict:
+def summary(cfg: dict, metrics: list[dict], warmup: dict[str, dict] | None = None) -> dict:
+    """The run summary; ``warmup``: per model, what its warm-up calls compiled (done.json's warmup_compile)."""
     rows = [_row(m) for m in metrics]
     # Mean over tasks of the per-task speedup: the paper's headline convention (docs/design.md §6).
     by_model: dict[str, list[float]] = {}
@@ -41,7 +46,49 @@ def summary(cfg: dict, metrics: list[dict]) -> dict:
         "models": [m["name"] for m in cfg["models"]], "units": [u["name"] for u in cfg["units"]],
         "rows": rows, "mean_speedup": {k: sum(v) / len(v) for k, v in by_model.items()},
         "environment": cfg.get("environment"), "sessions": sessions(cfg),
+        "compile": compile_totals(cfg, rows, warmup or {}),
     }
+
+
+def compile_totals(cfg: dict, rows: list[dict], warmup: dict[str, dict]) -> dict:
+    """Per model: whether it decoded compiled (the knob ``compile``, as run.json records it, or as its samples
+    say), and the graphs compiled and their seconds: its warm-up calls' (``warmup``, per model) plus those
+    of its recorded decodes over every task."""
+    out = {}
+    for m in cfg["models"]:
+        mine = [r for r in rows if r["model"] == m["name"]]
+        warm = warmup.get(m["name"]) or {}
+        on = bool((cfg.get("compile") or {}).get(m["name"])) or any(r["compiled"] for r in mine)
+        out[m["name"]] = {"compiled": on,
+                          "compilations": sum(r["compilations"] or 0 for r in mine) + warm.get("compilations", 0),
+                          "compile_s": sum(r["compile_s"] or 0.0 for r in mine) + warm.get("compile_s", 0.0),
+                          "warmup_compilations": warm.get("compilations", 0),
+                          "warmup_compile_s": warm.get("compile_s", 0.0)}
+    return out
+
+
+def warmup_compile(run_dir: Path, cfg: dict) -> dict[str, dict]:
+    """Per model, the compilations and compile seconds of its warm-up calls, summed over its ranks
+    (``models/<name>/done.json``; {} for a model whose done.json lacks them)."""
+    out = {}
+    for m in cfg["models"]:
+        path = run_dir / "models" / m["name"] / "done.json"
+        ranks = [w for w in (read_json(path).get("warmup_compile") or []) if w] if path.is_file() else []
+        if ranks:
+            out[m["name"]] = {"compilations": sum(int(w.get("compilations", 0)) for w in ranks),
+                              "compile_s": sum(float(w.get("compile_s", 0.0)) for w in ranks)}
+    return out
+
+
+def compile_note(s: dict) -> str | None:
+    """One line naming the models decoded under torch.compile (None when every model ran eager)."""
+    on = {k: v for k, v in (s.get("compile") or {}).items() if v["compiled"]}
+    if not on:
+        return None
+    per = "; ".join(f"{k}: {v['compilations']} compilation(s), {v['compile_s']:.1f} s, warm-up call included"
+                    for k, v in on.items())
+    return (f"Compiled decoding (knob compile: torch.compile, static shapes) for {', '.join(on)} ({per}); "
+            "compile seconds are left out of tok/s and latency. The other models, and the paper, decode eagerly.")
 
 
 # ---------------------------------------------------------------- sessions (resume)
@@ -138,6 +185,8 @@ def markdown(s: dict) -> str:
     lines += ["| " + " | ".join(_cells(r)[i] for i in keep) + " |" for r in s["rows"]]
     if s["mean_speedup"] and s.get("baseline"):
         lines += ["", "Mean per-task speedup: " + ", ".join(f"{k} {v:.2f}x" for k, v in s["mean_speedup"].items())]
+    if compile_note(s):
+        lines += ["", compile_note(s)]
     env = s.get("environment") or {}
     lines += ["", f"Quality metric per task: " + ", ".join(sorted({f"{r['task']}={r['quality_metric']}"
                                                                   for r in s["rows"]})),

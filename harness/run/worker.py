@@ -46,7 +46,8 @@ def _sample_rows(samples: dict, records: dict[tuple, dict], unit: dict) -> list[
                    "response": rec.get("response"), "filtered_resps": s.get("filtered_resps"),
                    "filter": s.get("filter"), "metrics": {k: s[k] for k in s.get("metrics", []) if k in s}}
             for k in ("generated_tokens", "nfe", "tpf", "decode_s", "forward_s", "batch_size", "kv_peak_bytes", "gpu_peak_bytes",
-                      "prompt_tokens", "tokens", "knobs", "rank", "commit_forward", "commit_kind", "forward_phase"):
+                      "prompt_tokens", "tokens", "knobs", "rank", "commit_forward", "commit_kind", "forward_phase",
+                      "compiled", "compilations", "compile_s"):
                 if k in rec:
                     row[k] = rec[k]
             row.update({k: v for k, v in rec.items() if k.startswith("nfe_")})
@@ -111,7 +112,8 @@ def _main(ns: argparse.Namespace) -> int:
     lm.barrier()
     # Every rank's keys, RSS and counts go to rank 0, which alone writes files.
     mine = {"keys": lm.keys_by_task, "peak_rss_bytes": _peak_rss_bytes(), "computed": lm.computed,
-            "served": lm.served, "warmup_s": lm.warmup_s, "rank": lm.rank}
+            "served": lm.served, "warmup_s": lm.warmup_s, "rank": lm.rank,
+            "warmup_compile": lm.warmup_compile}
     ranks = lm.gather_object(mine, dst=0)
     if lm.journal is not None:
         lm.journal.close()
@@ -195,7 +197,8 @@ def _write_results(run_dir: Path, cfg: dict, spec: dict, res: dict, journal: dic
         atomic_write_json(run_dir / "metrics" / f"{spec['name']}__{unit['name']}.json", metrics)
     atomic_write_json(mdir / "done.json", {
         "computed": sum(r["computed"] for r in ranks), "served_from_journal": sum(r["served"] for r in ranks),
-        "warmup_s": [r["warmup_s"] for r in ranks], "peak_rss_bytes": peak_rss, "pid": os.getpid()})
+        "warmup_s": [r["warmup_s"] for r in ranks], "warmup_compile": [r.get("warmup_compile") for r in ranks],
+        "peak_rss_bytes": peak_rss, "pid": os.getpid()})
 
 
 def _unit_metrics(cfg: dict, spec: dict, unit: dict, recs: list[dict], gen_recs: list[dict], quality: dict,
@@ -209,7 +212,7 @@ def _unit_metrics(cfg: dict, spec: dict, unit: dict, recs: list[dict], gen_recs:
         "quality": quality, "quality_primary": unit.get("primary") if unit.get("primary") in quality
         else next(iter(quality), None),
         "speed": {k: speed[k] for k in ("samples", "generated_tokens", "latency_s", "tokens_per_s", "nfe", "tpf",
-                                        "nfe_by_phase", "outside_forward_share")},
+                                        "nfe_by_phase", "outside_forward_share", "compile")},
         "memory": {**speed["memory"], "peak_rss_bytes": peak_rss,
                    "peak_rss_by_rank": [r["peak_rss_bytes"] for r in ranks],
                    "rss_scope": "whole worker process of this model (all tasks of the run)"},

@@ -5,7 +5,6 @@ with a KV cache, batch >= 1 with left padding.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from dataclasses import dataclass
 
@@ -16,11 +15,12 @@ from .common import (
     forward,
     is_eos,
     make_generator,
+    new_cache,
     padding_mask,
     pick,
     positions_from_mask,
 )
-from .knobs import Knobs, gen_length, seed, temperature
+from .knobs import Knobs, compile_knob, gen_length, seed, temperature
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class ArKnobs(Knobs):
     gen_length: int = gen_length(256)
     temperature: float = temperature()
     seed: int = seed()
+    compile: bool = compile_knob()
 
 
 @torch.no_grad()
@@ -55,12 +56,12 @@ def ar(
     eos = eos_ids(model, eos_token_id)
     device = input_ids.device
     gen = make_generator(device, k.seed)
-    meter = Meter(model, ("prefill", "step"))
+    meter = Meter(model, ("prefill", "step"), compile=k.compile)
 
     mask = padding_mask(input_ids, attention_mask)  # [B, P]
     batch = input_ids.shape[0]
     meter.track(batch, gen_length, device)  # commit order: token t comes from forward t
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model, meter)
     logits = forward(
         model, meter, "prefill", input_ids,
         position_ids=positions_from_mask(mask), attention_mask=mask, cache=cache,

@@ -10,6 +10,11 @@ holds the KV of the tokens just forwarded).
 Commit order (``CommitLog``, docs/design.md §6): per row, the index of the forward after which
 each returned token was fixed for good (``commit_forward``) and that step's kind (``commit_kind``),
 plus the phase of every forward (``forward_phase``): what `harness trace` draws.
+
+Compiled decoding (the knob ``compile``, refusion/decoding/compiled.py): ``Meter(..., compile=True)``
+sends every ``forward`` through the compiled path and makes ``new_cache`` return a static cache;
+stats then carry ``compiled``, ``compilations`` and ``timings["compile_s"]`` (warm-up calls, taken out
+of decode_s and forward_s; docs/design.md "Compiled decoding").
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
+
+from .compiled import StaticKV, compiled_call, query_bucket
 
 # ---------------------------------------------------------------- special ids
 
@@ -84,8 +91,12 @@ class Meter:
     stats dict of the interface (nfe, nfe_<phase>, generated_tokens, tpf, ...).
     """
 
-    def __init__(self, model, phases: Sequence[str]):
+    def __init__(self, model, phases: Sequence[str], compile: bool = False):
         self.counts = {p: 0 for p in phases}
+        self.compiled = bool(compile)  # forwards run compiled (compiled.compiled_call), caches are static
+        self.compilations = 0  # graphs compiled during this call
+        self.compile_s = 0.0  # seconds of warm-up forwards (compiling, or recording a CUDA graph)
+        self.budget = 0  # response tokens per row (from `track`): sizes a static cache's reserve
         self.calls = 0  # model calls; one call may serve several phases (rows of a batch at different stages)
         self.forward_s = 0.0  # seconds inside model calls, to tell forward time from decoder overhead
         self.kv_peak_bytes = 0
@@ -117,6 +128,7 @@ class Meter:
     def track(self, rows: int, length: int, device: torch.device) -> None:
         """Record the commit order of `rows` responses of at most `length` tokens (see CommitLog)."""
         self.commits = CommitLog(rows, length, device)
+        self.budget = max(self.budget, int(length))
 
     def settle(self, tokens: torch.Tensor, empty: int | None = None, row: int | None = None) -> None:
         """Call once after every forward, when the response tokens [B, n] (or one row's [n] with `row`) hold
@@ -138,7 +150,11 @@ class Meter:
         stats = {"nfe": nfe, "generated_tokens": generated, "tpf": generated / nfe if nfe else 0.0}
         stats.update({f"nfe_{p}": n for p, n in self.counts.items()})
         stats["kv_peak_bytes"] = self.kv_peak_bytes
-        stats["timings"] = {"decode_s": seconds, "forward_s": self.forward_s}
+        # Warm-up forwards (compiling, recording a CUDA graph) are reported apart, not as decoding time.
+        stats["timings"] = {"decode_s": seconds - self.compile_s, "forward_s": self.forward_s - self.compile_s,
+                            "compile_s": self.compile_s}
+        stats["compiled"] = self.compiled
+        stats["compilations"] = self.compilations
         stats.update(extra)
         if self.commits is not None:
             fwd, kind = self.commits.export([int(r.numel()) for r in responses], self.phase_log)
@@ -213,6 +229,15 @@ class CommitLog:
         return fwd, kind
 
 
+def new_cache(model, meter: Meter) -> DynamicCache:
+    """An empty KV cache for one decoder call: a ``DynamicCache``, or with ``meter.compiled`` a static one
+    (compiled.StaticKV: preallocated at its first write for the first need plus the response budget and a
+    query bucket of slack; the same interface for the decoders)."""
+    if not meter.compiled:
+        return DynamicCache(config=model.config)
+    return StaticKV(model.config, reserve=meter.budget + query_bucket(max(1, meter.budget)))
+
+
 def cache_bytes(cache: DynamicCache | None) -> int:
     if cache is None:
         return 0
@@ -238,7 +263,11 @@ def cache_keep(cache: DynamicCache, start: int, keep: torch.Tensor | None = None
 
     keys/values are (B, kv_heads, T, head_dim); `keep` indexes the tail (None = drop
     the tail). Used to drop mask-token KV after a plan and to keep accepted tokens only.
+    A static cache (compiled decoding) does it in place.
     """
+    if _static(cache):
+        cache.keep(start, keep)
+        return
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False) or layer.keys is None:
             continue
@@ -272,8 +301,12 @@ def cache_from(model, parts: list[tuple[torch.Tensor, torch.Tensor]] | None) -> 
 
 
 def cache_append(cache: DynamicCache, parts: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-    """Append several per-layer (keys, values) chunks to the cache, in list order."""
+    """Append several per-layer (keys, values) chunks to the cache, in list order (a static cache: copied
+    into its buffers after the live length)."""
     if not parts:
+        return
+    if _static(cache):
+        cache.append(parts)
         return
     for i, layer in enumerate(cache.layers):
         ks = [p[i][0] for p in parts]
@@ -283,6 +316,10 @@ def cache_append(cache: DynamicCache, parts: list[list[tuple[torch.Tensor, torch
         else:
             ks, vs = [layer.keys] + ks, [layer.values] + vs
         layer.keys, layer.values = torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+def _static(cache) -> bool:
+    return isinstance(cache, StaticKV)
 
 
 # ---------------------------------------------------------------- forwards
@@ -325,7 +362,25 @@ def forward(
     ids jump (docs/design.md §8). Or `slots`, a `refusion.kernels.SlotLayout` (prefix length and
     packed slot lengths): no mask is built, the model's attention (a refusion_* implementation,
     see `kernels.attention_backend`) receives the slot structure as the keyword `slot_layout`.
+
+    With ``meter.compiled`` the call goes through ``compiled.compiled_call`` (static shapes, the same
+    visibility as an explicit mask); a call that compiled counts its seconds in ``meter.compile_s``.
     """
+    if meter.compiled:
+        meter.count(phase)
+        meter._sync()
+        t0 = time.perf_counter()
+        logits, fresh, warm = compiled_call(model, input_ids, position_ids=position_ids,
+                                            attention_mask=attention_mask, visible=visible, slots=slots, cache=cache)
+        meter._sync()
+        seconds = time.perf_counter() - t0
+        meter.forward_s += seconds
+        meter.compilations += fresh
+        if warm:
+            meter.compile_s += seconds
+        if cache is not None:
+            meter.kv(cache, extra=kv_extra)
+        return logits
     if visible is not None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             # SDPA takes the bool pattern as is (True = attend): no float mask to build per call.

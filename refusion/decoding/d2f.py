@@ -55,9 +55,10 @@ from .common import (
     left_padding_mask,
     make_generator,
     mask_id,
+    new_cache,
     pick,
 )
-from .knobs import Knobs, gen_length, knob, seed, temperature
+from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
 from .refusion import Req, Steps, drive_rows  # per-row generators answered by one stacked model call
 
 ACTIVE, TO_CACHE, CACHED = "active", "to_cache", "cached"
@@ -84,6 +85,7 @@ class D2fKnobs(Knobs):
     stop_at_eos: bool = knob(True, "stop a row once it holds an EOS with nothing masked before it (same tokens, "
                              "fewer forwards)")
     seed: int = seed()
+    compile: bool = compile_knob()
 
     def check(self) -> None:
         if self.block_size > self.gen_length or self.gen_length % self.block_size:
@@ -246,11 +248,11 @@ def d2f(
     kn = _Run(k, k.gen_length // k.block_size, mask_id(model, mask_token_id), eos_ids(model, eos_token_id), on_cache,
               as_float32(k.skip_threshold))
     pad = left_padding_mask(input_ids, attention_mask)
-    meter = Meter(model, ("step",))
+    meter = Meter(model, ("step",), compile=k.compile)
     counts = {"row_steps": 0, "active_blocks": 0, "pipeline_max": 0}
     meter.track(input_ids.shape[0], k.gen_length, input_ids.device)
     rows = [
-        _decode_row(b, row[m.bool()], kn, None if k.no_cache else DynamicCache(config=model.config),
+        _decode_row(b, row[m.bool()], kn, None if k.no_cache else new_cache(model, meter),
                     make_generator(input_ids.device, k.seed), counts, meter)
         for b, (row, m) in enumerate(zip(input_ids, pad))
     ]

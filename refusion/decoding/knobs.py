@@ -146,3 +146,9 @@ def temperature() -> Any:
 def seed() -> Any:
     return knob(0, "seed of the sampling generator (each row gets its own, so a row's tokens do not depend "
                    "on its batch)", optional=True)
+
+
+def compile_knob() -> Any:
+    """The ``compile`` knob every decoder has (docs/design.md "Compiled decoding"; off by default)."""
+    return knob(False, "run the model forward under torch.compile with static shapes (bucketed queries, a "
+                       "preallocated KV cache; same tokens); off = the paper's eager setting")

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from .common import (
     Meter,
@@ -40,12 +39,13 @@ from .common import (
     is_eos,
     make_generator,
     mask_id,
+    new_cache,
     padding_mask,
     pick,
     positions_from_mask,
     token_prob,
 )
-from .knobs import Knobs, gen_length, knob, seed, temperature
+from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
 
 __all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "as_float32", "block_length_knob",
            "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "dream_generation_defaults",
@@ -107,6 +107,7 @@ class LladaKnobs(Knobs):
     temperature: float = temperature()
     stop_at_eos: bool = stop_at_eos_knob()
     seed: int = seed()
+    compile: bool = compile_knob()
 
     def check(self) -> None:
         check_steps(self)
@@ -135,6 +136,7 @@ class FastDllmKnobs(Knobs):
     temperature: float = temperature()
     stop_at_eos: bool = stop_at_eos_knob()
     seed: int = seed()
+    compile: bool = compile_knob()
 
     def check(self) -> None:
         if self.commit_first and not self.shift:
@@ -177,6 +179,7 @@ class DreamKnobs(Knobs):
     stop_at_eos: bool = knob(True, "stop once every row holds an EOS with nothing masked before it (same tokens, "
                              "fewer forwards)")
     seed: int = seed()
+    compile: bool = compile_knob()
 
     def check(self) -> None:
         if not self.eps < 1:
@@ -361,7 +364,7 @@ def llada(
     n_blocks, schedule = block_schedule(k)  # tokens unmasked at each step of a block
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
-    meter = Meter(model, ("step",))
+    meter = Meter(model, ("step",), compile=k.compile)
     x, attn, pos = masked_start(model, input_ids, attention_mask, gen_length, mask)
     p0 = input_ids.shape[1]
     meter.track(x.shape[0], gen_length, x.device)
@@ -424,7 +427,7 @@ def fast_dllm(
     cache_mode, shift, dream_loop = k.cache, int(k.shift), k.dream_loop
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
-    meter = Meter(model, ("full", "cached"))
+    meter = Meter(model, ("full", "cached"), compile=k.compile)
     x, attn, pos = masked_start(model, input_ids, attention_mask, gen_length, mask)
     p0, total = input_ids.shape[1], x.shape[1]
     meter.track(x.shape[0], gen_length, x.device)
@@ -445,7 +448,7 @@ def fast_dllm(
         while any(open_):
             if first or cache_mode == "none":
                 if first:
-                    kv = None if cache_mode == "none" else DynamicCache(config=model.config)
+                    kv = None if cache_mode == "none" else new_cache(model, meter)
                 logits = forward(model, meter, "full", x, position_ids=pos, attention_mask=attn, cache=kv)
                 logits = logits[:, lo - shift:hi - shift]
                 if first and cache_mode == "prefix":
@@ -577,7 +580,7 @@ def dream(
     steps = k.gen_length if k.steps is None else k.steps
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
-    meter = Meter(model, ("step",))
+    meter = Meter(model, ("step",), compile=k.compile)
     x, attn, pos = masked_start(model, input_ids, attention_mask, k.gen_length, mask)
     p0 = input_ids.shape[1]
     resp = x[:, p0:]  # [B, G] view: writes land in x

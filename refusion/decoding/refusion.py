@@ -78,10 +78,11 @@ from .common import (
     left_padding_mask,
     make_generator,
     mask_id,
+    new_cache,
     pick,
     token_prob,
 )
-from .knobs import Knobs, gen_length, knob, seed, temperature
+from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
 
 PHASES = ("plan", "verify", "draft", "infill", "recompute")
 INFILL_SEEDS = ("global", "first")
@@ -147,6 +148,7 @@ class RefusionKnobs(Knobs):
                      "the fused slot-attention kernels of refusion/kernels.py given the slot layout (flex, "
                      "triton; same tokens)", choices=ATTN_BACKENDS)
     seed: int = seed()
+    compile: bool = compile_knob()
 
     @property
     def n_slots(self) -> int:
@@ -154,6 +156,8 @@ class RefusionKnobs(Knobs):
 
     def check(self) -> None:
         require(self.attn)  # one line naming what is missing (triton, CUDA) before any model is touched
+        if self.compile and self.attn != "sdpa":
+            raise ValueError(f"compile runs the dense-mask path (attn=sdpa); got attn={self.attn}")
         if self.serial_num_blocks > self.n_slots or self.n_slots % self.serial_num_blocks:
             raise ValueError(
                 f"serial_num_blocks must divide the slot count {self.n_slots} (gen_length {self.gen_length} / "
@@ -671,7 +675,7 @@ def refusion(
     )
     pad = left_padding_mask(input_ids, attention_mask)
     require(kn.attn, input_ids.device)
-    meter = Meter(model, PHASES)
+    meter = Meter(model, PHASES, compile=k.compile)
     device = input_ids.device
     counts = {"rounds": 0, "verify_commits": 0, "infill_rounds": 0, "infill_commits": 0, "slots_parallel_max": 0,
               "infill_slots": 0}
@@ -682,7 +686,7 @@ def refusion(
         lp = prompt.numel()
         st = _State(
             row=_Row(ids=prompt.tolist(), pos=list(range(lp))),
-            cache=None if kn.no_cache else DynamicCache(config=model.config),
+            cache=None if kn.no_cache else new_cache(model, meter),
             positions=lp + torch.arange(n_slots * slot_size, device=device).view(n_slots, slot_size),
             gen=make_generator(device, k.seed), counts=counts, meter=meter, index=b, lp=lp,
         )
