@@ -1,7 +1,7 @@
 """`make bench-decoders`: every decoder and ReFusion ablation on the embedded suite, measured by
 the same path as `make eval`, plus the target checks.
 
-    python -m harness bench-decoders [--limit 100] [--batch 8] [--long-prompts 8] [--threads 2]
+    python -m harness bench-decoders [--limit 100] [--batch 8] [--long-prompts 8] [--compiled 2] [--threads 2]
                                      [--out results/bench_decoders.json]
 
 1. One `harness eval` run of the preset list ``BENCH_MODELS`` (harness/run/presets.py) on the
@@ -15,6 +15,10 @@ the same path as `make eval`, plus the target checks.
    vs replicated KV for parallel infill after ~700 prompt tokens (12 code examples as chat turns
    before the question, gen_length 128, slot_size 8, low thresholds so several slots are infilled
    together, no EOS), decoder called directly.
+
+4. Eager vs compiled (``run_compiled``): one preset per decoder on ``--compiled`` items per kind, called
+   directly with the knob ``compile`` off and on; tokens/s of each (compile time excluded by an untimed
+   first pass), their ratio, and whether tokens and NFE are identical.
 
 Both runs live under ``--runs-root`` with ids derived from the settings, so an interrupted bench
 resumes where it stopped. Wall-clock figures are only compared as ratios inside one bench. The
@@ -141,6 +145,65 @@ def run_long_prompt(model, tokenizer, n: int) -> dict:
     return res
 
 
+# Eager vs compiled (the decoder knob ``compile``, docs/design.md §6a): one preset per decoder, called directly.
+COMPILED_PRESETS = ("ar", "refusion", "llada", "fast_dllm", "dream", "d2f")
+
+
+def run_compiled(n: int, threads: int) -> dict:
+    """Per decoder preset: the first ``n`` test items of each embedded kind (chat-templated, the kind's
+    gen_length, the preset's knobs), decoded eagerly and with ``compile=True``, batch 1. One untimed pass of
+    each first (the compiled one compiles every query bucket these prompts meet); then every prompt eager and
+    compiled in turn (ABBA by prompt), timed around the decoder call. Tokens/s = tokens / seconds of the timed
+    pass, compile seconds and compilations from the warm-up pass's stats, and whether every prompt gave the
+    same tokens and NFE both ways."""
+    import torch
+
+    from harness.models.checkpoints import load_model
+    from harness.run.presets import PRESETS
+    from refusion.decoding import DECODERS
+    from tasks.embedded import load_split
+    from tasks.info import TASKS
+
+    torch.set_num_threads(threads)
+    out, loaded = {}, {}
+    for name in COMPILED_PRESETS:
+        spec = PRESETS[name]
+        if spec.checkpoint not in loaded:
+            loaded[spec.checkpoint] = load_model(str(REPO / spec.checkpoint))
+        lm = loaded[spec.checkpoint]
+        special = {"eos_token_id": list(lm.eos_ids), "mask_token_id": lm.mask_id}
+        items = []
+        for kind in ("math", "code", "choice"):
+            for row in load_split(kind, "test")[:n]:
+                text = lm.tokenizer.apply_chat_template([{"role": "user", "content": row["query"]}], tokenize=False,
+                                                        add_generation_prompt=True)
+                ids = torch.tensor([lm.tokenizer(text, add_special_tokens=False)["input_ids"]])
+                items.append((ids, {**spec.knobs, "gen_length": TASKS[f"embedded_{kind}"].gen_length}))
+        dec = DECODERS[spec.decoder]
+        warm = {c: [dec(lm.model, ids, None, {**kn, "compile": c}, **special) for ids, kn in items]
+                for c in (False, True)}
+        secs, toks, same = {False: 0.0, True: 0.0}, {False: 0, True: 0}, True
+        for i, (ids, kn) in enumerate(items):
+            results = {}
+            for c in ((False, True) if i % 2 == 0 else (True, False)):
+                t0 = time.perf_counter()
+                results[c] = dec(lm.model, ids, None, {**kn, "compile": c}, **special)
+                secs[c] += time.perf_counter() - t0
+                toks[c] += results[c][1]["generated_tokens"]
+            (te, se), (tc, sc) = results[False], results[True]
+            same = same and all(torch.equal(a, b) for a, b in zip(te, tc)) and se["nfe"] == sc["nfe"]
+        stats = [s for _, s in warm[True]]
+        out[name] = {"prompts": len(items), "eager_tps": toks[False] / secs[False], "compiled_tps": toks[True] / secs[True],
+                     "compiled_over_eager": (toks[True] / secs[True]) / (toks[False] / secs[False]),
+                     "same_tokens": same, "compilations": sum(s.get("compilations", 0) for s in stats),
+                     "compile_s": sum(s["timings"].get("compile_s", 0.0) for s in stats)}
+        r = out[name]
+        print(f"compile {name:<10} eager {r['eager_tps']:8.1f} tok/s  compiled {r['compiled_tps']:8.1f} tok/s  "
+              f"x{r['compiled_over_eager']:.2f}  same={same}  graphs={r['compilations']} ({r['compile_s']:.1f} s)",
+              file=sys.stderr)
+    return out
+
+
 def check_targets(results: dict) -> dict:
     """The decoder targets (speed and quality against ar and llada), each as (value, target, met) per kind."""
     checks = {}
@@ -221,11 +284,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="also decode refusion in batches of this size (same items; 1 = skip)")
     p.add_argument("--long-prompts", type=int, default=8,
                    help="long-prompt packed vs replicated case: this many prompts (0 = skip)")
+    p.add_argument("--compiled", type=int, default=2,
+                   help="eager vs compiled (knob compile): this many items per kind per decoder (0 = skip)")
     p.add_argument("--runs-root", default=str(REPO / "results" / "runs"), help="where the two eval runs are kept")
     p.add_argument("--out", default=str(REPO / "results" / "bench_decoders.json"))
     a = p.parse_args(argv)
-    if a.limit < 1 or a.threads < 1 or a.batch < 1 or a.long_prompts < 0:
-        print("error: --limit, --threads and --batch must be >= 1, --long-prompts >= 0", file=sys.stderr)
+    if a.limit < 1 or a.threads < 1 or a.batch < 1 or a.long_prompts < 0 or a.compiled < 0:
+        print("error: --limit, --threads and --batch must be >= 1, --long-prompts and --compiled >= 0", file=sys.stderr)
         return 2
 
     models = ",".join(BENCH_MODELS)
@@ -253,13 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"long    packed/replicated tps x{s['packed_speedup']:.2f}  kv x{s['kv_peak_ratio']:.3f}  "
               f"k={s['slots_infilled_together_mean']:.2f}  same={s['same_tokens']}", file=sys.stderr)
 
+    compiled = run_compiled(a.compiled, a.threads) if a.compiled > 0 else None
+
     env = json.loads((run / "run.json").read_text()).get("environment")
     report = {
         "command": "python -m harness bench-decoders " + " ".join(argv if argv is not None else sys.argv[1:]),
         "runs": {"batch1": str(run.relative_to(REPO)) if run.is_relative_to(REPO) else str(run),
                  **({"batched": str(brun.name)} if a.batch > 1 else {})},
         "environment": env, "limit": a.limit, "threads": a.threads, "results": results, "batched": batch,
-        "long_prompt": long,
+        "long_prompt": long, "compiled": compiled,
     }
     if all({"ar", "refusion", "llada", "fast_dllm"} <= set(r) for r in results.values()):
         report["targets"] = check_targets(results)
