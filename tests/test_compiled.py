@@ -220,7 +220,14 @@ def compare(name: str, models, prompts_per_kind: int, backend: str, monkeypatch)
     return total
 
 
-@pytest.mark.parametrize("name", sorted(DECODERS))
+# make test keeps CI's time budget: inductor on llada, and the two decoders with cache surgery of their own
+# (refusion's commits, d2f's kept blocks) under aot_eager; the other decoders' one-prompt checks run with
+# `make test-slow`, beside the inductor sweep of every decoder below.
+DEFAULT_ONE_PROMPT = {INDUCTOR, "refusion", "d2f"}
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_ONE_PROMPT else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(DECODERS)])
 def test_compiled_tokens_equal_eager_one_prompt(name, models, monkeypatch, record_property):
     backend = "inductor" if name == INDUCTOR else "aot_eager"
     total = compare(name, models, 1, backend, monkeypatch)
@@ -241,6 +248,7 @@ def test_compiled_tokens_equal_eager_inductor_sweep(name, models, monkeypatch, r
 # ---------------------------------------------------------------- the variants' paths (aot_eager: quick)
 
 
+@pytest.mark.slow  # about 40 s of aot_eager compiles: make test-slow
 def test_compiled_refusion_variants_and_batches_equal_eager(models, left_pad, monkeypatch):
     """The paths the default decodes above barely take: parallel infill of several slots (forced: every slot
     picked, no draft accepted by verification) in the packed and replicated layouts (the cache's batch
