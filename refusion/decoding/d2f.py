@@ -59,6 +59,7 @@ from .common import (
     pick,
 )
 from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
+from .mdm import settled_row
 from .refusion import Req, Steps, drive_rows  # per-row generators answered by one stacked model call
 
 ACTIVE, TO_CACHE, CACHED = "active", "to_cache", "cached"
@@ -146,7 +147,7 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
         for j in range(1, len(state)):
             full[j] = full[j] or decoded(j - 1) >= k.decoded_token_threshold
         active = [j for j, s in enumerate(state) if s == ACTIVE]
-        if not active or (k.stop_at_eos and eos_seen and _settled(toks, eos_set)):
+        if not active or (k.stop_at_eos and eos_seen and settled_row(toks, eos_set)):
             break
 
         # Forward every position not in the cache; with no_cache, the whole row. The blocks finished last step
@@ -212,16 +213,6 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
             if state[j - 1] != ACTIVE and not open_[j]:
                 state[j] = TO_CACHE
     return cut_after_eos(ids[n_prompt:length], kn.eos)
-
-
-def _settled(toks: list[int | None], eos_set: frozenset) -> bool:
-    """``mdm.settled`` for one row on the host (None = masked): an EOS with nothing masked before it."""
-    for t in toks:
-        if t is None:
-            return False
-        if t in eos_set:
-            return True
-    return False
 
 
 @torch.no_grad()

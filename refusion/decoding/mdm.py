@@ -49,7 +49,8 @@ from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
 
 __all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "as_float32", "block_length_knob",
            "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "dream_generation_defaults",
-           "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "propose", "settled", "steps_knob",
+           "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "propose", "settled", "settled_row",
+           "steps_knob",
            "stop_at_eos_knob", "top_k_filter", "top_open", "top_p_filter"]
 
 
@@ -532,12 +533,13 @@ def _dream_greedy(model, meter, k, x, attn, pos, p0, times, mask, eos) -> None:
             if cs:
                 meter.commit(b, cs, [f] * len(cs), [kind] * len(cs))
             open_[b] = [j for j in open_[b] if j not in set(cs)]
-        if k.stop_at_eos and all(_settled_row(t, eos_set) for t in toks):
+        if k.stop_at_eos and all(settled_row(t, eos_set) for t in toks):
             break
 
 
-def _settled_row(toks: list[int | None], eos_set: frozenset) -> bool:
-    """Host form of ``settled`` for one row (None = still masked): an EOS with nothing masked before it."""
+def settled_row(toks: list[int | None], eos_set: frozenset) -> bool:
+    """Host form of ``settled`` for one row's committed tokens (None = still masked): an EOS with nothing
+    masked before it. For decoders that keep their tokens on the host (dream's greedy loop, d2f)."""
     for t in toks:
         if t is None:
             return False
