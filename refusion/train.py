@@ -47,18 +47,30 @@ from pathlib import Path
 
 MODEL_NAMES = ("ar", "refusion", "mdm", "dream", "d2f")  # training order (each after the model it starts from)
 
-# The committed recipe, one schedule per model (steps, peak lr; one warm-up, cosine decay, no restart):
-# ar learns the tasks from scratch; the diffusion models adapt trained weights to their objective, as
-# ReFusion fine-tunes Qwen3-8B, Dream starts from Qwen2.5 and D2F distils a trained LLaDA / Dream. These
-# are the settings of the committed checkpoints/tiny (tests/test_train_recipe.py checks each folder's
-# recorded fingerprint against them). Each fits in under 60 minutes on 2 CPU cores (README).
-RECIPES: dict[str, tuple[int, float]] = {"ar": (3000, 2e-3), "refusion": (1500, 1e-3), "mdm": (1500, 1e-3),
-                                         "dream": (1800, 1e-3), "d2f": (1800, 1e-3)}
-# The recipe's data mixture (TrainConfig fields): empty, the faithful data. The arithmetic-signal mixture
-# of #21/#28 (open_share 0.2, result_share 0.4) is an option (--open-share / --result-share), not yet the
-# committed recipe: README, "A one-schedule retrain on the result mixture". TrainConfig's own defaults stay
-# 0, which is also what a state file written before a field existed means.
-RECIPE_MIX: dict[str, float] = {}
+# The recipe, one schedule per model (TrainConfig fields: steps, peak lr, data mixture; one warm-up, cosine
+# decay, no restart). ar learns the tasks from scratch on the faithful data; the diffusion models adapt the
+# trained ar weights to their objective (as ReFusion fine-tunes Qwen3-8B and Dream starts from Qwen2.5) and
+# d2f the trained mdm ones (as D2F distils a trained LLaDA / Dream). Issue #37's recipe, fixed before its
+# first step (docs/design.md, "The #37 recipe", gives the reasons):
+# - the mixture of #21's curves for every diffusion model: 20% of the math items open-ended right after an
+#   intermediate result, 40% result items (the masked heads learn to compute a result instead of copying
+#   its restatement); the test split and the objectives are unchanged;
+# - refusion, mdm and dream get the same 4000 steps of the same batches (a step's batch is a pure function
+#   of seed and step), so the same tokens; #21's pieces reached 39% (planner) / 60% (left to right) on math
+#   at about 3,900 steps with three warm-up restarts and 1,500 faithful steps first, dream 44% at ~3,600;
+# - d2f 3000 steps from the new mdm: #21's d2f piece pointed at 19% near 3,200 steps from a weaker start.
+MIX_37: dict[str, float] = {"open_share": 0.2, "result_share": 0.4}
+RECIPES: dict[str, dict] = {"ar": {"steps": 3000, "lr": 2e-3},  # not retrained by #37: the faithful data
+                            "refusion": {"steps": 4000, "lr": 1e-3, **MIX_37},
+                            "mdm": {"steps": 4000, "lr": 1e-3, **MIX_37},
+                            "dream": {"steps": 4000, "lr": 1e-3, **MIX_37},
+                            "d2f": {"steps": 3000, "lr": 1e-3, **MIX_37}}
+# Committed folders that still hold the weights of the recipe before #37 (faithful data, unequal budgets).
+# #37 retrains one model at a time across sessions; a model leaves this table in the commit that brings
+# its retrained weights, so the fingerprint test pins every committed folder to the recipe it was made
+# with at every stop. `--recipe previous` trains these settings again.
+PREVIOUS: dict[str, dict] = {"refusion": {"steps": 1500, "lr": 1e-3}, "mdm": {"steps": 1500, "lr": 1e-3},
+                             "dream": {"steps": 1800, "lr": 1e-3}, "d2f": {"steps": 1800, "lr": 1e-3}}
 # Bidirectional (LLaDA, Dream) or block-causal (D2F, explicit masks) attention: not causal.
 NON_CAUSAL = ("mdm", "dream", "d2f")
 # TrainConfig fields a resumed run may change (how often it saves, how many threads): the rest must match.
@@ -116,10 +128,16 @@ class TrainConfig:
     kind_weights: tuple[tuple[str, float], ...] = (("math", 0.45), ("code", 0.2), ("choice", 0.35))
 
 
-def recipe(name: str, **overrides) -> TrainConfig:
-    """The committed training configuration of one tiny model; ``overrides`` replace fields."""
-    steps, lr = RECIPES[name]
-    return dataclasses.replace(TrainConfig(steps=steps, lr=lr, **RECIPE_MIX), **overrides)
+def recipe(name: str, previous: bool = False, **overrides) -> TrainConfig:
+    """The training configuration of one tiny model (``RECIPES``; ``previous``: the pre-#37 settings of a
+    model in ``PREVIOUS``); ``overrides`` replace fields."""
+    table = PREVIOUS if previous and name in PREVIOUS else RECIPES
+    return dataclasses.replace(TrainConfig(**table[name]), **overrides)
+
+
+def committed_recipe(name: str) -> TrainConfig:
+    """The recipe the committed ``checkpoints/tiny/<name>`` was trained with."""
+    return recipe(name, previous=name in PREVIOUS)
 
 
 def recipe_fingerprint(cfg: TrainConfig | dict, shape: ModelShape | dict) -> str:
@@ -541,7 +559,10 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     p.add_argument("--out", default="checkpoints/tiny", help="output folder (one sub-folder per model)")
     p.add_argument("--steps", type=int, default=None,
                    help="steps for every model (default: each model's recipe: "
-                   + ", ".join(f"{k} {v[0]}" for k, v in RECIPES.items()) + ")")
+                   + ", ".join(f"{k} {v['steps']}" for k, v in RECIPES.items()) + ")")
+    p.add_argument("--recipe", choices=["current", "previous"], default="current",
+                   help="current: RECIPES, issue #37's recipe (default); previous: the settings before it, for the "
+                   "models whose committed folder still holds them (" + ", ".join(PREVIOUS) + ")"),
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate for every model (default: the recipe's)")
     p.add_argument("--warmup", type=int, default=TrainConfig.warmup, help="linear warm-up steps")
@@ -555,18 +576,18 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     p.add_argument("--init-dir", default="",
                    help="folder of the checkpoints models start from (default: --out); e.g. --out runs-exp/x "
                    "--init-dir checkpoints/tiny --refusion-init refusion continues the committed refusion model")
-    p.add_argument("--open-share", type=float, default=RECIPE_MIX.get("open_share", TrainConfig.open_share),
+    p.add_argument("--open-share", type=float, default=None,
                    help="arithmetic-signal mixture: share of math items replaced by an open-ended item that stops "
-                   "right after an intermediate result (no EOS, no loss after it); default %(default)s, the "
-                   "recipe's (0: the faithful data)")
-    p.add_argument("--result-share", type=float, default=RECIPE_MIX.get("result_share", TrainConfig.result_share),
+                   "right after an intermediate result (no EOS, no loss after it); default: each model's recipe "
+                   f"({MIX_37['open_share']} for the diffusion models, 0 for ar: the faithful data)")
+    p.add_argument("--result-share", type=float, default=None,
                    help="arithmetic-signal mixture: share of math items replaced by a result item, whose prompt runs "
-                   "up to an intermediate result and whose response is that result ('127.'; no EOS); "
-                   "default %(default)s, the recipe's (0: the faithful data)")
-    p.add_argument("--number-share", type=float, default=TrainConfig.number_share,
+                   "up to an intermediate result and whose response is that result ('127.'; no EOS); default: "
+                   f"each model's recipe ({MIX_37['result_share']} for the diffusion models, 0 for ar)")
+    p.add_argument("--number-share", type=float, default=None,
                    help="arithmetic-signal mixture: share of math items replaced by a number item, whose prompt runs "
                    "up to any number of the solution (operand, result, answer) and whose response is that number "
-                   "and the token after it; default 0, the faithful data")
+                   "and the token after it; default: the recipe's (0)")
     p.add_argument("--suffix-share", type=float, default=TrainConfig.suffix_share,
                    help="refusion only: share of examples whose slot plan masks every slot from a random one on "
                    "(as decoding meets them) instead of random slots; default 0, the paper's objective")
@@ -594,30 +615,32 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     if (a.steps is not None and a.steps < 1) or a.batch_size < 1 or (a.lr is not None and a.lr <= 0):
         print("error: --steps and --batch-size must be >= 1, --lr > 0", file=sys.stderr)
         return 2
-    shares = (a.open_share, a.result_share, a.number_share)
+    shares = [x for x in (a.open_share, a.result_share, a.number_share) if x is not None]
     if not (all(0 <= x <= 1 for x in shares) and sum(shares) <= 1 and 0 <= a.suffix_share <= 1) \
             or a.save_every < 1 or a.save_every_s <= 0 or a.snapshot_every < 0 or a.warmup < 0:
         print("error: --open-share, --result-share, --number-share (and their sum) and --suffix-share must be in "
               "[0, 1], --save-every >= 1, --save-every-s > 0, --snapshot-every >= 0, --warmup >= 0", file=sys.stderr)
         return 2
     overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads, warmup=a.warmup,
-                     open_share=a.open_share, result_share=a.result_share, number_share=a.number_share,
                      suffix_share=a.suffix_share, save_every=a.save_every,
                      save_every_s=a.save_every_s, snapshot_every=a.snapshot_every, init_dir=a.init_dir,
                      **{f"{m}_init": getattr(a, f"{m}_init") for m in MODEL_NAMES})
-    overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr)) if v is not None})
+    overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr), ("open_share", a.open_share),
+                                        ("result_share", a.result_share), ("number_share", a.number_share))
+                      if v is not None})
+    previous = a.recipe == "previous"
     base = TrainConfig(**overrides)
     hook = make_hook(a) if make_hook is not None else None
     out = Path(a.out)
     # Models a scheduled run already finished (an interrupted `make train-tiny` resumes where it was).
-    done = {n for n in names if _finished(out, n, recipe(n, **overrides))}
+    done = {n for n in names if _finished(out, n, recipe(n, previous, **overrides))}
     for n in sorted(done, key=MODEL_NAMES.index):
         print(f"{n}: {out / n} was finished by this run (same recipe); kept", flush=True)
     todo = [n for n in sorted(set(names), key=MODEL_NAMES.index) if n not in done]
     if len(todo) > 1 and not a.sequential and a.threads >= 2:
         code = _schedule(todo, base, a, argv, entry)
     else:
-        code = _in_process(todo, base, overrides, a, corpus, hook)
+        code = _in_process(todo, base, overrides, a, corpus, hook, previous)
     if code == 0 and not a.child:
         for n in names:  # the whole run is done: a later `make train-tiny` trains again from scratch
             _done_marker(out, n).unlink(missing_ok=True)
@@ -625,13 +648,13 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
 
 
 def _in_process(names: list[str], base: TrainConfig, overrides: dict, a: argparse.Namespace,
-                corpus: Callable[[], Corpus], hook: Callable | None) -> int:
+                corpus: Callable[[], Corpus], hook: Callable | None, previous: bool = False) -> int:
     """Train ``names`` one after the other in this process, each after the model it starts from."""
     prepared = None
     for stage in stages(names, base):
         prepared = prepared or prepare(base, corpus())
         for name in stage:
-            cfg = recipe(name, **overrides)
+            cfg = recipe(name, previous, **overrides)
             try:
                 _train_timed(name, *prepared, cfg, Path(a.out), a.bar_position, a.fresh, hook)
             except StateMismatch as e:

@@ -1,4 +1,5 @@
-"""The committed tiny checkpoints are `make train-tiny`'s recipe (refusion/train.py RECIPES, RECIPE_MIX), and
+"""The committed tiny checkpoints are `make train-tiny`'s recipe (refusion/train.py RECIPES; a model in PREVIOUS
+still holds the weights of the recipe before issue #37, `--recipe previous`), and
 the trainer's scheduler starts each model after the one it starts from (ar alone on every thread, then two
 diffusion models at a time), resumes a run by keeping the models it finished, and never starts a model
 whose start model failed."""
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from refusion import train
-from refusion.train import MODEL_NAMES, OPERATIONAL, ModelShape, TrainConfig, recipe, recipe_fingerprint
+from refusion.train import (MODEL_NAMES, OPERATIONAL, ModelShape, TrainConfig, committed_recipe, recipe,
+                            recipe_fingerprint)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "checkpoints" / "tiny"
@@ -28,14 +30,28 @@ def recorded(name: str) -> dict:
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_committed_folder_is_the_recipe(name):
     """What decided the committed weights (every non-operational config field and the shape) is what
-    `make train-tiny` runs today; a folder that records its fingerprint records that one."""
+    `make train-tiny` runs today (or, for a model still in PREVIOUS, `make train-tiny TRAIN_ARGS='--recipe
+    previous'`); a folder that records its fingerprint records that one."""
     rec = recorded(name)
-    want = recipe_fingerprint(recipe(name), ModelShape())
+    want = recipe_fingerprint(committed_recipe(name), ModelShape())
     assert recipe_fingerprint(rec["train"], rec["shape"]) == want, (
         f"{TINY / name} was not trained with the recipe of refusion/train.py: retrain it with `make train-tiny`")
     if "recipe_fingerprint" in rec:
         assert rec["recipe_fingerprint"] == want
-    assert rec["train"]["steps"] == train.RECIPES[name][0] and rec["train"]["lr"] == train.RECIPES[name][1]
+    table = train.PREVIOUS if name in train.PREVIOUS else train.RECIPES
+    assert rec["train"]["steps"] == table[name]["steps"] and rec["train"]["lr"] == table[name]["lr"]
+
+
+def test_recipe_37_same_mixture_and_tokens_for_the_diffusion_models():
+    """Issue #37: every diffusion model trains on one mixture; refusion, mdm and dream see the same batches
+    (same steps, batch size and seed), so the same tokens; ar keeps the faithful data and is not retrained."""
+    cfgs = {n: recipe(n) for n in MODEL_NAMES}
+    mix = {(c.open_share, c.result_share, c.number_share) for n, c in cfgs.items() if n != "ar"}
+    assert mix == {(0.2, 0.4, 0.0)}
+    assert (cfgs["ar"].open_share, cfgs["ar"].result_share) == (0.0, 0.0) and "ar" not in train.PREVIOUS
+    same = {(c.steps, c.batch_size, c.seed, c.kind_weights) for n, c in cfgs.items() if n in ("refusion", "mdm", "dream")}
+    assert len(same) == 1
+    assert cfgs["d2f"].d2f_init == "mdm" and all(train.init_of(n, cfgs[n]) == "ar" for n in ("refusion", "mdm", "dream"))
 
 
 def test_fingerprint_covers_the_recipe_not_the_operational_fields():
@@ -45,7 +61,7 @@ def test_fingerprint_covers_the_recipe_not_the_operational_fields():
     for field in OPERATIONAL:
         other = {**cfg.__dict__, field: 7}
         assert recipe_fingerprint(other, ModelShape()) == fp
-    for field, value in (("steps", 1), ("lr", 0.5), ("result_share", 0.4), ("refusion_init", "scratch")):
+    for field, value in (("steps", 1), ("lr", 0.5), ("result_share", 0.3), ("refusion_init", "scratch")):
         assert recipe_fingerprint({**cfg.__dict__, field: value}, ModelShape()) != fp, field
     assert recipe_fingerprint(cfg, ModelShape(hidden_size=64)) != fp
     # A recorded config that lacks a later-added field counts it as TrainConfig's default.
