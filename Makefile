@@ -29,10 +29,12 @@ help: ## list the targets
 
 setup: $(STAMP) ## create .venv and install the project (editable, with test extra); instant when done
 
+# --no-compile: byte-compiling every installed file (torch's thousands) took most of the install; Python
+# compiles the modules it imports on first use instead.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_PIN)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile $(TORCH_PIN)
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[test]'
 	@touch $(STAMP)
 
 test: setup ## run the test suite (CPU, tiny models; what CI runs), without the slow end-to-end process tests

@@ -47,6 +47,7 @@ never raises: a sample whose cleanup fails is scored failed with reason
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -89,6 +90,45 @@ class SandboxResult:
 
 
 # ---------------------------------------------------------------- uids, interpreter, probes
+# Every sandbox uid this process has leased, so a check for leftovers looks at its own runs only: another
+# process on the machine (a second evaluation, another user) leases other uids from the same lock folder.
+_LEASED: set[int] = set()
+_LEASED_LOCK = threading.Lock()
+
+
+def leased_uids() -> frozenset[int]:
+    """The sandbox uids this process has leased so far (held now or released)."""
+    with _LEASED_LOCK:
+        return frozenset(_LEASED)
+
+
+def lease_is_free(uid: int):
+    """A context manager: holds ``uid``'s lease lock while the block runs when nobody holds it (yields True),
+    else yields False without waiting. With it a check of a released uid cannot race a new run taking it."""
+    @contextlib.contextmanager
+    def hold():
+        try:
+            fd = os.open(LOCK_DIR / f"{uid}.lock", os.O_RDWR)
+        except OSError:  # never leased on this machine since boot: nobody holds it
+            yield True
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+    return hold()
+
+
+def workdir_prefix() -> str:
+    """Fallback-mode work folders of this process start with this (the pid tells the processes' apart)."""
+    return f"refusion-sbx-{os.getpid()}-"
+
+
 class _UidLease:
     """A sandbox uid reserved for one run, across threads and processes (flock).
 
@@ -105,6 +145,8 @@ class _UidLease:
                 os.close(fd)
                 continue
             self.uid, self._fd = uid, fd
+            with _LEASED_LOCK:
+                _LEASED.add(uid)
             return
         raise RuntimeError("sandbox: every uid in the sandbox range is in use")
 
@@ -537,7 +579,7 @@ class _Run:
             self.cand.stdin.close()
         else:
             # Fallback: a world-traversable folder whatever TMPDIR is, so the sandbox uid can enter it.
-            self.workdir = tempfile.mkdtemp(prefix="refusion-sbx-", dir="/tmp" if self.root else None)
+            self.workdir = tempfile.mkdtemp(prefix=workdir_prefix(), dir="/tmp" if self.root else None)
             Path(self.workdir, "program.py").write_text(self.program, encoding="utf-8")
             nproc = lim["max_procs"]
             if cand_lease is not None:

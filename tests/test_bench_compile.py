@@ -9,19 +9,25 @@ import json
 import pytest
 
 
-def test_bench_compile_tiny_shapes(tmp_path, capsys):
+# make test compiles ar and fast_dllm here (the decoders test_compiled.py leaves to make test-slow); the
+# four-decoder run is the slow one (57 s of aot_eager compiles): refusion and llada / d2f are compiled in
+# make test by test_compiled.py's one-prompt checks.
+@pytest.mark.parametrize("decoders", ["ar,fast_dllm", pytest.param("all", marks=pytest.mark.slow)])
+def test_bench_compile_tiny_shapes(decoders, tmp_path, capsys):
     from harness.speed import bench_compile
 
+    names = list(bench_compile.DECODERS) if decoders == "all" else decoders.split(",")
     out = tmp_path / "gpu_check.json"
     out.write_text(json.dumps({"e2e": {"kept": 1}}))  # the other stages' sections survive
     rc = bench_compile.main(["--device", "cpu", "--tiny", "--prompts", "2", "--prompt-len", "12", "--gen-length", "8",
-                             "--slot-size", "4", "--backend", "aot_eager", "--out", str(out)])
+                             "--slot-size", "4", "--backend", "aot_eager", "--out", str(out),
+                             "--decoders", ",".join(names)])
     text = capsys.readouterr()
     assert rc == 0, text.err
     doc = json.loads(out.read_text())
     assert doc["e2e"] == {"kept": 1} and doc["compile"]["device"] == "cpu"
     res = doc["compile"]["results"]
-    assert set(res) == set(bench_compile.DECODERS)
+    assert set(res) == set(names)
     for name, r in res.items():
         assert r["tokens_equal"] and r["prompts_equal"] == 2, (name, r)
         assert r["nfe"]["eager"] == r["nfe"]["compiled"] > 0 and r["tpf"]["eager"] == r["tpf"]["compiled"]
@@ -30,7 +36,7 @@ def test_bench_compile_tiny_shapes(tmp_path, capsys):
         assert r["shape"].endswith("-tiny") and r["layers"] == 2
     assert res["ar"]["compilations"] >= 1  # a fresh model: its graphs compiled in the warm-up
     lines = [x for x in text.out.splitlines() if x.startswith("compile ")]
-    assert len(lines) == 4 and all("tokens equal" in x for x in lines), text.out
+    assert len(lines) == len(names) and all("tokens equal" in x for x in lines), text.out
 
 
 def test_bench_compile_budget_skips_and_bad_input(tmp_path, capsys):

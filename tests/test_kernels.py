@@ -263,6 +263,10 @@ def _prompts(tokenizer, n_per_kind):
     return out
 
 
+# make test-slow (24 s of flex compiles): make test checks the flex kernel against the reference op by op
+# (test_flex_compiled_matches_reference, test_flex_mask_and_layout_match_reference_eager) and the model's
+# attention backend taking the slot layout (test_model_backend_takes_the_layout_instead_of_a_mask).
+@pytest.mark.slow
 def test_refusion_flex_gives_the_sdpa_tokens_on_the_tiny_checkpoint(tiny_refusion, monkeypatch):
     """20 embedded prompts (mostly math: code and choice commit in one plan + verify), the default
     run's refusion knobs: attn="flex" == attn="sdpa", token for token, with plan, global verify and

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from harness.run.presets import REGRESS_MODELS
-from harness.speed import regress
+from harness.speed import ab, regress
+
+REPO = Path(__file__).resolve().parents[1]
 
 TASKS = ("embedded_math", "embedded_code")
 
 
-def fake_run(root: Path, tps: dict[str, float], nfe: int = 40, quality: float = 0.5) -> Path:
+def fake_run(root: Path, tps: dict[str, float], nfe: int = 40, quality: float = 0.5, kv: int = 4096) -> Path:
     """A finished run folder with the regression check's models: metrics files as the worker writes them."""
     run = root / "run"
     (run / "metrics").mkdir(parents=True)
@@ -26,6 +29,7 @@ def fake_run(root: Path, tps: dict[str, float], nfe: int = 40, quality: float = 
             gen = 100
             (run / "metrics" / f"{m}__{t}.json").write_text(json.dumps({
                 "quality": {"exact_match,extract": quality}, "quality_primary": "exact_match,extract",
+                "memory": {"kv_peak_bytes": kv},
                 "speed": {"generated_tokens": {"total": gen}, "nfe": {"total": nfe},
                           "tpf": {"ratio_of_sums": gen / nfe}, "tokens_per_s": {"ratio_of_sums": tps[m]}}}))
     return run
@@ -34,29 +38,33 @@ def fake_run(root: Path, tps: dict[str, float], nfe: int = 40, quality: float = 
 BASE_TPS = {"ar": 100.0, "refusion": 300.0, "llada": 20.0, "fast_dllm": 80.0, "dream": 20.0, "d2f": 250.0}
 
 
-def test_figures_and_ratios(tmp_path):
+def test_figures_are_the_deterministic_ones(tmp_path):
     f = regress.figures(fake_run(tmp_path, BASE_TPS))
     assert f["deterministic"]["refusion/embedded_math"] == {"quality": 0.5, "generated_tokens": 100, "nfe": 40,
-                                                            "tpf": 2.5}
-    assert f["ratios"]["refusion/ar/embedded_code"] == 3.0
-    assert f["ratios"]["fast_dllm/llada/embedded_math"] == 4.0
-    assert "ar/ar/embedded_math" not in f["ratios"]
+                                                            "tpf": 2.5, "kv_peak_bytes": 4096}
+    assert f["tokens_per_s"]["refusion/embedded_code"] == 300.0  # kept for information, never compared
 
 
-def test_compare_exact_and_ratio_tolerance(tmp_path):
+def test_compare_is_exact_and_ignores_speed(tmp_path):
     base = regress.figures(fake_run(tmp_path / "a", BASE_TPS))
     assert all(r["ok"] for r in regress.compare(base, base))
-    # 15% slower refusion (within 20%) and a faster fast_dllm pass; one more forward fails exactly.
-    slower = regress.figures(fake_run(tmp_path / "b", {**BASE_TPS, "refusion": 255.0, "fast_dllm": 200.0}))
-    assert all(r["ok"] for r in regress.compare(base, slower))
-    worse = regress.figures(fake_run(tmp_path / "c", {**BASE_TPS, "refusion": 230.0}, nfe=41))
+    # Another machine's tokens/s is not a regression; one more forward or another KV size is.
+    other_machine = regress.figures(fake_run(tmp_path / "b", {k: v / 3 for k, v in BASE_TPS.items()}))
+    assert all(r["ok"] for r in regress.compare(base, other_machine))
+    worse = regress.figures(fake_run(tmp_path / "c", BASE_TPS, nfe=41, kv=8192))
     rows = regress.compare(base, worse)
     bad = [r["figure"] for r in rows if not r["ok"]]
     assert rows[: len(bad)] == [r for r in rows if not r["ok"]]  # failures first
-    assert "refusion/ar/embedded_math tokens/s ratio" in bad and "ar/embedded_code nfe" in bad
-    assert "ar/embedded_code tpf" in bad and "ar/embedded_code quality" not in bad
+    assert "ar/embedded_code nfe" in bad and "ar/embedded_code tpf" in bad and "ar/embedded_code kv_peak_bytes" in bad
+    assert "ar/embedded_code quality" not in bad
     text = regress.render(rows, tmp_path, tmp_path / "b.json")
-    assert text.startswith("# Regression check: FAIL") and "| FAIL | refusion/ar/embedded_math" in text
+    assert text.startswith("# Regression check: FAIL") and "| FAIL | ar/embedded_code nfe" in text
+    # A baseline recorded before a figure existed does not compare that figure.
+    old = json.loads(json.dumps(base))
+    for v in old["deterministic"].values():
+        del v["kv_peak_bytes"]
+    assert all(r["ok"] for r in regress.compare(old, worse) if "kv" in r["figure"]) and \
+        not any("kv" in r["figure"] for r in regress.compare(old, worse))
 
 
 def _main(*argv: str) -> int:
@@ -85,18 +93,21 @@ def test_update_then_check_then_mismatched_settings(tmp_path, capsys, monkeypatc
     hist = [json.loads(line) for line in (base_path.parent / "history.jsonl").read_text().splitlines()]
     assert len(hist) == 1 and hist[0]["reason"] == "first" and "refusion/embedded_math nfe" in hist[0]["changed"]
     assert (tmp_path / "trend.png").stat().st_size > 0
+    data = json.loads(base_path.read_text())
+    assert data["commit"] == regress._git_commit() and data["hardware"]["cpu"] == ab.machine()["cpu"]
+    assert set(data["figures"]) == {"deterministic"}  # no speed figure to hold another machine to
 
-    assert _main("--baseline", str(base_path), "--run", str(run), "--report", str(report)) == 0
+    assert _main("--baseline", str(base_path), "--run", str(run), "--report", str(report), "--no-speed") == 0
     assert report.read_text().startswith("# Regression check: OK")
-    slow = fake_run(tmp_path / "r2", {**BASE_TPS, "refusion": 150.0})
-    assert _main("--baseline", str(base_path), "--run", str(slow), "--report", str(report)) == 1
-    assert "| FAIL | refusion/ar/embedded_code tokens/s ratio | 3 | 1.5 |" in report.read_text()
+    assert json.loads(report.with_suffix(".json").read_text())["speed"] is None
+    worse = fake_run(tmp_path / "r2", BASE_TPS, nfe=41)
+    assert _main("--baseline", str(base_path), "--run", str(worse), "--report", str(report), "--no-speed") == 1
+    assert "| FAIL | refusion/embedded_code nfe | 40 | 41 |" in report.read_text()
 
     # A second update records only what changed.
-    assert regress.main_update(["--baseline", str(base_path), "--run", str(slow), "--reason", "slower"]) == 0
+    assert regress.main_update(["--baseline", str(base_path), "--run", str(worse), "--reason", "one more"]) == 0
     hist = [json.loads(line) for line in (base_path.parent / "history.jsonl").read_text().splitlines()]
-    assert hist[1]["changed"] == {"refusion/ar/embedded_code ratio": [3.0, 1.5],
-                                  "refusion/ar/embedded_math ratio": [3.0, 1.5]}
+    assert set(hist[1]["changed"]) == {f"{m}/{t} {f}" for m in REGRESS_MODELS for t in TASKS for f in ("nfe", "tpf")}
 
     # Apples and oranges: another LIMIT or other checkpoint hashes are refused with exit 2.
     data = json.loads(base_path.read_text())
@@ -114,28 +125,148 @@ def test_update_then_check_then_mismatched_settings(tmp_path, capsys, monkeypatc
     assert "different checkpoint_sha256" in capsys.readouterr().err
 
 
-def test_slow_ratio_is_confirmed_by_a_second_run(tmp_path, capsys, monkeypatch):
-    """A speed ratio below the line fails only when a second run confirms it."""
+# ---------------------------------------------------------------- speed: A/B against the baseline commit
+
+# Synthetic machines: each scales the time of a workload by a factor that depends on its shape (one-token AR
+# steps, causal blocks, full bidirectional forwards), as CPU types do (20-30% apart between shapes).
+SHAPE = {"ar": "step", "refusion": "causal_block", "llada": "full", "fast_dllm": "full", "dream": "full",
+         "d2f": "causal_block"}
+MACHINE_A = {"cpu": "Synthetic A (AVX2)", "factors": {"step": 1.0, "causal_block": 1.0, "full": 1.0}}
+MACHINE_B = {"cpu": "Synthetic B (AVX-512, AMX)", "factors": {"step": 1.6, "causal_block": 0.9, "full": 0.55}}
+
+
+def fake_workers(monkeypatch, mach: dict, slower: dict[str, float] | None = None):
+    """ab.Worker replaced by a deterministic model of a machine: an item costs (prompt length + decoder
+    cost) x the machine's factor for the decoder's shape x the code's own factor (``slower``: current code's
+    extra cost per decoder), with a small per-call jitter that is the same for both sides."""
+    slower = slower or {}
+
+    class FakeWorker:
+        def __init__(self, tree, threads, label):
+            self.side = "current" if label == "current" else "baseline"
+            self.calls = 0
+
+        def decode(self, it, reps):
+            self.calls += 1
+            jitter = 1 + 0.03 * ((self.calls * 7919 + it.index * 104729) % 11 - 5) / 5
+            t = (1e-4 * len(it.ids) + 0.01) * mach["factors"][SHAPE[it.preset]] * jitter
+            if self.side == "current":
+                t *= slower.get(it.preset, 1.0)
+            return {"ok": True, "seconds": [t] * reps, "tokens": 20, "nfe": 5}  # reps: always 1 here
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ab, "Worker", FakeWorker)
+    monkeypatch.setattr(ab, "base_tree", lambda commit, *a, **k: Path("/nonexistent/baseline-tree"))
+    monkeypatch.setattr(ab, "machine", lambda: {"cpu": mach["cpu"], "key_flags": [], "cpu_count": 2, "flags": [],
+                                                "platform": "synthetic"})
+
+
+def test_baseline_from_one_machine_holds_on_another_and_a_slow_decoder_fails_alone(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(regress, "TREND", tmp_path / "trend.png")
     base_path, report = tmp_path / "embedded.json", tmp_path / "regress.md"
-    assert regress.main_update(["--baseline", str(base_path), "--run", str(fake_run(tmp_path / "b", BASE_TPS)),
-                                "--reason", "base"]) == 0
-    slow = fake_run(tmp_path / "slow", {**BASE_TPS, "refusion": 150.0})
-    fast = fake_run(tmp_path / "fast", BASE_TPS)
-    monkeypatch.setattr(regress, "settings", lambda *a: json.loads(base_path.read_text())["settings"])
-    monkeypatch.setattr(regress, "CONFIRM_PAUSE_S", 0)
+    run = fake_run(tmp_path / "r", BASE_TPS)
+    fake_workers(monkeypatch, MACHINE_A)
+    assert regress.main_update(["--baseline", str(base_path), "--run", str(run), "--reason", "on A"]) == 0
+    assert json.loads(base_path.read_text())["hardware"]["cpu"] == MACHINE_A["cpu"]
 
-    def runs(*dirs):
-        it = iter(dirs)
-        monkeypatch.setattr(regress, "run_eval", lambda cfg, out, run_id: next(it))
-        return regress.main(["--baseline", str(base_path), "--report", str(report), "--out", str(tmp_path)])
+    # Checked on machine B: every speed moves by its shape's factor, on both code versions alike.
+    fake_workers(monkeypatch, MACHINE_B)
+    assert _main("--baseline", str(base_path), "--run", str(run), "--report", str(report)) == 0
+    text = report.read_text()
+    assert text.startswith("# Regression check: OK") and MACHINE_B["cpu"] in text
+    speed = json.loads(report.with_suffix(".json").read_text())["speed"]
+    assert len(speed["rows"]) == len(REGRESS_MODELS) * 3 and all(r["ok"] for r in speed["rows"])
 
-    assert runs(slow, fast) == 0  # a one-off slow run is noise
-    assert "confirming with a second run" in capsys.readouterr().err
-    assert runs(slow, slow) == 1  # slow twice: a regression
-    assert "| FAIL | refusion/ar/embedded_code tokens/s ratio" in report.read_text()
-    worse = fake_run(tmp_path / "worse", {**BASE_TPS, "refusion": 150.0}, nfe=41)
-    assert runs(worse, worse) == 1  # exact figures are never retried away
+    # The recorded hardware edited to a third machine changes nothing either.
+    data = json.loads(base_path.read_text())
+    data["hardware"] = {"cpu": "Intel Xeon Platinum 8480+", "key_flags": ["avx512f", "amx_tile"], "cpu_count": 112}
+    base_path.write_text(json.dumps(data))
+    assert _main("--baseline", str(base_path), "--run", str(run), "--report", str(report)) == 0
+
+    # The current code 1.3x slower in one decoder: that decoder's figures fail, and only those.
+    fake_workers(monkeypatch, MACHINE_B, slower={"llada": 1.3})
+    capsys.readouterr()
+    assert _main("--baseline", str(base_path), "--run", str(run), "--report", str(report)) == 1
+    speed = json.loads(report.with_suffix(".json").read_text())["speed"]
+    assert sorted(r["figure"] for r in speed["rows"] if not r["ok"]) == [
+        f"llada/embedded_{k} tokens/s" for k in ("choice", "code", "math")]
+    assert all(0.7 < r["ratio"] < 0.8 and r["hi"] < 0.9 and "confirm" in r for r in speed["rows"] if not r["ok"])
+    assert "| FAIL | llada/embedded_math tokens/s |" in report.read_text()
+
+
+def test_speed_unavailable_says_so_in_one_line_and_the_rest_decides(tmp_path, capsys, monkeypatch):
+    """A baseline commit that is not in the clone (shallow clone): one line, deterministic figures decide."""
+    monkeypatch.setattr(regress, "TREND", tmp_path / "trend.png")
+    base_path, report = tmp_path / "embedded.json", tmp_path / "regress.md"
+    run = fake_run(tmp_path / "r", BASE_TPS)
+    assert regress.main_update(["--baseline", str(base_path), "--run", str(run), "--reason", "x"]) == 0
+    data = json.loads(base_path.read_text())
+    data["commit"] = "f" * 40
+    base_path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert _main("--baseline", str(base_path), "--run", str(run), "--report", str(report)) == 0
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("speed not checked")]
+    assert lines == [f"speed not checked: the baseline commit {'f' * 12} is not in this clone"]
+    assert "**Speed not checked:**" in report.read_text()
+    worse = fake_run(tmp_path / "w", BASE_TPS, quality=0.25)
+    assert _main("--baseline", str(base_path), "--run", str(worse), "--report", str(report)) == 1
+
+
+def test_base_tree_extracts_the_commit_once(tmp_path):
+    head = regress._git_commit()
+    tree = ab.base_tree(head, root=tmp_path)
+    assert (tree / "refusion" / "decoding" / "__init__.py").is_file() and (tree / "harness").is_dir()
+    assert (tree / ".complete").read_text().strip() == head and not (tree / "checkpoints").exists()
+    (tree / "marker").write_text("kept")
+    assert ab.base_tree(head, root=tmp_path) == tree and (tree / "marker").is_file()
+    with pytest.raises(ab.ABUnavailable, match="records no commit"):
+        ab.base_tree(None, root=tmp_path)
+
+
+def _slowed_copy(dst: Path, factor: float) -> Path:
+    """The current code with every model forward of ar's decoder made ``factor`` times as costly: after each
+    forward it spins for (factor - 1) times the CPU time that forward took (forwards are ~97% of its decode
+    time). Extra work, not a sleep: a sleeping process gets the CPU back first under load, which would hide
+    part of a sleep on a busy machine; a real slowdown is work."""
+    for d in ab.CODE_DIRS:
+        shutil.copytree(REPO / d, dst / d, ignore=shutil.ignore_patterns("__pycache__"))
+    path = dst / "refusion" / "decoding" / "ar.py"
+    src = path.read_text()
+    anchor = "from .knobs import Knobs, compile_knob, gen_length, seed, temperature\n"
+    assert src.count(anchor) == 1 and "forward(" in src, "ar.py's imports moved: update the injection"
+    path.write_text(src.replace(anchor, anchor + f"""
+
+def _slower(fn):
+    import time
+
+    def slow(*args, **kwargs):
+        t0 = time.thread_time()
+        out = fn(*args, **kwargs)
+        end = time.thread_time() + {factor - 1} * (time.thread_time() - t0)
+        while time.thread_time() < end:
+            pass
+        return out
+    return slow
+
+
+forward = _slower(forward)
+"""))
+    return dst
+
+
+def test_a_decoder_made_slower_fails_that_decoders_figures_only(tmp_path):
+    """Real workers, real decoding: every forward of ar 1.3x as costly in the current tree, refusion untouched.
+    The short kinds with five rounds per item keep it a few seconds long and steady on a busy machine."""
+    cur = _slowed_copy(tmp_path / "cur", 1.3)
+    res = ab.run(("ar", "refusion"), "local", limit=2, current=cur, baseline_tree=REPO, progress=False,
+                 min_block_s=0.2, min_rounds=5, kinds=("code", "choice"))
+    assert "unavailable" not in res, res.get("unavailable")
+    bad = sorted(r["figure"] for r in res["rows"] if not r["ok"])
+    assert bad == [f"ar/embedded_{k} tokens/s" for k in ("choice", "code")], res["rows"]
+    assert all(r["same_tokens"] for r in res["rows"])
 
 
 def test_committed_baseline_matches_committed_checkpoints():
