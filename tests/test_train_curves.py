@@ -130,3 +130,27 @@ def test_merge_adds_only_missing_points(tmp_path):
     assert data["runs"]["s/mdm"]["preset"] == "llada"
     assert curves.merge(path, other) == 0
     assert curves.main(["--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
+
+
+def test_curves_record_the_mixture_and_tokens_of_each_run(tmp_path):
+    """Issue #37: a curves run carries its training mixture, budget and tokens seen, so curves of several
+    models can be checked for the same mixture and tokens (read from train_config.json or a state file)."""
+    import dataclasses
+
+    import torch
+
+    from harness.train import curves
+    from refusion.train import recipe
+
+    cfg = recipe("refusion")
+    (tmp_path / "refusion").mkdir()
+    (tmp_path / "refusion" / "train_config.json").write_text(json.dumps(
+        {"train": dataclasses.asdict(cfg), "recipe_fingerprint": "abc", "tokens_seen": 123}))
+    info = curves.train_info(tmp_path, "refusion")
+    assert (info["open_share"], info["result_share"], info["steps"], info["tokens_seen"]) == (0.2, 0.4, 4000, 123)
+    torch.save({"config": dataclasses.asdict(recipe("mdm"))}, tmp_path / ".mdm.state.pt")
+    assert curves.train_info(tmp_path, "mdm")["in_progress"] and curves.train_info(tmp_path, "dream") is None
+    path = tmp_path / "curves.json"
+    path.write_text(json.dumps({"runs": {}}))
+    curves.set_train(path, "x/refusion", "refusion", info)
+    assert json.loads(path.read_text())["runs"]["x/refusion"]["train"] == json.loads(json.dumps(info))

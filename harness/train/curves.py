@@ -212,6 +212,43 @@ def record(path: Path, key: str, model: str, step: int, tokens_seen: int | None,
         _save(path, data)
 
 
+# What a run's curve was trained on: the data mixture and the budget, so curves of several models can be
+# checked for the same mixture and the same training tokens (issue #37).
+TRAIN_FIELDS = ("steps", "batch_size", "lr", "seed", "open_share", "result_share", "number_share", "suffix_share",
+                "kind_weights")
+
+
+def train_info(root: Path, model: str) -> dict | None:
+    """The recipe fields of the run that wrote ``root/model`` (its train_config.json, or the state file of a
+    run still in progress), with its recipe fingerprint and tokens seen when finished; None if neither."""
+    cfg = root / model / "train_config.json"
+    if cfg.is_file():
+        rec = json.loads(cfg.read_text())
+        train, extra = rec["train"], {k: rec[k] for k in ("recipe_fingerprint", "tokens_seen") if k in rec}
+    else:
+        state = root / f".{model}.state.pt"
+        if not state.is_file():
+            return None
+        import torch
+
+        train, extra = torch.load(state, weights_only=False).get("config", {}), {"in_progress": True}
+    from refusion.train import TrainConfig
+
+    defaults = TrainConfig()
+    return {**{k: train.get(k, getattr(defaults, k)) for k in TRAIN_FIELDS}, **extra}
+
+
+def set_train(path: Path, key: str, model: str, info: dict | None) -> None:
+    """Record ``info`` (train_info) as run ``key``'s ``train`` entry."""
+    if info is None or not path.is_file():
+        return
+    with _locked(path) as data:
+        run = data["runs"].setdefault(key, {"model": model, "preset": PRESET_OF[model], "points": []})
+        if run.get("train") != info:
+            run["train"] = info
+            _save(path, data)
+
+
 # The bottom row: finer math signals than exact match, one per panel (key in the math point, title).
 MATH_SIGNALS = (("probe_result_digits", "math: result digits from a clean prefix\n(teacher-forced probe)"),
                 ("probe_first_digits", "math: leading result digits\n(teacher-forced probe)"),
@@ -426,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                 record(path, key, model, step, tokens, res, a.n, a.batch, source=str(src))
                 summary = ", ".join(f"{k} {100 * v['quality']:.1f}% tpf {v['tpf']:.2f}" for k, v in res.items())
                 print(f"[curves] {key} step {step}: {summary} ({time.time() - t0:.0f}s)", flush=True)
+            if srcs:
+                set_train(path, run_key(root, model), model, train_info(root, model))
     if path.is_file():
         plot(_load(path), path.with_suffix(".png"))
         print(f"{path} ({todo} new points), {path.with_suffix('.png')}")
