@@ -261,11 +261,15 @@ def test_a_decoder_made_slower_fails_that_decoders_figures_only(tmp_path):
     """Real workers, real decoding: every forward of ar 1.3x as costly in the current tree, refusion untouched.
     The short kinds with five rounds per item keep it a few seconds long and steady on a busy machine."""
     cur = _slowed_copy(tmp_path / "cur", 1.3)
-    res = ab.run(("ar", "refusion"), "local", limit=2, current=cur, baseline_tree=REPO, progress=False,
+    res = ab.run(("ar", "refusion"), "local", limit=3, current=cur, baseline_tree=REPO, progress=False,
                  min_block_s=0.2, min_rounds=5, kinds=("code", "choice"))
     assert "unavailable" not in res, res.get("unavailable")
-    bad = sorted(r["figure"] for r in res["rows"] if not r["ok"])
-    assert bad == [f"ar/embedded_{k} tokens/s" for k in ("choice", "code")], res["rows"]
+    ar = {f"ar/embedded_{k} tokens/s" for k in ("choice", "code")}
+    bad = {r["figure"] for r in res["rows"] if not r["ok"]}
+    # The check fails, on ar's figures only. On a heavily loaded machine an interval over 3 items can stay
+    # wide enough to reach 0.9 for one kind, so each ar figure must be clearly slower, and at least one fail.
+    assert bad and bad <= ar, res["rows"]
+    assert all(r["ratio"] < 0.9 for r in res["rows"] if r["figure"] in ar), res["rows"]
     assert all(r["same_tokens"] for r in res["rows"])
 
 
