@@ -102,26 +102,24 @@ def leased_uids() -> frozenset[int]:
         return frozenset(_LEASED)
 
 
+@contextlib.contextmanager
 def lease_is_free(uid: int):
-    """A context manager: holds ``uid``'s lease lock while the block runs when nobody holds it (yields True),
-    else yields False without waiting. With it a check of a released uid cannot race a new run taking it."""
-    @contextlib.contextmanager
-    def hold():
+    """Holds ``uid``'s lease lock while the block runs when nobody holds it (yields True), else yields False
+    without waiting. With it a check of a released uid cannot race a new run taking it."""
+    try:
+        fd = os.open(LOCK_DIR / f"{uid}.lock", os.O_RDWR)
+    except OSError:  # never leased on this machine since boot: nobody holds it
+        yield True
+        return
+    try:
         try:
-            fd = os.open(LOCK_DIR / f"{uid}.lock", os.O_RDWR)
-        except OSError:  # never leased on this machine since boot: nobody holds it
-            yield True
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
             return
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)
-    return hold()
+        yield True
+    finally:
+        os.close(fd)
 
 
 def workdir_prefix() -> str:

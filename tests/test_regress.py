@@ -146,13 +146,13 @@ def fake_workers(monkeypatch, mach: dict, slower: dict[str, float] | None = None
             self.side = "current" if label == "current" else "baseline"
             self.calls = 0
 
-        def decode(self, it, reps):
+        def decode(self, it):
             self.calls += 1
             jitter = 1 + 0.03 * ((self.calls * 7919 + it.index * 104729) % 11 - 5) / 5
             t = (1e-4 * len(it.ids) + 0.01) * mach["factors"][SHAPE[it.preset]] * jitter
             if self.side == "current":
                 t *= slower.get(it.preset, 1.0)
-            return {"ok": True, "seconds": [t] * reps, "tokens": 20, "nfe": 5}  # reps: always 1 here
+            return {"ok": True, "seconds": t, "tokens": 20, "nfe": 5}
 
         def close(self):
             pass

@@ -43,15 +43,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.embedded import KINDS
+
 REPO = Path(__file__).resolve().parents[2]
 BASE_TREES = REPO / "results" / "tmp" / "regress-base"
 CODE_DIRS = ("refusion", "harness", "tasks")
-KINDS = ("math", "code", "choice")
 AB_LIMIT = 4
 TOLERANCE = 0.10
 MIN_BLOCK_S = 0.1
 MIN_ROUNDS = 2
-MAX_REPS = 16
+MAX_ROUNDS = 16
 BOOT = 2000
 # CPU flags that decide how fast a kernel runs (vector and matrix units); the report lists these.
 KEY_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
@@ -173,9 +174,10 @@ class Worker:
             raise ABUnavailable(f"{self.label} worker exited: {err[-1] if err else 'no output'}")
         return json.loads(line)
 
-    def decode(self, it: Item, reps: int) -> dict:
+    def decode(self, it: Item) -> dict:
+        """One decode of ``it``: {"seconds": wall-clock around the decoder call, "tokens", "nfe"}."""
         self.proc.stdin.write(json.dumps({"op": "decode", "checkpoint": it.checkpoint, "decoder": it.decoder,
-                                          "knobs": it.knobs, "ids": it.ids, "reps": reps}) + "\n")
+                                          "knobs": it.knobs, "ids": it.ids}) + "\n")
         self.proc.stdin.flush()
         ans = self._read()
         if not ans.get("ok"):
@@ -213,19 +215,19 @@ def measure(items: list[Item], cur: Worker, base: Worker, progress: bool = True,
     for n, it in enumerate(tqdm(items, desc="speed A/B", disable=not progress, file=sys.stderr)):
         group = (it.preset, it.kind)
         if group not in rounds_of:
-            warm = cur.decode(it, 1)["seconds"][0]
-            base.decode(it, 1)
-            rounds_of[group] = max(min_rounds, min(MAX_REPS, math.ceil(min_block_s / max(warm, 1e-6))))
+            warm = cur.decode(it)["seconds"]
+            base.decode(it)
+            rounds_of[group] = max(min_rounds, min(MAX_ROUNDS, math.ceil(min_block_s / max(warm, 1e-6))))
         rounds = rounds_of[group]
         rec = {"preset": it.preset, "kind": it.kind, "index": it.index, "rounds": rounds,
                "cur": {"seconds": 0.0, "best": math.inf}, "base": {"seconds": 0.0, "best": math.inf}}
         for r in range(rounds):
             first_cur = ((n + r) % 2 == 0) != flip
             for key, w in ((("cur", cur), ("base", base)) if first_cur else (("base", base), ("cur", cur))):
-                ans = w.decode(it, 1)
+                ans = w.decode(it)
                 side = rec[key]
-                side["seconds"] += ans["seconds"][0]
-                side["best"] = min(side["best"], ans["seconds"][0])
+                side["seconds"] += ans["seconds"]
+                side["best"] = min(side["best"], ans["seconds"])
                 side["tokens"], side["nfe"] = ans["tokens"], ans["nfe"]  # per decode: the same every round
         out.append(rec)
     return out

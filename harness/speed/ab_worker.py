@@ -8,8 +8,8 @@ Run as a script (not ``-m``), so that ``--tree`` goes first on ``sys.path`` and 
 the installed project. Reads one JSON request per line on stdin and answers one JSON line on stdout:
 
     {"op": "decode", "checkpoint": <folder>, "decoder": <registry name>, "knobs": {...},
-     "ids": [<prompt token ids>], "reps": R}
-    -> {"ok": true, "seconds": [R wall-clock seconds around the decoder call], "tokens": N, "nfe": K}
+     "ids": [<prompt token ids>]}
+    -> {"ok": true, "seconds": <wall-clock seconds around the decoder call>, "tokens": N, "nfe": K}
     {"op": "quit"}
 
 The checkpoint is loaded once (by the tree's own loader) and kept. Only the decoder call is timed. Any
@@ -67,11 +67,9 @@ def main() -> int:
             dec = DECODERS[req["decoder"]]
             ids = torch.tensor([req["ids"]])
             special = {"eos_token_id": list(lm.eos_ids), "mask_token_id": lm.mask_id}
-            secs = []
-            for _ in range(int(req.get("reps", 1))):
-                t0 = time.perf_counter()
-                tokens, stats = dec(lm.model, ids, None, dict(req["knobs"]), **special)
-                secs.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            _, stats = dec(lm.model, ids, None, dict(req["knobs"]), **special)
+            secs = time.perf_counter() - t0
             ans = {"ok": True, "seconds": secs, "tokens": int(stats["generated_tokens"]), "nfe": int(stats["nfe"])}
         except Exception as e:  # noqa: BLE001
             ans = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}

@@ -202,12 +202,17 @@ def check_settings(base: dict, now: dict, path: Path) -> None:
                                "not comparable: rerun `make regress-update REASON=\"...\"` on purpose")
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
+    """stdout of a git command in the repository, stripped; None when git cannot answer."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip()
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def _git_commit() -> str | None:
+    return _git("rev-parse", "HEAD")
 
 
 def changed(old: dict | None, new: dict) -> dict:
@@ -294,11 +299,8 @@ def _check_run(run_dir: Path, cfg: dict, models: tuple[str, ...]) -> None:
 
 
 def _git_dirty() -> bool | None:
-    try:
-        return bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                   capture_output=True, text=True, check=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        return None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
 
 
 def _rewrite_baseline(baseline_path: Path, cfg: dict, base: dict | None, now: dict, reason: str) -> None:
