@@ -16,7 +16,9 @@ workload with both code versions in one run:
    by the current tokenizer (both sides get the same token ids and knobs), batch 1. Each item is decoded
    in rounds, each round once by each side in alternating order (ABBA), after an untimed warm-up per
    (preset, kind); an item that takes less than ``MIN_BLOCK_S`` gets more rounds, so each side's timed
-   block lasts about that long.
+   block lasts about that long. Time is the worker's CPU time in the decoder call (one thread), not the
+   wall clock: while another process holds the core, neither side's clock runs, so a busy machine (a
+   sandbox user, busy loops, a trainer) does not blur the ratio; a slower step is more work and counts.
 4. Per (preset, kind): the paired ratio per item, current tokens/s over baseline tokens/s (each side's
    best round: the one least disturbed by whatever else the machine does), and the
    geometric mean of those ratios with a 95% bootstrap interval over items (``BOOT`` resamples, fixed
@@ -175,7 +177,8 @@ class Worker:
         return json.loads(line)
 
     def decode(self, it: Item) -> dict:
-        """One decode of ``it``: {"seconds": wall-clock around the decoder call, "tokens", "nfe"}."""
+        """One decode of ``it``: {"seconds": the worker's CPU seconds in the decoder call, "wall_seconds",
+        "tokens", "nfe"}."""
         self.proc.stdin.write(json.dumps({"op": "decode", "checkpoint": it.checkpoint, "decoder": it.decoder,
                                           "knobs": it.knobs, "ids": it.ids}) + "\n")
         self.proc.stdin.flush()
