@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import signal
 import sys
 from typing import Iterator
 
@@ -81,6 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
         print(f"error: unknown command {argv[0]!r}; valid commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    # SIGTERM and SIGUSR1 (Slurm's warning before a job's end) unwind like an exception, so a command's
+    # temporary files and folders are removed on the way out (atomic writes: nothing is half-written).
+    saved = {sig: signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+             for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return _dispatch(argv)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _dispatch(argv: list[str]) -> int:
     with one_line_errors():
         ns = _parser().parse_args(argv)
         module_name, _, func = COMMANDS[ns.command][0].partition(":")
@@ -88,7 +101,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: `{ns.command}` is not available yet: module {module_name} is not built", file=sys.stderr)
             return 2
         module = importlib.import_module(module_name)
-        return int(getattr(module, func or "main")(ns.args) or 0)
+        try:
+            return int(getattr(module, func or "main")(ns.args) or 0)
+        except OSError as e:
+            # A full disk or quota, wherever a command writes: one line naming the path (harness/run/faults.py).
+            from harness.run.faults import disk_full
+
+            line = disk_full(e)
+            if line is None or "--debug" in ns.args:
+                raise
+            print(f"error: {line}, then rerun the same command (a run resumes where it stopped)", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -316,3 +316,33 @@ def load_example():
         return module
 
     return load
+
+
+# ---------------------------------------------------------------- one tiny run shared by the runner's tests
+
+
+@pytest.fixture(scope="session")
+def runner_setup(tmp_path_factory):
+    """A random tiny causal checkpoint, a 6-document generation task and an output folder, shared by every test
+    that drives ``harness eval`` end to end (tests/test_runner.py, tests/test_faults.py): each uses its own run ids."""
+    root = tmp_path_factory.mktemp("runner")
+    ckpt = build_checkpoint(root / "ckpt")
+    tasks = build_task(root / "tasks", "tiny_gen", n=6)
+    return {"root": root, "ckpt": ckpt, "tasks": tasks, "models": f"a={ckpt}:ar:gen_length=24", "out": root / "out",
+            "task": "tiny_gen", "n_docs": 6}
+
+
+@pytest.fixture(scope="session")
+def runner_reference(runner_setup):
+    """The uninterrupted single-process run of ``runner_setup`` (run id ``ref``): what resumed, faulty, sharded or
+    data-parallel runs must reproduce."""
+    import subprocess
+
+    s = runner_setup
+    cmd = [sys.executable, "-m", "harness", "eval", "--task", s["task"], "--models", s["models"], "--tasks-dir",
+           str(s["tasks"]), "--out", str(s["out"]), "--run-id", "ref", "--threads", "1", "--no-chat-template"]
+    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"},
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "done:" in p.stdout and s["task"] in p.stdout
+    return s["out"] / "ref"

@@ -12,7 +12,12 @@ and fails with a message that names the decoder and the rule it breaks:
                     ``batched``);
 - ``seed``          the same seed gives the same tokens, also when sampling;
 - ``eos``           EOS ends the answer: no EOS inside a row, and a row shorter than the budget ends with one;
-- ``knobs``         an out-of-range value of any knob is rejected by one line naming the knob.
+- ``knobs``         an out-of-range value of any knob is rejected by one line naming the knob;
+- ``nan``           NaN logits at one forward fail the call with ``NonFiniteLogits`` naming that forward, before
+                    any token is committed from them (docs/design.md "Faults");
+- ``budget``        on a model whose confidences never pass a threshold (all logits equal) the decoder still
+                    ends within its forward budget (``common.forward_budget``), and with the budget cut to one
+                    forward it stops with ``ForwardBudgetExceeded`` instead of decoding on.
 
 The example decoder of docs/extending.md (examples/decoder_ltr_llada.py) runs the same checks, and a
 deliberately broken decoder (it calls the model around the meter) shows that they catch it.
@@ -28,7 +33,7 @@ import pytest
 import torch
 
 from refusion.decoding import DECODERS, Decoder, DecoderContractError, make_knobs
-from refusion.decoding.common import Meter, cut_after_eos, eos_ids
+from refusion.decoding.common import ForwardBudgetExceeded, Meter, NonFiniteLogits, cut_after_eos, eos_ids
 from refusion.decoding.mdm import LladaKnobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,7 +43,7 @@ QUERIES = ("Ana has 85 apples. Ana uses 22 apples. How many apples does Ana have
            "Write a function add_two(x) that returns x plus 2.",
            "Which word has the most letters?\n(A) cat\n(B) mountain\n(C) sun\n(D) key")
 GEN = 32  # the response budget of every check: small, and divisible by the default block and slot sizes
-RULES = ("counts", "commit_log", "records", "batch", "seed", "eos", "knobs")
+RULES = ("counts", "commit_log", "records", "batch", "seed", "eos", "knobs", "nan", "budget")
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +204,65 @@ class Conformance:
             else:
                 raise self.fail("knobs", f"{f.name}={bad!r} (outside {meta['low']}..{meta['high']} / "
                                          f"{meta['choices']}) was accepted")
+
+    def _hooked(self, hook):
+        """The model with a forward hook on its output for one decode (a context manager)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            handle = self.model.register_forward_hook(hook)
+            try:
+                yield
+            finally:
+                handle.remove()
+        return ctx()
+
+    def nan(self) -> None:
+        calls, at = [0], 2
+
+        def poison(_m, _a, out):
+            calls[0] += 1
+            if calls[0] == at:
+                out.logits = torch.full_like(out.logits, float("nan"))
+            return out
+
+        with self._hooked(poison):
+            try:
+                self.decode(self.ids, self.mask)
+            except NonFiniteLogits as e:
+                if e.forward != at or str(e) != f"non-finite logits at forward {at}":
+                    raise self.fail("nan", f"NaN at forward {at} reported as {str(e)!r}") from None
+                if sorted(e.rows) != list(range(len(self.rows))):
+                    raise self.fail("nan", f"NaN in every row, rows {e.rows} reported") from None
+                return
+        raise self.fail("nan", f"NaN logits at forward {at} went unnoticed: the call returned tokens")
+
+    def budget(self) -> None:
+        from refusion.decoding import common
+
+        def flat(_m, _a, out):
+            out.logits = torch.zeros_like(out.logits)  # every confidence 1/V: no threshold is ever passed
+            return out
+
+        knobs = make_knobs(self.name, self.knobs)
+        gen, steps = knobs.gen_length, getattr(knobs, "steps", None)
+        bound = common.forward_budget(len(self.rows), gen, steps)
+        with self._hooked(flat):
+            tokens, stats = self.decode(self.ids, self.mask)
+            if stats["nfe"] > bound:
+                raise self.fail("budget", f"{stats['nfe']} forwards, over the budget {bound}")
+            saved = common.FORWARDS_PER_TOKEN, common.FORWARDS_EXTRA
+            common.FORWARDS_PER_TOKEN, common.FORWARDS_EXTRA = 0, 1
+            try:
+                self.decode(self.ids, self.mask)
+            except ForwardBudgetExceeded as e:
+                if e.budget != len(self.rows):
+                    raise self.fail("budget", f"a budget of 1 forward a row stopped at {e.budget}") from None
+                return
+            finally:
+                common.FORWARDS_PER_TOKEN, common.FORWARDS_EXTRA = saved
+        raise self.fail("budget", "a budget of one forward a row did not stop the call (no Meter.track?)")
 
     def run(self, rule: str) -> None:
         getattr(self, "knobs_rule" if rule == "knobs" else rule)()

@@ -21,12 +21,8 @@ N_DOCS = 6
 
 
 @pytest.fixture(scope="module")
-def setup(make_checkpoint, write_task, tmp_path_factory):
-    root = tmp_path_factory.mktemp("runner")
-    ckpt = make_checkpoint(root / "ckpt")
-    tasks = write_task(root / "tasks", "tiny_gen", n=N_DOCS)
-    return {"root": root, "ckpt": ckpt, "tasks": tasks,
-            "models": f"a={ckpt}:ar:gen_length=24", "out": root / "out"}
+def setup(runner_setup):
+    return runner_setup
 
 
 def _cmd(s: dict, run_id: str, *extra: str) -> list[str]:
@@ -59,11 +55,8 @@ def _deterministic(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(setup):
-    p = _run(setup, "ref")
-    run_dir = setup["out"] / "ref"
-    assert "done:" in p.stdout and "tiny_gen" in p.stdout
-    return run_dir
+def reference(runner_reference):
+    return runner_reference
 
 
 def test_reference_run_records_everything(reference):

@@ -85,14 +85,22 @@ def our_rows(rs: RunSet, suite: paper.Suite) -> list[dict]:
             cells[col.key] = {"task": task, "quality": quality_pct(met), "tokens_per_s": tps(met),
                               "tpf": ((met.get("speed") or {}).get("tpf") or {}).get("ratio_of_sums"),
                               "quality_metric": met.get("quality_primary"), "run_id": met["_run_id"],
-                              "samples": (met.get("speed") or {}).get("samples"), "device": met.get("_device")}
+                              "samples": _items(met), "failed": (met.get("failed") or {}).get("count", 0),
+                              "device": met.get("_device")}
             status[col.key] = "ok"
         rows.append({"model": m["name"], "decoder": m["decoder"], "family": m.get("family"),
                      "source": ours_label(rs), "cells": cells,
                      "status": status, "average": _average(cells, len(suite.columns)),
                      "n": sorted({c["samples"] for c in cells.values() if c.get("samples") is not None}),
+                     "failed": sum(c.get("failed", 0) for c in cells.values()),
                      "device": sorted({c["device"] for c in cells.values() if c.get("device")})})
     return rows
+
+
+def _items(met: dict) -> int | None:
+    """Items of a (model, task): those decoded plus those that failed (harness/run/faults.py: scored as wrong)."""
+    n = (met.get("speed") or {}).get("samples")
+    return None if n is None else n + (met.get("failed") or {}).get("count", 0)
 
 
 def ours_label(rs: RunSet) -> str:
@@ -270,7 +278,8 @@ def n_text(row: dict) -> str:
         return n
     if not n:
         return "-"
-    return str(n[0]) if len(n) == 1 else f"{n[0]}-{n[-1]}"
+    failed = f" ({row['failed']} failed)" if row.get("failed") else ""
+    return (str(n[0]) if len(n) == 1 else f"{n[0]}-{n[-1]}") + failed
 
 
 def device_cell(row: dict) -> str:
@@ -586,6 +595,9 @@ def write_report(rs: RunSet, target: Path) -> Path:
         from harness.report.trace import report_traces  # one logged sample per task, when the runs recorded traces
 
         atomic_write_text(tmp / "index.md", index_md(rs, data, made) + report_traces(rs, tmp))
+        from harness.run.faults import pause_at
+
+        pause_at("report")  # a test hook: a stop signal before the new report folder is swapped in
     return target
 
 

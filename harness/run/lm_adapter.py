@@ -32,7 +32,10 @@ Speed counting follows docs/design.md §6: the decoder call is timed alone, afte
 warm-up call, with device synchronisation; generated tokens, NFE and KV bytes come
 from the decoder's stats. With ``journal_dir`` every finished request is appended
 to a fsynced journal, and a request already there is answered from it instead of
-being recomputed (resume after ``kill -9``).
+being recomputed (resume after ``kill -9``). A request that meets an item fault (out of memory,
+non-finite logits, a forward budget run past: harness/run/faults.py) is retried in halves of its
+batch down to one row; one that fails alone is journaled as failed (an empty answer, scored as wrong)
+and kept on resume unless ``retry_failed=True``.
 
 The class keeps lm-eval's interface and hands the work to three named pieces, one module each:
 request (``lm_requests.RequestPlan``: knobs, journal key, batches) -> decoder call
@@ -158,7 +161,7 @@ class RefusionBenchLM(TemplateLM):
                  response_extract: str | None = None, base: str | None = None,
                  chat_template_args: str | dict | None = None,
                  max_batch_size: int | None = None,  # lm-eval passes it; batches are fixed-size here
-                 **knobs: Any) -> None:
+                 retry_failed: bool = False, **knobs: Any) -> None:
         super().__init__()
         from refusion.decoding import get_decoder
 
@@ -195,7 +198,7 @@ class RefusionBenchLM(TemplateLM):
         self.eos, self.mask = self.call.eos, self.call.mask
         self.scorer = Scorer(self.model, self._device, causal=self.causal, mask=self.mask,
                              pretrained=self.pretrained, seed=self.seed, mc_num=self.mc_num, mc_batch=self.mc_batch)
-        self.records = Records(journal_dir, self.rank)
+        self.records = Records(journal_dir, self.rank, retry_failed=bool(retry_failed))
         self.journal, self._done, self.keys_by_task = self.records.journal, self.records.done, self.records.keys_by_task
 
     computed = property(lambda self: self.records.computed, doc="requests run in this process")

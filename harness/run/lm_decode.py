@@ -111,8 +111,12 @@ class DecoderCall:
 
     def run(self, items: list[dict], rank: int) -> list[dict]:
         """Decode one batch of prepared requests; their journal records, in order."""
+        from harness.run.faults import injected_decode_faults
+
         prompts, ids, mask = self._encode(items)
-        tokens, stats, wall, gpu_peak = self._timed_call(ids, mask, len(prompts[0]), self.knob_obj(items[0]["knobs"]))
+        with injected_decode_faults(self.model, items):  # a test hook; nothing unless REFUSION_BENCH_FAULTS asks
+            tokens, stats, wall, gpu_peak = self._timed_call(ids, mask, len(prompts[0]),
+                                                             self.knob_obj(items[0]["knobs"]))
         out = []
         # Forwards that compiled a new shape bucket (compile knob): timed apart, not decoding time.
         compile_s = float(stats["timings"].get("compile_s", 0.0))

@@ -124,7 +124,9 @@ def _merged_metrics(runs: list[tuple[Path, dict]], model: str, unit: str, rows: 
     memory = {k: max((v for v in ((m.get("memory") or {}).get(k) for m in mets) if isinstance(v, (int, float))),
                      default=None) for k in (mets[0].get("memory") or {}) if k != "peak_rss_by_rank"}
     requests = {k: sum((m.get("requests") or {}).get(k, 0) for m in mets) for k in (mets[0].get("requests") or {})}
-    return {**mets[0], "quality": _pooled_quality(rows, mets),
+    failed = sorted((f for m in mets for f in (m.get("failed") or {}).get("items", [])),
+                    key=lambda f: (f["task"], str(f["doc_id"])))
+    return {**mets[0], "quality": _pooled_quality(rows, mets), "failed": {"count": len(failed), "items": failed},
             "speed": {k: v for k, v in speed.items() if k != "memory"}, "memory": memory, "requests": requests,
             "run": {**(mets[0].get("run") or {}), "run_id": run_id},
             "merged_from": [m.get("run", {}).get("run_id") for m in mets]}

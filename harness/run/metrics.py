@@ -31,7 +31,8 @@ def _mean(values: list[float]) -> float | None:
 
 def aggregate(records: Iterable[dict]) -> dict:
     """Speed / work / memory figures over the generation samples of one (model, task)."""
-    recs = [r for r in records if r.get("kind", "generate") == "generate"]
+    # A failed item (harness/run/faults.py) has no tokens or time: counted apart, not in these figures.
+    recs = [r for r in records if r.get("kind", "generate") == "generate" and not r.get("failed")]
     gen = [int(r["generated_tokens"]) for r in recs]
     nfe = [int(r["nfe"]) for r in recs]
     lat = [float(r["decode_s"]) for r in recs]

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.run import cluster, summary
+from harness.run.faults import STOP_SIGNALS, pause_at
 from harness.run.metrics import speedup
 from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS, PRESETS, ModelSpec, paper_knobs
 from harness.run.store import atomic_write_json, read_json
@@ -163,8 +164,11 @@ def known_error(exc: BaseException) -> str | None:
     often several links down (and the outermost one names neither file nor field).
     """
     from tasks.data import DataError
+    from harness.run.faults import disk_full
     from harness.run.lm_adapter import CheckpointError
 
+    if disk_full(exc):
+        return disk_full(exc)
     for e in _chain(exc):
         if isinstance(e, (DataError, CheckpointError)):
             return str(e).replace("\n", " ")
@@ -503,9 +507,10 @@ def worker_error_file(run_dir: Path, model: str) -> Path:
 
 
 def worker_command(run_dir: Path, model: str, num_processes: int, port: int, debug: bool = False,
-                   launch: dict | None = None) -> list[str]:
+                   launch: dict | None = None, retry_failed: bool = False) -> list[str]:
     base = ["-m", "harness.run.worker", "--run-dir", str(run_dir), "--model", model,
-            "--error-file", str(worker_error_file(run_dir, model))] + (["--debug"] if debug else [])
+            "--error-file", str(worker_error_file(run_dir, model))] + (["--debug"] if debug else []) \
+        + (["--retry-failed"] if retry_failed else [])
     launch = launch or {}
     if num_processes <= 1 and not launch.get("accelerate_config") and int(launch.get("num_machines") or 1) == 1:
         return [sys.executable, *base]
@@ -566,6 +571,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks-dir", action="append", default=[], metavar="DIR",
                    help="a folder of your own lm-eval task YAMLs, added to the built-in tasks/ (repeatable; on a "
                    "name clash the last folder wins; docs/extending.md)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="on resume, decode again the items that failed (out of memory, non-finite logits, forward "
+                   "budget; docs/design.md \"Faults\"); without it they stay failed, counted as wrong")
     p.add_argument("--debug", action="store_true",
                    help="on an error, show the full traceback instead of the one-line message")
     return p
@@ -852,6 +860,7 @@ def _join_run_dir(out: Path, run_id: str | None, cfg: dict, wait_s: float = JOIN
 def finalize(run_dir: Path) -> dict:
     """Add speedups to every metrics file and write the run summary (JSON + Markdown)."""
     cfg = read_json(run_dir / "run.json")
+    pause_at("finalize")  # a test hook: a stop signal before the summary
     rows = []
     for m in cfg["models"]:
         for u in cfg["units"]:
@@ -879,6 +888,11 @@ class _Stopped(Exception):
         self.signum = signum
 
 
+def _raise_stopped(signum, _frame) -> None:
+    """Signal handler: a stop signal unwinds the runner as an exception (``_Stopped``)."""
+    raise _Stopped(signum)
+
+
 def _die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Linux: have the kernel send `sig` to this process when its parent dies."""
     try:
@@ -890,11 +904,9 @@ def _die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 def _run_worker(cmd: list[str], env: dict) -> int:
-    """Run one model's worker; SIGTERM/SIGINT stop it cleanly (the journal keeps finished samples)."""
-    def stop(signum, _frame):
-        raise _Stopped(signum)
-
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    """Run one model's worker; SIGTERM, SIGINT and SIGUSR1 (Slurm's warning before the end of a job) stop it
+    cleanly: the journal keeps finished samples, the run resumes with its run id."""
+    old = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
     # The worker gets SIGKILL if this runner dies in any way (kill -9 included).
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, preexec_fn=lambda: _die_with_parent(signal.SIGKILL))
     try:
@@ -951,16 +963,31 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rc = _run_models(run_dir, cfg, ns.debug, rates)
-    if rc is not None:
-        return rc
-    if cfg["launch"].get("machine_rank"):
-        print(f"machine rank {cfg['launch']['machine_rank']}: every model done; machine rank 0 writes the results "
-              f"in {run_dir}", file=sys.stderr)
-        return 0
-    result = finalize(run_dir)
+    # A stop signal anywhere below (between models, while the summary is written) ends the run as one
+    # during a model does: everything written so far is whole (atomic writes), the run resumes.
+    saved = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    try:
+        rc = _run_models(run_dir, cfg, ns.debug, rates, ns.retry_failed)
+        if rc is not None:
+            return rc
+        if cfg["launch"].get("machine_rank"):
+            print(f"machine rank {cfg['launch']['machine_rank']}: every model done; machine rank 0 writes the "
+                  f"results in {run_dir}", file=sys.stderr)
+            return 0
+        result = finalize(run_dir)
+    except _Stopped as e:
+        for sig in STOP_SIGNALS:  # a second signal (Slurm sends one to every process) changes nothing now
+            signal.signal(sig, signal.SIG_IGN)
+        print(f"stopped by {signal.Signals(e.signum).name}; rerun with --run-id {run_dir.name} to resume",
+              file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     print(summary.table(result))
     print(summary.one_line(result, run_dir))
+    for line in summary.failed_lines(result, run_dir):
+        print(line, file=sys.stderr)
     return 0
 
 
@@ -972,7 +999,17 @@ def _worker_port(launch: dict) -> int:
     return 29500 if int(launch.get("num_machines") or 1) > 1 else 29500 + (os.getpid() % 1000)
 
 
-def _run_models(run_dir: Path, cfg: dict, debug: bool, rates: dict[str, float] | None = None) -> int | None:
+def _has_failed(run_dir: Path, cfg: dict, model: str) -> bool:
+    """Whether a finished model recorded failed items (its metrics files say so)."""
+    for u in cfg["units"]:
+        p = run_dir / "metrics" / f"{model}__{u['name']}.json"
+        if p.exists() and (read_json(p).get("failed") or {}).get("count"):
+            return True
+    return False
+
+
+def _run_models(run_dir: Path, cfg: dict, debug: bool, rates: dict[str, float] | None = None,
+                retry_failed: bool = False) -> int | None:
     """Each model's worker in turn (skipping finished ones); an exit status to stop with, or None when done.
     A machine of rank > 0 starts the same workers, which join rank 0's through accelerate, and writes
     nothing of the run's own (run.json, summary): rank 0 does."""
@@ -981,7 +1018,10 @@ def _run_models(run_dir: Path, cfg: dict, debug: bool, rates: dict[str, float] |
     progress = summary.Progress(cfg, rates=rates)
     print(progress.start_line(), file=sys.stderr)
     for i, m in enumerate(cfg["models"], 1):
-        if (run_dir / "models" / m["name"] / "done.json").exists():
+        done = run_dir / "models" / m["name"] / "done.json"
+        if retry_failed and done.exists() and _has_failed(run_dir, cfg, m["name"]):
+            done.unlink()  # its worker runs again: served from the journal but for the failed items
+        if done.exists():
             print(f"[{i}/{n}] {m['name']}: already finished, skipped", file=sys.stderr)
             print(progress.finished(m["name"], decoded_share=0.0), file=sys.stderr)
             continue
@@ -989,7 +1029,7 @@ def _run_models(run_dir: Path, cfg: dict, debug: bool, rates: dict[str, float] |
         if rank == 0:
             summary.session_ran(run_dir / "run.json", m["name"])
         cmd = worker_command(run_dir, m["name"], cfg["num_processes"], _worker_port(cfg["launch"]), debug,
-                             cfg["launch"])
+                             cfg["launch"], retry_failed)
         err_file = worker_error_file(run_dir, m["name"])
         err_file.unlink(missing_ok=True)
         # The worker's temporary files (torchelastic_* of a multi-process launch, the sandbox's
@@ -1002,18 +1042,19 @@ def _run_models(run_dir: Path, cfg: dict, debug: bool, rates: dict[str, float] |
                "TMPDIR": str(tmp)}
         try:
             rc = _run_worker(cmd, env)
-        except _Stopped as stop:
-            print(f"stopped by {signal.Signals(stop.signum).name}; rerun with --run-id {run_dir.name} to resume",
-                  file=sys.stderr)
-            return 128 + stop.signum
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        stopped = {128 + int(sig) for sig in STOP_SIGNALS} | {-int(sig) for sig in STOP_SIGNALS}
+        if rc in stopped:  # the worker got the stop signal itself (Slurm signals every process of the step)
+            raise _Stopped(abs(rc) - 128 if rc > 0 else -rc)
         if rc != 0 and err_file.exists():
             # The worker stopped on bad data or files and said why in one line: pass it on as ours.
             msg = " ".join(err_file.read_text(encoding="utf-8").split())
             err_file.unlink(missing_ok=True)
             print(f"error: model {m['name']!r}: {msg}; fix it and rerun with --run-id {run_dir.name} to resume",
                   file=sys.stderr)
+            return 2
+        if rc == 2:  # the worker said why on stderr itself (its error file could not be written: a full disk)
             return 2
         if rc != 0:
             print(f"error: model {m['name']!r} failed (exit {rc}); rerun with --run-id {run_dir.name} to resume",

@@ -8,11 +8,15 @@ Two rules keep an interrupted run (even ``kill -9``) recoverable:
 - every finished sample is appended to a JSONL journal as one line and fsynced
   before the next sample starts. A crash can leave at most a torn last line,
   which ``Journal.load`` drops (that sample is simply computed again).
+
+A write that fails on a full disk or quota (ENOSPC, EDQUOT) leaves no temp file behind and raises
+an OSError that names the target path (harness/run/faults.py turns it into one line).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -26,6 +30,29 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
 
+def maybe_fail_write(path: Path, f, text: str) -> None:
+    """Test hook (harness/run/faults.py, ``"enospc": SITE``): a write to a path containing SITE writes
+    half of its text, then fails as a full disk would."""
+    site = os.environ.get("REFUSION_BENCH_FAULTS") and _enospc_site()
+    if site and site in str(path):
+        f.write(text[: len(text) // 2])
+        f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected)", str(path))
+
+
+def _enospc_site() -> str | None:
+    from harness.run.faults import injected
+
+    return injected().get("enospc")
+
+
+def _named(e: BaseException, path: Path) -> BaseException:
+    """A full-disk OSError from a write names no file: the same error naming the target's path."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) and not e.filename:
+        return OSError(e.errno, e.strerror, str(path))
+    return e
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,15 +60,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # as open() would create it; mkstemp makes it 0600
+            maybe_fail_write(path, f, text)
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if _named(e, path) is not e:
+            raise _named(e, path) from e
         raise
 
 
@@ -70,9 +100,27 @@ def atomic_save_figure(fig, path: str | os.PathLike, dpi: int = 90) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=dpi)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        maybe_fail_write(path, _Discard(), "")
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if _named(e, path) is not e:
+            raise _named(e, path) from e
+        raise
+    finally:
+        plt.close(fig)
+
+
+class _Discard:
+    """A file that takes writes and keeps nothing (the figure hook has no text to half-write)."""
+
+    def write(self, _text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -129,9 +177,27 @@ class Journal:
         if self._fh is None:
             self._repair_tail()
             self._fh = open(self.path, "a", encoding="utf-8")
-        self._fh.write(json.dumps(record, sort_keys=True, default=_default, ensure_ascii=False) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        line = json.dumps(record, sort_keys=True, default=_default, ensure_ascii=False) + "\n"
+        try:
+            maybe_fail_write(self.path, self._fh, line)
+            self._fh.write(line)
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        except OSError as e:
+            # A torn line may be on disk: the next load drops it, the next append cuts it off first.
+            self.close_quietly()
+            if _named(e, self.path) is not e:
+                raise _named(e, self.path) from e
+            raise
+
+    def close_quietly(self) -> None:
+        """Close after a failed write (the buffered rest may fail to flush on a full disk too)."""
+        if self._fh is not None:
+            try:
+                self._fh.close()
+            except OSError:
+                pass
+            self._fh = None
 
     def _repair_tail(self) -> None:
         # A torn last line would glue itself to the next record: cut it off first.

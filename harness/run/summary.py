@@ -15,8 +15,11 @@ def _row(m: dict) -> dict:
     q = m.get("quality", {})
     prim = m.get("quality_primary")
     s = m["speed"]
+    failed = (m.get("failed") or {}).get("items", [])
     return {
-        "model": m["model"], "task": m["task"], "decoder": m["decoder"], "samples": s["samples"],
+        # n counts every item; the failed ones (harness/run/faults.py) scored as wrong, outside the speed figures
+        "model": m["model"], "task": m["task"], "decoder": m["decoder"], "samples": s["samples"] + len(failed),
+        "failed": len(failed), "failed_items": failed,
         "quality_metric": prim, "quality": q.get(prim) if prim else None,
         "tokens_per_s": s["tokens_per_s"]["ratio_of_sums"], "tokens_per_s_mean_of_ratios": s["tokens_per_s"][
             "mean_of_ratios"],
@@ -160,7 +163,9 @@ def _cells(r: dict) -> list[str]:
     out = []
     for _, key, spec in COLUMNS:
         v = r.get(key)
-        if key == "peak_rss_bytes" and v is not None:
+        if key == "samples" and r.get("failed"):
+            v = f"{v} ({r['failed']} failed)"
+        elif key == "peak_rss_bytes" and v is not None:
             v = f"{v / 2**20:.0f}"
         elif key == "kv_peak_bytes" and v is not None:
             v = f"{v / 2**10:.1f}"
@@ -183,6 +188,11 @@ def markdown(s: dict) -> str:
         lines += [f"**{note}**", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_cells(r)[i] for i in keep) + " |" for r in s["rows"]]
+    failed = [f"{r['model']} on {r['task']}: " + ", ".join(f"document {f['doc_id']} ({f['reason']})"
+                                                        for f in r["failed_items"])
+              for r in s["rows"] if r.get("failed_items")]
+    if failed:
+        lines += ["", "Failed items (scored as wrong, outside the speed figures): " + "; ".join(failed)]
     if s["mean_speedup"] and s.get("baseline"):
         lines += ["", "Mean per-task speedup: " + ", ".join(f"{k} {v:.2f}x" for k, v in s["mean_speedup"].items())]
     if compile_note(s):
@@ -204,6 +214,19 @@ def table(s: dict) -> str:
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
+
+
+def failed_lines(s: dict, run_dir: Path) -> list[str]:
+    """One line per (model, task) with failed items: which documents, why, and how to retry them."""
+    out = []
+    for r in s["rows"]:
+        items = r.get("failed_items") or []
+        if items:
+            docs = ", ".join(f"{f['doc_id']} ({f['reason']})" for f in items[:10])
+            more = f" and {len(items) - 10} more" if len(items) > 10 else ""
+            out.append(f"warning: {r['model']} on {r['task']}: {len(items)} failed item(s), counted as wrong: "
+                       f"document {docs}{more}; retry them with --run-id {run_dir.name} --retry-failed")
+    return out
 
 
 def one_line(s: dict, run_dir: Path) -> str:

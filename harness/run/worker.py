@@ -45,7 +45,7 @@ def _sample_rows(samples: dict, records: dict[tuple, dict], unit: dict) -> list[
                    "prompt": s["arguments"][0][0] if s.get("arguments") else None,
                    "response": rec.get("response"), "filtered_resps": s.get("filtered_resps"),
                    "filter": s.get("filter"), "metrics": {k: s[k] for k in s.get("metrics", []) if k in s}}
-            for k in ("generated_tokens", "nfe", "tpf", "decode_s", "forward_s", "batch_size", "kv_peak_bytes", "gpu_peak_bytes",
+            for k in ("failed", "generated_tokens", "nfe", "tpf", "decode_s", "forward_s", "batch_size", "kv_peak_bytes", "gpu_peak_bytes",
                       "prompt_tokens", "tokens", "knobs", "rank", "commit_forward", "commit_kind", "forward_phase",
                       "compiled", "compilations", "compile_s"):
                 if k in rec:
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--error-file", default=None,
                    help="write a one-line error here (for the runner to report) instead of to stderr")
     p.add_argument("--debug", action="store_true", help="full traceback instead of the one-line error")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="decode again the items an earlier session recorded as failed (out of memory, ...)")
     ns = p.parse_args(argv)
     try:
         return _main(ns)
@@ -85,16 +87,23 @@ def main(argv: list[str] | None = None) -> int:
         if ns.error_file:
             from harness.run.store import atomic_write_text
 
-            atomic_write_text(Path(ns.error_file), msg + "\n")
-        else:
-            print(f"error: {msg}", file=sys.stderr)
+            try:
+                atomic_write_text(Path(ns.error_file), msg + "\n")
+                return 2
+            except OSError:  # a full disk takes the error file too: say it here (the runner adds nothing)
+                msg += f"; fix it and rerun with --run-id {Path(ns.run_dir).name} to resume"
+        print(f"error: {msg}", file=sys.stderr)
         return 2
 
 
 def _main(ns: argparse.Namespace) -> int:
     _die_with_parent()
-    # SIGTERM unwinds like an exception: open files close, the journal keeps every finished sample.
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    # SIGTERM (and Slurm's warning signal, SIGUSR1) unwinds like an exception: open files close, the
+    # journal keeps every finished sample. SIGINT already does (KeyboardInterrupt).
+    from harness.run.faults import pause_at
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     run_dir = Path(ns.run_dir)
     cfg = read_json(run_dir / "run.json")
     spec = next((m for m in cfg["models"] if m["name"] == ns.model), None)
@@ -108,7 +117,7 @@ def _main(ns: argparse.Namespace) -> int:
 
     quiet_libraries()  # no per-task metadata hint, no weight-loading bar; warnings and errors stay
     mdir = run_dir / "models" / spec["name"]
-    lm, res = _evaluate(cfg, spec, mdir)
+    lm, res = _evaluate(cfg, spec, mdir, ns.retry_failed)
     lm.barrier()
     # Every rank's keys, RSS and counts go to rank 0, which alone writes files.
     mine = {"keys": lm.keys_by_task, "peak_rss_bytes": _peak_rss_bytes(), "computed": lm.computed,
@@ -119,11 +128,12 @@ def _main(ns: argparse.Namespace) -> int:
         lm.journal.close()
     if lm.rank != 0:
         return 0
+    pause_at("results")  # a test hook: a stop signal between the journal and the metrics
     _write_results(run_dir, cfg, spec, res, lm.journal.load(), ranks)
     return 0
 
 
-def _evaluate(cfg: dict, spec: dict, mdir: Path):
+def _evaluate(cfg: dict, spec: dict, mdir: Path, retry_failed: bool = False):
     """(the lm-eval model, lm-eval's results) of one model of the run on every unit of it."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -136,7 +146,8 @@ def _evaluate(cfg: dict, spec: dict, mdir: Path):
         device=cfg["device"], seed=cfg["seed"], threads=cfg["threads"], journal_dir=str(mdir / "journal"),
         task_knobs=spec["task_knobs"], dtype=cfg.get("dtype", "float32"), base=spec.get("base"),
         chat_template_args=spec.get("chat_template_args", cfg.get("chat_template_args")) or None,
-        response_extract="python_fence" if cfg.get("prompts") == "paper" else None, **spec["knobs"])
+        response_extract="python_fence" if cfg.get("prompts") == "paper" else None, retry_failed=retry_failed,
+        **spec["knobs"])
     # The built-in tasks folder, then the run's --tasks-dir folders (runner.task_manager: later ones win).
     dirs = list(dict.fromkeys([cfg["tasks_dir"], *cfg.get("tasks_dirs", [])]))
     tm = TaskManager(include_path=dirs, include_defaults=False)
@@ -205,6 +216,8 @@ def _unit_metrics(cfg: dict, spec: dict, unit: dict, recs: list[dict], gen_recs:
                   ranks: list[dict], peak_rss: int) -> dict:
     """The metrics file of one (model, unit): settings, quality, speed, memory, request counts."""
     speed = aggregate(gen_recs)
+    failed = sorted(({"task": r["task"], "doc_id": r["doc_id"], "reason": r["failed"]} for r in gen_recs
+                     if r.get("failed")), key=lambda f: (f["task"], str(f["doc_id"])))
     knob_sets = sorted({tuple(sorted(r["knobs"].items())) for r in gen_recs}, key=str)
     return {
         "model": spec["name"], "task": unit["name"], "leaves": unit["leaves"], "decoder": spec["decoder"],
@@ -217,6 +230,8 @@ def _unit_metrics(cfg: dict, spec: dict, unit: dict, recs: list[dict], gen_recs:
                    "peak_rss_by_rank": [r["peak_rss_bytes"] for r in ranks],
                    "rss_scope": "whole worker process of this model (all tasks of the run)"},
         "requests": {"total": len(recs), "generate": len(gen_recs)},
+        # Items that failed alone (out of memory, non-finite logits, ...): scored as wrong, left out of speed.
+        "failed": {"count": len(failed), "items": failed},
         "run": {"run_id": cfg.get("run_id"), "seed": cfg["seed"], "limit": cfg["limit"],
                 "chat_template": cfg["chat_template"], "num_processes": cfg["num_processes"],
                 "threads": cfg["threads"], "device": cfg["device"], "batch_size": cfg["batch_size"],

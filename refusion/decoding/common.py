@@ -11,6 +11,11 @@ Commit order (``CommitLog``, docs/design.md §6): per row, the index of the forw
 each returned token was fixed for good (``commit_forward``) and that step's kind (``commit_kind``),
 plus the phase of every forward (``forward_phase``): what `harness trace` draws.
 
+Item faults (docs/design.md "Faults"): ``forward`` refuses non-finite logits (``NonFiniteLogits``)
+before any decoder reads them, and ``Meter`` stops a call that runs past its forward budget
+(``ForwardBudgetExceeded``; set by ``track``). Both are ``ItemFault``s: the harness fails the item
+(bisecting a batch first), never the run.
+
 Compiled decoding (the knob ``compile``, refusion/decoding/compiled.py): ``Meter(..., compile=True)``
 sends every ``forward`` through the compiled path and makes ``new_cache`` return a static cache;
 stats then carry ``compiled``, ``compilations`` and ``timings["compile_s"]`` (warm-up calls, taken out
@@ -81,6 +86,75 @@ def cut_after_eos(tokens: torch.Tensor, eos: tuple[int, ...]) -> torch.Tensor:
     return tokens if hits.numel() == 0 else tokens[: int(hits[0, 0]) + 1]
 
 
+# ---------------------------------------------------------------- item faults
+
+
+class ItemFault(RuntimeError):
+    """A decode that cannot give an answer for the rows of this call (not a bug of the harness): the
+    harness retries the rows one by one and records the row that still fails as a failed item, with
+    ``str(fault)`` as its reason (harness/run/lm_records.py)."""
+
+
+class NonFiniteLogits(ItemFault):
+    """A forward returned NaN or +inf logits, or only -inf ones, on a real (non-padding) query position
+    (``check_finite``): no token is
+    committed from it. ``forward`` is the 1-based index of that forward in the call, ``rows`` the
+    batch rows affected."""
+
+    def __init__(self, forward: int, rows: list[int]):
+        super().__init__(f"non-finite logits at forward {forward}")
+        self.forward, self.rows = forward, rows
+
+
+class ForwardBudgetExceeded(ItemFault):
+    """The call needed more forwards than its budget (``Meter.track``): a decoder that stopped making
+    progress, stopped instead of looping for ever."""
+
+    def __init__(self, budget: int):
+        super().__init__(f"forward budget exceeded ({budget} forwards)")
+        self.budget = budget
+
+
+# Per response token, at most this many forwards per row, plus a constant for the prompt and the last
+# block (docs/design.md "Faults"). Every registered decoder needs at most 2 a token (ReFusion: plan +
+# infill when nothing is accepted in parallel; recompute_kv adds < 1/2); the rest is margin.
+FORWARDS_PER_TOKEN = 3
+FORWARDS_EXTRA = 8
+
+
+def forward_budget(rows: int, length: int, steps: int | None = None) -> int:
+    """Forward budget of one decoder call: per row, ``FORWARDS_PER_TOKEN`` x max(length, steps) +
+    ``FORWARDS_EXTRA`` (``steps``: a decoder whose schedule may run more forwards than tokens, Dream's
+    ``steps``); times the rows, since a batched call may serve them one at a time."""
+    per_row = FORWARDS_PER_TOKEN * max(int(length), int(steps or 0)) + FORWARDS_EXTRA
+    return max(1, int(rows)) * per_row
+
+
+def check_finite(logits: torch.Tensor, real: torch.Tensor | None, forward_index: int) -> None:
+    """NonFiniteLogits unless every real query position of logits [B, q, V] holds no NaN, no +inf and some
+    finite value (-inf alone is a token ruled out, as a logit processor writes it; a row of nothing but -inf
+    has no token to give). ``real``: bool [B, q] (None = all): padding positions of a left-padded prompt
+    may be anything, no token comes from them. One max over V (it propagates NaN) and one host read: a
+    fraction of the lm head's own cost."""
+    bad = ~torch.isfinite(logits.amax(-1))  # [B, q]
+    if real is not None:
+        bad &= real
+    if bool(bad.any()):
+        rows = bad.any(-1).nonzero().flatten().tolist()
+        raise NonFiniteLogits(forward_index, rows)
+
+
+def real_queries(q: int, attention_mask: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor | None:
+    """bool [B, q] of the query positions that are real tokens (None = all): under a 2-D padding mask
+    [B, kv] its last q columns; under a visibility [B, q, kv] the rows that see some key."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return attention_mask[:, -q:].bool()
+    if visible is not None:
+        seen = visible.any(-1)
+        return seen if seen.dim() == 2 else seen[None]
+    return None
+
+
 # ---------------------------------------------------------------- counting
 
 
@@ -102,6 +176,7 @@ class Meter:
         self.kv_peak_bytes = 0
         self.phase_log: list[str] = []  # per model call, its phase(s) ("a+b" for a call serving several)
         self.commits: CommitLog | None = None  # set by `track`
+        self.max_calls: int | None = None  # forward budget of the call (`track`); None = unbounded
         self.cuda = next(model.parameters()).device.type == "cuda"
         self._sync()
         self.t0 = time.perf_counter()
@@ -116,7 +191,10 @@ class Meter:
         self.kv_peak_bytes = max(self.kv_peak_bytes, total)
 
     def count(self, phases: str | Sequence[str]) -> None:
-        """One model call serving `phases` (a name or several names): nfe + 1, each phase + 1."""
+        """One model call serving `phases` (a name or several names): nfe + 1, each phase + 1.
+        ForwardBudgetExceeded instead when the call has used its whole budget (``track``)."""
+        if self.max_calls is not None and self.calls >= self.max_calls:
+            raise ForwardBudgetExceeded(self.max_calls)
         self.calls += 1
         names = (phases,) if isinstance(phases, str) else tuple(phases)
         for p in names:
@@ -125,10 +203,12 @@ class Meter:
 
     # ------------------------------------------------ commit order (module doc; CommitLog)
 
-    def track(self, rows: int, length: int, device: torch.device) -> None:
-        """Record the commit order of `rows` responses of at most `length` tokens (see CommitLog)."""
+    def track(self, rows: int, length: int, device: torch.device, steps: int | None = None) -> None:
+        """Record the commit order of `rows` responses of at most `length` tokens (see CommitLog), and bound
+        the call's forwards (``forward_budget``; `steps`: a schedule that may take more forwards than tokens)."""
         self.commits = CommitLog(rows, length, device)
         self.budget = max(self.budget, int(length))
+        self.max_calls = forward_budget(rows, length, steps)
 
     def settle(self, tokens: torch.Tensor, empty: int | None = None, row: int | None = None) -> None:
         """Call once after every forward, when the response tokens [B, n] (or one row's [n] with `row`) hold
@@ -363,6 +443,9 @@ def forward(
     packed slot lengths): no mask is built, the model's attention (a refusion_* implementation,
     see `kernels.attention_backend`) receives the slot structure as the keyword `slot_layout`.
 
+    Logits that are not finite on a real query position raise ``NonFiniteLogits`` (module doc), so no
+    decoder commits a token from them.
+
     With ``meter.compiled`` the call goes through ``compiled.compiled_call`` (static shapes, the same
     visibility as an explicit mask); a call that compiled counts its seconds in ``meter.compile_s``.
     """
@@ -380,6 +463,7 @@ def forward(
             meter.compile_s += seconds
         if cache is not None:
             meter.kv(cache, extra=kv_extra)
+        check_finite(logits, real_queries(input_ids.shape[1], attention_mask, visible), meter.calls)
         return logits
     if visible is not None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
@@ -403,7 +487,10 @@ def forward(
     meter.forward_s += time.perf_counter() - t0
     if cache is not None:
         meter.kv(cache, extra=kv_extra)
-    return out.logits.float()
+    logits = out.logits.float()
+    check_finite(logits, real_queries(input_ids.shape[1], attention_mask if visible is None else None, visible),
+                 meter.calls)
+    return logits
 
 
 def pick(

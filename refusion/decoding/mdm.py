@@ -586,7 +586,7 @@ def dream(
     x, attn, pos = masked_start(model, input_ids, attention_mask, k.gen_length, mask)
     p0 = input_ids.shape[1]
     resp = x[:, p0:]  # [B, G] view: writes land in x
-    meter.track(x.shape[0], k.gen_length, x.device)
+    meter.track(x.shape[0], k.gen_length, x.device, steps=steps)  # steps may exceed gen_length (Dream)
     # Dream's times, float32 on the decoding device as in the reference (the rounding of int() depends on it).
     times = torch.linspace(1, k.eps, steps + 1, dtype=torch.float32, device=x.device)
     if k.temperature == 0 and k.alg != "origin" and k.alg_temp == 0:
