@@ -11,6 +11,7 @@ TORCH_PIN := $(shell grep -oE '"torch==[^"]+"' pyproject.toml | tr -d '"')
 
 TASK ?= embedded
 MODELS ?=
+MODELS_FILE ?=
 LIMIT ?=
 OUT ?= results/runs
 EVAL_ARGS ?=
@@ -48,6 +49,7 @@ test-slow: setup ## the slow end-to-end tests: kill/signal/resume of real runs, 
 # `$(value ...)` keeps make from expanding a `$(shell ...)` inside a command-line value.
 override TASK := $(value TASK)
 override MODELS := $(value MODELS)
+override MODELS_FILE := $(value MODELS_FILE)
 override LIMIT := $(value LIMIT)
 override OUT := $(value OUT)
 override EVAL_ARGS := $(value EVAL_ARGS)
@@ -65,11 +67,11 @@ override NAME := $(value NAME)
 override REPORT_ARGS := $(value REPORT_ARGS)
 override GRID := $(value GRID)
 override SWEEP_ARGS := $(value SWEEP_ARGS)
-export TASK MODELS LIMIT OUT EVAL_ARGS TASKS_DIR VALIDATE_ARGS DTYPE CHAT_TEMPLATE_ARGS RUN NAME REPORT_ARGS GRID SWEEP_ARGS
+export TASK MODELS MODELS_FILE LIMIT OUT EVAL_ARGS TASKS_DIR VALIDATE_ARGS DTYPE CHAT_TEMPLATE_ARGS RUN NAME REPORT_ARGS GRID SWEEP_ARGS
 
-eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... DTYPE=... CHAT_TEMPLATE_ARGS=... TASKS_DIR=... OUT=...
+eval: setup ## run the main job: make eval TASK=... MODELS=... (or MODELS_FILE=...) LIMIT=... DTYPE=... CHAT_TEMPLATE_ARGS=... TASKS_DIR=... OUT=...
 	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness eval --task "$$TASK" \
-		$${MODELS:+--models "$$MODELS"} $${LIMIT:+--limit "$$LIMIT"} $${DTYPE:+--dtype "$$DTYPE"} \
+		$${MODELS:+--models "$$MODELS"} $${MODELS_FILE:+--models-file "$$MODELS_FILE"} $${LIMIT:+--limit "$$LIMIT"} $${DTYPE:+--dtype "$$DTYPE"} \
 		$${TASKS_DIR:+--tasks-dir "$$TASKS_DIR"} \
 		$${CHAT_TEMPLATE_ARGS:+--chat-template-args "$$CHAT_TEMPLATE_ARGS"} --out "$$OUT" $$EVAL_ARGS
 
