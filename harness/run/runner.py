@@ -890,9 +890,12 @@ def main(argv: list[str] | None = None) -> int:
             rates = cluster.parse_rate(ns.rate, cfg)
         except ValueError as e:
             raise InputError(str(e)) from None
+        remark = cluster.rate_remark(ns.rate, cfg)
+        if remark:
+            print(f"warning: {remark}", file=sys.stderr)
         if ns.dry_run:
             print(describe_resolved(cfg))
-            print(cluster.describe_budget(cfg, rates))
+            print(cluster.describe_budget(cfg, rates, remark))
             return 0
         if cfg["launch"].get("machine_rank"):
             run_dir = _join_run_dir(Path(ns.out), ns.run_id, cfg)
