@@ -182,3 +182,35 @@ def test_models_file_presets_and_relative_paths(tmp_path):
 def test_models_and_models_file_together_is_an_error(tmp_path, capsys):
     err = _one_error(*_eval(capsys, "--models", "ar", "--models-file", str(EXAMPLE), "--out", str(tmp_path / "o")))
     assert "either --models (MODELS) or --models-file (MODELS_FILE)" in err
+
+
+@pytest.mark.slow
+def test_the_table1_models_file_runs_the_nine_rows_and_fills_every_claim(tmp_path, monkeypatch, capsys):
+    """README's Regenerate Table 1 step 3 as written (examples/table1_models.toml, --prompts paper, baseline
+    qwen3), on the released layouts behind symlinks named like the downloads (the tiny committed `ar`, a Qwen3
+    checkpoint, standing in for Qwen3-8B) and one GSM8K item: every row runs in one run and speedup.md has our
+    value beside every one of the paper's speedup claims."""
+    from harness.report import paper_report
+
+    ckpt = _ckpt_folders(tmp_path)
+    models = tmp_path / "table1.toml"
+    models.write_text(EXAMPLE.read_text().replace('"/ckpt/', f'"{ckpt}/'))
+    data = tmp_path / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    (data / "test.jsonl").write_text(json.dumps({"question": "Tom has 3 apples and buys 4 more. How many?",
+                                                 "answer": "3 + 4 = 7\n#### 7"}) + "\n")
+    monkeypatch.setenv("REFUSION_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "out"
+    assert runner.main(["--task", "gsm8k_cot", "--limit", "1", "--models-file", str(models), "--out", str(out),
+                        "--run-id", "table1", "--prompts", "paper", "--baseline", "qwen3", "--threads", "1"]) == 0
+    assert "names its base" not in capsys.readouterr().err
+    run = json.loads((out / "table1" / "run.json").read_text())
+    assert [m["name"] for m in run["models"]] == [m.name for m in load_models_file(EXAMPLE)]
+    assert paper_report.main(["--run", str(out / "table1"), "--out", str(tmp_path / "reports"), "--name", "t"]) == 0
+    sp = (tmp_path / "reports" / "t" / "speedup.md").read_text()
+    rows = sp.split("### The paper's speedup claims beside ours")[1].split("\n\n")[2].splitlines()[2:]
+    assert len(rows) == 8, rows
+    for ln in rows:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert re.fullmatch(r"\d+\.\d\d", cells[2]) and re.fullmatch(r"\d+\.\d\d", cells[4]), ln
+        assert cells[6].startswith("refusion / "), ln
