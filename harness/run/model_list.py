@@ -98,7 +98,7 @@ def template_args(text: str, owner: str | None = None) -> dict[str, Any]:
         if not part.strip():
             continue
         if not eq or not k.strip():
-            raise InputError(f"{who}: argument {part.strip()!r}: expected name=value")
+            raise InputError(f"{who}: chat template argument {part.strip()!r}: expected name=value")
         k, v = k.strip(), v.strip()
         if owner and ("=" in v or ":" in v):
             raise _swallowed(v, owner, f"chat template argument {k}")
