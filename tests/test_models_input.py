@@ -19,9 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 RELEASED = REPO / "tests" / "fixtures" / "released"
 EXAMPLE = REPO / "examples" / "table1_models.toml"
 TINY = REPO / "checkpoints" / "tiny"
-# The README's download folders (examples/table1_models.toml's paths) -> the released layouts standing in for
-# them; the tiny committed `ar` (a Qwen3 checkpoint) stands in for Qwen3-8B.
-CKPT = {"Meta-Llama-3-8B-Instruct": RELEASED / "llama3", "Qwen3-8B": TINY / "ar",
+# The README's download folders (examples/table1_models.toml's paths) -> the released layouts standing in for them.
+CKPT = {"Meta-Llama-3-8B-Instruct": RELEASED / "llama3", "Qwen3-8B": RELEASED / "qwen3",
         "LLaDA-8B-Instruct": RELEASED / "llada", "Dream-v0-Instruct-7B": RELEASED / "dream_instruct",
         "Dream-v0-Base-7B": RELEASED / "dream_base", "D2F_LLaDA_Instruct_8B_Lora": RELEASED / "d2f_llada",
         "D2F_Dream_Base_7B_Lora": RELEASED / "d2f_dream", "ReFusion": RELEASED / "refusion"}
@@ -187,9 +186,8 @@ def test_models_and_models_file_together_is_an_error(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_table1_models_file_runs_the_nine_rows_and_fills_every_claim(tmp_path, monkeypatch, capsys):
     """README's Regenerate Table 1 step 3 as written (examples/table1_models.toml, --prompts paper, baseline
-    qwen3), on the released layouts behind symlinks named like the downloads (the tiny committed `ar`, a Qwen3
-    checkpoint, standing in for Qwen3-8B) and one GSM8K item: every row runs in one run and speedup.md has our
-    value beside every one of the paper's speedup claims."""
+    qwen3), on the released layouts (Qwen3-8B's too) behind symlinks named like the downloads and one GSM8K
+    item: every row runs in one run and speedup.md has our value beside every one of the paper's speedup claims."""
     from harness.report import paper_report
 
     ckpt = _ckpt_folders(tmp_path)
