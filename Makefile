@@ -11,6 +11,7 @@ TORCH_PIN := $(shell grep -oE '"torch==[^"]+"' pyproject.toml | tr -d '"')
 
 TASK ?= embedded
 MODELS ?=
+MODELS_FILE ?=
 LIMIT ?=
 OUT ?= results/runs
 EVAL_ARGS ?=
@@ -22,7 +23,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test test-slow eval report merge compare sweep trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
+.PHONY: help setup test test-slow eval report merge shards-status compare sweep trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -48,6 +49,7 @@ test-slow: setup ## the slow end-to-end tests: kill/signal/resume of real runs, 
 # `$(value ...)` keeps make from expanding a `$(shell ...)` inside a command-line value.
 override TASK := $(value TASK)
 override MODELS := $(value MODELS)
+override MODELS_FILE := $(value MODELS_FILE)
 override LIMIT := $(value LIMIT)
 override OUT := $(value OUT)
 override EVAL_ARGS := $(value EVAL_ARGS)
@@ -58,18 +60,20 @@ override CHAT_TEMPLATE_ARGS := $(value CHAT_TEMPLATE_ARGS)
 RUN ?=
 NAME ?=
 REPORT_ARGS ?=
+MERGE_ARGS ?=
 GRID ?=
 SWEEP_ARGS ?=
 override RUN := $(value RUN)
 override NAME := $(value NAME)
 override REPORT_ARGS := $(value REPORT_ARGS)
+override MERGE_ARGS := $(value MERGE_ARGS)
 override GRID := $(value GRID)
 override SWEEP_ARGS := $(value SWEEP_ARGS)
-export TASK MODELS LIMIT OUT EVAL_ARGS TASKS_DIR VALIDATE_ARGS DTYPE CHAT_TEMPLATE_ARGS RUN NAME REPORT_ARGS GRID SWEEP_ARGS
+export TASK MODELS MODELS_FILE LIMIT OUT EVAL_ARGS TASKS_DIR VALIDATE_ARGS DTYPE CHAT_TEMPLATE_ARGS RUN NAME REPORT_ARGS MERGE_ARGS GRID SWEEP_ARGS
 
-eval: setup ## run the main job: make eval TASK=... MODELS=... LIMIT=... DTYPE=... CHAT_TEMPLATE_ARGS=... TASKS_DIR=... OUT=...
+eval: setup ## run the main job: make eval TASK=... MODELS=... (or MODELS_FILE=...) LIMIT=... DTYPE=... CHAT_TEMPLATE_ARGS=... TASKS_DIR=... OUT=...
 	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness eval --task "$$TASK" \
-		$${MODELS:+--models "$$MODELS"} $${LIMIT:+--limit "$$LIMIT"} $${DTYPE:+--dtype "$$DTYPE"} \
+		$${MODELS:+--models "$$MODELS"} $${MODELS_FILE:+--models-file "$$MODELS_FILE"} $${LIMIT:+--limit "$$LIMIT"} $${DTYPE:+--dtype "$$DTYPE"} \
 		$${TASKS_DIR:+--tasks-dir "$$TASKS_DIR"} \
 		$${CHAT_TEMPLATE_ARGS:+--chat-template-args "$$CHAT_TEMPLATE_ARGS"} --out "$$OUT" $$EVAL_ARGS
 
@@ -77,8 +81,11 @@ report: setup ## Table 1, speedups and figures of a run: make report RUN=<run di
 	@set -f; exec $(PY) -m harness report $${RUN:+--run "$$RUN"} $${NAME:+--name "$$NAME"} --runs-root "$$OUT" \
 		$$REPORT_ARGS
 
-merge: setup ## join the shards of one run (EVAL_ARGS=--shard I/N) into one run folder: make merge RUN=s1,s2,... NAME=<run id>
-	@set -f; exec $(PY) -m harness merge --run "$$RUN" --run-id "$$NAME" --runs-root "$$OUT"
+merge: setup ## join the shards of one run (EVAL_ARGS=--shard I/N) into one run folder: make merge RUN=s1,s2,... NAME=<run id> [MERGE_ARGS=--allow-mixed]
+	@set -f; exec $(PY) -m harness merge --run "$$RUN" --run-id "$$NAME" --runs-root "$$OUT" $$MERGE_ARGS
+
+shards-status: setup ## each shard of a run as done, unfinished or missing (exit 1 until all are done): make shards-status RUN=s1,s2,...
+	@set -f; exec $(PY) -m harness merge --status --run "$$RUN" --runs-root "$$OUT"
 
 compare: setup ## the same models in two or more runs side by side, with ratios: make compare RUN=a,b NAME=...
 	@set -f; exec $(PY) -m harness compare $${RUN:+--run "$$RUN"} $${NAME:+--name "$$NAME"} --runs-root "$$OUT" \

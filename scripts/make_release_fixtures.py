@@ -23,6 +23,8 @@ e.g.  python3 -m venv /tmp/authors-venv && /tmp/authors-venv/bin/pip install tor
 
 Run:  python3 scripts/make_release_fixtures.py --llada L --fastdllm F --d2f D --refusion R \
           --py446 /tmp/authors-venv/bin/python --py452 /tmp/authors-venv-q3/bin/python
+The Qwen3-8B stand-in (qwen3/, stock transformers code, the AR row of the paper's headline speedup) alone:
+      .venv/bin/python scripts/make_release_fixtures.py --only-qwen3
 The driver runs each stage in a subprocess of the right interpreter (the upstream repos all name
 their packages `model`/`generate`, so stages cannot share one process). Everything is seeded.
 
@@ -376,6 +378,42 @@ def build_llama3(root: Path) -> None:
                               "lm_head.weight", []))
 
 
+def build_qwen3(root: Path) -> None:
+    """Qwen/Qwen3-8B's layout (the AR row ReFusion's headline speedup is measured against): stock
+    Qwen3ForCausalLM, no auto_map, no mask token, the slow Qwen2Tokenizer with Qwen3's chat template
+    (enable_thinking), an embedding padded past the tokenizer as released (151936 rows for 151669 tokens)."""
+    d = root / "qwen3"
+    d.mkdir(parents=True, exist_ok=True)
+    added = QWEN_ADDED + ["<tool_response>", "</tool_response>", "<think>", "</think>"]
+    n, ids = _slow_tokenizer(d, added)
+    vocab, kv, hd = _round_up(n, 64), 2, 16
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "head_dim": hd,
+           "hidden_act": "silu", "hidden_size": HIDDEN, "initializer_range": 0.02, "intermediate_size": MLP,
+           "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+           "num_attention_heads": HEADS, "num_hidden_layers": LAYERS, "num_key_value_heads": kv,
+           "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+           "use_cache": True, "use_sliding_window": False, "vocab_size": vocab}
+    _write_json(d / "config.json", cfg)
+    _write_json(d / "generation_config.json", {
+        "bos_token_id": ids["<|endoftext|>"], "do_sample": True, "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"], "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+        "transformers_version": "4.51.0"})
+    special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    addl = [t for t in QWEN_ADDED if t not in QWEN_NOT_SPECIAL and t != "<|endoftext|>"]
+    _write_json(d / "tokenizer_config.json", {
+        "add_bos_token": False, "add_prefix_space": False,
+        "added_tokens_decoder": _added_decoder(added, ids[added[0]], lambda t: t not in QWEN_NOT_SPECIAL),
+        "additional_special_tokens": addl, "bos_token": None, "chat_template": QWEN3_TEMPLATE,
+        "clean_up_tokenization_spaces": False, **special, "errors": "replace", "model_max_length": 131072,
+        "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None})
+    _write_json(d / "special_tokens_map.json", {"additional_special_tokens": addl, **special})
+    _write_json(d / "added_tokens.json", {t: ids[t] for t in added})
+    _save_sharded(d, _weights(_qwen_like_names(False, True, vocab, HEADS, kv, hd), SEED + 6, "lm_head.weight",
+                              list(range(n, vocab))))
+
+
 def stage_assets(a) -> None:
     root = Path(a.out)
     build_llada(root)
@@ -383,6 +421,7 @@ def stage_assets(a) -> None:
     build_dream(root, "dream_base", SEED + 5)
     build_refusion(root)
     build_llama3(root)
+    build_qwen3(root)
 
 
 # --------------------------------------------------------------------------------------------
@@ -750,6 +789,41 @@ def stage_llama3(a) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Stage "qwen3": transformers' Qwen3ForCausalLM greedy generate (py452, or any transformers >= 4.51).
+# --------------------------------------------------------------------------------------------
+
+def stage_qwen3(a) -> None:
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
+
+    folder = Path(a.out) / "qwen3"
+    model = Qwen3ForCausalLM.from_pretrained(str(folder)).float().eval()
+    batch = _logit_batch(_base_size(folder), None, SEED + 16)
+    with torch.no_grad():
+        logits = model(torch.tensor(batch)).logits
+    tok = AutoTokenizer.from_pretrained(str(folder), use_fast=False)
+    gc = GenerationConfig.from_pretrained(str(folder))
+    gens = []
+    for p in [tok.encode(s, add_special_tokens=False) for s in PROMPTS]:
+        kw = {"max_new_tokens": 24, "do_sample": False, "eos_token_id": gc.eos_token_id}
+        out = model.generate(torch.tensor([p]), **kw, pad_token_id=gc.pad_token_id)
+        gens.append(_gen("transformers.Qwen3ForCausalLM.generate", kw, p, out[0, len(p):].tolist()))
+    _save_logits(folder, {"logits": logits})
+    _dump(Path(a.tmp) / "qwen3.json", {"logits_input_ids": batch, "generations": gens,
+                                       "transformers": transformers.__version__})
+
+
+def qwen3_reference(tmp: Path, facts: dict) -> dict:
+    q3 = json.loads((tmp / "qwen3.json").read_text())
+    return {"upstream": [{"repo": "huggingface/transformers", "commit": f"v{q3['transformers']}",
+                          "files": ["Qwen3ForCausalLM.generate (greedy)"]}],
+            "logits": {"input_ids": q3["logits_input_ids"], "file": "reference.safetensors", "key": "logits",
+                       "model": f"transformers {q3['transformers']} Qwen3ForCausalLM, float32"},
+            "generations": q3["generations"], "facts": facts["qwen3"]}
+
+
+# --------------------------------------------------------------------------------------------
 # Stage "refusion": ReFusion's qwen3 file + generate_refusion (py452).
 # --------------------------------------------------------------------------------------------
 
@@ -814,6 +888,7 @@ def write_references(a) -> None:
                    "logits": {"input_ids": l3["logits_input_ids"], "file": "reference.safetensors", "key": "logits",
                               "model": "transformers 4.46.3 LlamaForCausalLM, float32"},
                    "generations": l3["generations"], "facts": facts["llama3"]},
+        "qwen3": qwen3_reference(tmp, facts),
     }
     for name in ["dream_instruct", "dream_base"]:
         refs[name] = {
@@ -840,9 +915,13 @@ def write_references(a) -> None:
     # Every generation's prompt_ids = prefix + the tokenizer's encoding of one of these texts.
     prefix = {"llada": ["<|startoftext|>"], "d2f_llada": ["<|startoftext|>"], "llama3": ["<|begin_of_text|>"]}
     for name, ref in refs.items():
-        ref["prompt_texts"] = {"texts": PROMPTS, "prefix_tokens": prefix.get(name, []),
-                               "encode": "tokenizer.encode(text, add_special_tokens=False)"}
-        _write_json(root / name / "reference.json", ref)
+        _write_reference(root, name, ref, prefix.get(name, []))
+
+
+def _write_reference(root: Path, name: str, ref: dict, prefix: list[str]) -> None:
+    ref["prompt_texts"] = {"texts": PROMPTS, "prefix_tokens": prefix,
+                           "encode": "tokenizer.encode(text, add_special_tokens=False)"}
+    _write_json(root / name / "reference.json", ref)
 
 
 def main() -> int:
@@ -852,16 +931,24 @@ def main() -> int:
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests/fixtures/released"))
     p.add_argument("--tmp", default="/tmp/release-fixtures-work")
     p.add_argument("--stage", help="internal: run one stage in this interpreter")
+    p.add_argument("--only-qwen3", action="store_true",
+                   help="(re)make qwen3/ alone in this interpreter (transformers >= 4.51; no upstream checkout needed)")
     a = p.parse_args()
     if a.stage:
         globals()[f"stage_{a.stage}"](a)
+        return 0
+    if a.only_qwen3:
+        Path(a.tmp).mkdir(parents=True, exist_ok=True)
+        build_qwen3(Path(a.out))
+        stage_qwen3(a)
+        _write_reference(Path(a.out), "qwen3", qwen3_reference(Path(a.tmp), json.loads(FACTS_FILE.read_text())), [])
         return 0
     Path(a.tmp).mkdir(parents=True, exist_ok=True)
     common = ["--llada", a.llada, "--fastdllm", a.fastdllm, "--d2f", a.d2f, "--refusion", a.refusion,
               "--out", a.out, "--tmp", a.tmp]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
     for stage, py in [("assets", a.py446), ("llada", a.py446), ("dream", a.py446),
-                      ("d2f", a.py446), ("llama3", a.py446), ("refusion", a.py452)]:
+                      ("d2f", a.py446), ("llama3", a.py446), ("refusion", a.py452), ("qwen3", a.py452)]:
         print(f"stage {stage} ...", flush=True)
         subprocess.run([py, __file__, "--stage", stage, *common], check=True, env=env, cwd="/tmp")
     write_references(a)

@@ -44,6 +44,8 @@ def test_dry_run_prints_requests_budget_and_device_hours(setup, tmp_path, capsys
     per = int(budget.split(" x ")[1].split(" ")[0])  # the task's own max_gen_toks: no gen_length given
     assert f"= {3 * per} tokens" in budget
     assert f"  total: {60 + 3 * per} tokens" in out
+    # One shard's dry run also sizes the whole array: every document of the 5, both shards.
+    assert f"  all 2 shards: {100 + 5 * per} tokens, {(100 + 5 * per) / 10 / 3600:.3g} device-hours" in out, out
     # An earlier run's pace per model: budget tokens over its decode seconds.
     earlier = tmp_path / "earlier"
     (earlier / "metrics").mkdir(parents=True)
@@ -55,8 +57,17 @@ def test_dry_run_prints_requests_budget_and_device_hours(setup, tmp_path, capsys
     assert runner.main([*args, "--rate", str(earlier)]) == 0
     out = capsys.readouterr().out
     assert "  a: tiny_gen 5 x 20 = 100 tokens, 0.00111 device-hours at 25 tokens/s" in out, out
-    assert "(no rate for b)" in out
+    # b has no pace in the earlier run: estimated at the others' mean (a's), marked, and counted in the total.
+    b_line = next(ln for ln in out.splitlines() if ln.startswith("  b: "))
+    assert b_line.endswith("device-hours at 25 tokens/s (estimated: no pace of its own, the others' mean)"), b_line
+    assert "device-hours (estimated for b)" in out and "note:" not in out
     assert not (tmp_path / "out").exists()
+    # A pace measured on another device or dtype is flagged, on stderr and in the budget.
+    assert runner.main([*args, "--rate", str(earlier), "--dtype", "bfloat16"]) == 0
+    cap = capsys.readouterr()
+    words = f"--rate {earlier}: its paces were measured on cpu in float32, this run decodes on cpu in bfloat16"
+    assert words in cap.out and words in cap.err, cap
+    assert cluster.rate_remark("40", cfg) is None and cluster.rate_remark(str(earlier), cfg) is None
 
 
 def test_multi_node_options_pass_through_to_accelerate(setup, tmp_path, capsys):
@@ -84,13 +95,14 @@ def test_multi_node_options_pass_through_to_accelerate(setup, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def _shard(root: Path, name: str, index: int, count: int, seed: int = 1234, sha: str = "abc") -> Path:
+def _shard(root: Path, name: str, index: int, count: int, seed: int = 1234, sha: str = "abc", hardware: str = "cpu",
+           commit: str = "c0") -> Path:
     d = root / name
     (d / "metrics").mkdir(parents=True)
     cfg = {"run_id": name, "task": "t", "units": [{"name": "t", "leaves": ["t"], "docs": {"t": 4}, "samples": 2,
                                                    "data_sha256": sha}],
            "models": [{"name": "a", "decoder": "ar", "checkpoint": "/c", "knobs": {}}], "limit": 4, "seed": seed,
-           "shard": {"index": index, "count": count}}
+           "shard": {"index": index, "count": count}, "environment": {"hardware": hardware, "git_commit": commit}}
     (d / "run.json").write_text(json.dumps(cfg))
     (d / "metrics" / "a__t.json").write_text("{}")
     return d
@@ -134,3 +146,49 @@ def test_report_of_shards_asks_for_the_merge(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {d} is shard 1/2 of a run: join the shards first (`make merge") and "\n" not in err
     assert not (tmp_path / "reports").exists()
+
+
+def test_merge_refuses_mixed_hardware_or_commits_unless_allowed(tmp_path, capsys):
+    _shard(tmp_path, "s0", 1, 2, hardware="NVIDIA A100")
+    _shard(tmp_path, "s1", 2, 2, hardware="NVIDIA H100")
+    _shard(tmp_path, "s2", 2, 2, hardware="NVIDIA A100", commit="c1")
+    for other, words in (("s1", "the shards ran on different hardware (NVIDIA A100 (s0); NVIDIA H100 (s1))"),
+                         ("s2", "the shards ran on different commits (c0 (s0); c1 (s2))")):
+        assert merge.main(["--run", f"s0,{other}", "--runs-root", str(tmp_path), "--run-id", "m"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {words}") and "--allow-mixed" in err and "\n" not in err, err
+    assert not (tmp_path / "m").exists()
+    runs = merge.check_shards([tmp_path / "s0", tmp_path / "s1"], allow_mixed=True)
+    assert [d.name for d, _ in runs] == ["s0", "s1"]
+    # The report names the mixed hardware for every row of such a merged run.
+    from harness.report.runset import device_text, speed_setting
+
+    cfg = {"device": "cuda", "environment": {"hardware": f"mixed: {merge.mixed_text(runs)}", "gpu": "NVIDIA A100"}}
+    assert device_text(cfg) == "mixed: NVIDIA A100 (s0); NVIDIA H100 (s1)"
+    assert speed_setting(cfg)["hardware"] == device_text(cfg)
+
+
+def test_shards_status_lists_every_shard(tmp_path, capsys):
+    _shard(tmp_path, "s1", 1, 4)
+    (_shard(tmp_path, "s2", 2, 4) / "metrics" / "a__t.json").unlink()
+    _shard(tmp_path, "s4", 4, 4)
+    assert merge.main(["--run", "s1,s2,s3,s4", "--runs-root", str(tmp_path), "--status"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "s1: shard 1/4, done",
+        "s2: shard 2/4, unfinished (0/1 (model, task) done; next: a__t); resume it with its --run-id",
+        f"s3: missing (no run folder with a run.json at {tmp_path / 's3'})",
+        "s4: shard 4/4, done",
+        "shard 3/4: missing (none of the given runs)",
+        "2 of 4 shard(s) done; not ready to merge"]
+    (tmp_path / "s2" / "metrics" / "a__t.json").write_text("{}")
+    _shard(tmp_path, "s3", 3, 4)
+    assert merge.main(["--run", "s1,s2,s3,s4", "--runs-root", str(tmp_path), "--status"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "4 of 4 shard(s) done"
+
+
+def test_a_merged_run_says_merged_from_n_shards():
+    from harness.run import summary
+
+    ss = [{"started": "t", "models": ["a", "b"], "merged": 32}]
+    assert summary.session_note(ss).startswith("Merged from 32 shards (--shard I/32")
+    assert summary.resumed(ss) == 1

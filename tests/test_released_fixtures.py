@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent / "fixtures" / "released"
-BASES = ["llada", "dream_instruct", "dream_base", "refusion", "llama3"]
+BASES = ["llada", "dream_instruct", "dream_base", "refusion", "llama3", "qwen3"]
 ADAPTERS = {"d2f_llada": "llada", "d2f_dream": "dream_base"}
 DIFFUSION = {"llada", "dream_instruct", "dream_base", "refusion", "d2f_llada", "d2f_dream"}
 BUDGET_BYTES = 3 * 1024 * 1024
@@ -31,6 +31,7 @@ RELEASED = {
                                     "AutoModel": "modeling_dream.DreamModel"}},
     "refusion": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
     "llama3": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
 }
 RELEASED["dream_base"] = RELEASED["dream_instruct"]
 # (folder, special token that config.json's mask_token_id must name)
@@ -110,7 +111,7 @@ def test_generations_are_complete_and_prompts_reencode(name):
         if name == "refusion":
             slot = kw["slot_size"]
             want = want + (slot - want % slot) % slot
-        stops_at_eos = name in ("refusion", "llama3")
+        stops_at_eos = name in ("refusion", "llama3", "qwen3")
         assert len(out) == want or (stops_at_eos and len(out) < want and out[-1] in eos), (g["generator"], len(out))
 
 
@@ -152,10 +153,16 @@ def test_tokenizer_loads_without_remote_code_and_carries_the_special_tokens(name
         assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == cfg["eos_token_id"]
     if name == "llama3":
         assert gen["eos_token_id"] == tok.convert_tokens_to_ids(["<|end_of_text|>", "<|eot_id|>"])
-    if name.startswith("dream") or name == "refusion":
+    if name.startswith("dream") or name in ("refusion", "qwen3"):
         assert text.endswith("<|im_start|>assistant\n") and "<|im_end|>" in text
     if name.startswith("dream"):
         assert tok.eos_token_id == cfg["eos_token_id"] and tok.bos_token == "<|beginoftext|>"
+    if name == "qwen3":  # Qwen3-8B: no mask token, no auto_map, an embedding padded past the tokenizer
+        assert type(tok).__name__ == "Qwen2Tokenizer" and tok.eos_token_id == cfg["eos_token_id"]
+        assert "auto_map" not in cfg and "mask_token_id" not in cfg and cfg["vocab_size"] > len(tok)
+        thinking_off = tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                               tokenize=False, enable_thinking=False)
+        assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     if name == "refusion":
         assert type(tok).__name__ == "Qwen2Tokenizer" and tok.eos_token_id == cfg["eos_token_id"]
         assert tok.convert_tokens_to_ids("<|beginoftext|>") == cfg["bos_token_id"]

@@ -25,9 +25,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent / "fixtures" / "released"
 FOLDERS = {"refusion": None, "llada": None, "dream_instruct": None, "dream_base": None,
-           "d2f_llada": "llada", "d2f_dream": "dream_base", "llama3": None}  # folder -> base of an adapter
+           "d2f_llada": "llada", "d2f_dream": "dream_base", "llama3": None, "qwen3": None}  # folder -> base of an adapter
 FAMILY = {"refusion": "refusion", "llada": "llada", "dream_instruct": "dream", "dream_base": "dream",
-          "d2f_llada": "llada", "d2f_dream": "dream", "llama3": "llama"}
+          "d2f_llada": "llada", "d2f_dream": "dream", "llama3": "llama", "qwen3": "qwen3"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,7 +80,7 @@ def _decoder_call(generator: str, kw: dict) -> tuple[str, dict] | None:
     if generator == "refusion.generate_refusion":
         return "refusion", {k: kw[k] for k in ("gen_length", "slot_size", "serial_num_blocks", "slot_threshold",
                                                "token_threshold")}
-    if generator == "transformers.LlamaForCausalLM.generate":
+    if generator in ("transformers.LlamaForCausalLM.generate", "transformers.Qwen3ForCausalLM.generate"):
         return "ar", dict(gen_length=kw["max_new_tokens"])
     return None
 
@@ -92,14 +92,14 @@ def test_loader_recognises_the_family_and_gives_the_authors_logits(name, loaded,
     m = loaded(name)
     assert m.family.name == FAMILY[name]
     assert type(m.model).__name__ == m.family.model_class
-    assert m.model.config.is_causal is (name in ("refusion", "llama3"))
+    assert m.model.config.is_causal is (name in ("refusion", "llama3", "qwen3"))
     ref = _ref(name)["logits"]
     want = load_file(str(ROOT / name / "reference.safetensors"))[ref.get("key_merged") or ref["key"]]
     with torch.no_grad():
         got = m.model(torch.tensor(ref["input_ids"])).logits
     assert_close(got, want)  # float32, the authors' modelling code vs stock transformers classes
     # The ids the decoders get: the released mask token, and EOS ids that include the config's.
-    if name != "llama3":
+    if name not in ("llama3", "qwen3"):
         mask_text = {"llada": "<|mdm_mask|>"}.get(FAMILY[name], "<|mask|>")
         assert m.mask_id == m.tokenizer.convert_tokens_to_ids(mask_text)
     cfg_eos = json.loads((ROOT / (FOLDERS[name] or name) / "config.json").read_text()).get("eos_token_id")

@@ -374,7 +374,7 @@ def test_sweep_figure_series_and_grid_errors(capsys):
     assert [len(line.get_xdata()) for line in ax.lines] == [2, 3]
     assert ax.get_xlabel() and ax.get_ylabel()
     assert sweep.main(["--grid", "slot_sise=1"]) == 2
-    assert "unknown refusion knob(s) slot_sise" in _one_error(capsys)
+    assert "unknown refusion knob(s) slot_sise (did you mean 'slot_size'?); valid knobs:" in _one_error(capsys)
     assert sweep.main(["--grid", "slot_size"]) == 2
     assert "expected knob=value" in _one_error(capsys)
 

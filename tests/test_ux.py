@@ -349,20 +349,22 @@ def test_readme_out_folders_are_ignored_by_git():
 
 
 def test_readme_table1_recipe_is_nine_rows_in_one_run():
-    """The recipe's MODELS, as the shell joins its continued lines, parse into the nine Table 1 rows, with
-    enable_thinking=false as Qwen3's and ReFusion's own setting."""
+    """The recipe's models file (examples/table1_models.toml) holds the nine Table 1 rows, with
+    enable_thinking=false as Qwen3's and ReFusion's own setting; one `make eval` runs them."""
+    from harness.run.model_list import load_models_file
+
     block = README.split("### Regenerate Table 1")[1].split("```bash")[1].split("```")[0]
     joined = re.sub(r"\\\n\s*", "", block)
     evals = [ln for ln in joined.splitlines() if "make eval" in ln]
     assert len(evals) == 1, evals
-    models = shlex.split(evals[0].split("MODELS=", 1)[1])[0]
-    specs = runner.parse_models(models)
+    models_file = shlex.split(evals[0].split("MODELS_FILE=", 1)[1])[0]
+    specs = load_models_file(REPO / models_file)
     assert [(m.name, m.decoder) for m in specs] == [
         ("llama3", "ar"), ("qwen3", "ar"), ("llada", "llada"), ("llada_fast_dllm", "fast_dllm"), ("llada_d2f", "d2f"),
         ("dream", "dream"), ("dream_fast_dllm", "fast_dllm"), ("dream_d2f", "d2f"), ("refusion", "refusion")]
     thinking = {m.name: m.knobs.get("chat_template_args") for m in specs}
-    assert thinking == {**{m.name: None for m in specs}, "qwen3": "enable_thinking=false",
-                        "refusion": "enable_thinking=false"}
+    assert thinking == {**{m.name: None for m in specs}, "qwen3": {"enable_thinking": False},
+                        "refusion": {"enable_thinking": False}}
     assert "RUN=table1" in joined
 
 

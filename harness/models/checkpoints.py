@@ -314,11 +314,25 @@ def _norm(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
+def _names_along_links(path: Path) -> list[str]:
+    """The folder's names: as given, each symlink's target on the way (a Hugging Face cache snapshot, a copy
+    under another name), and the resolved one. A base reached through a link named like the model it is
+    counts as named so."""
+    names, p, seen = [], Path(path).absolute(), set()
+    while p not in seen:
+        seen.add(p)
+        names.append(p.name)
+        if not p.is_symlink():
+            break
+        p = (p.parent / os.readlink(p)).absolute()
+    return [*names, p.resolve().name]
+
+
 def _base_name_warning(p: Path, adapter: dict, found: Path) -> tuple[str, ...]:
     """A warning when the base folder's name is not the model the adapter names (Dream-v0-Instruct-7B given
     for Dream-v0-Base-7B has the same shapes and merges without complaint, but is not what D2F trained on)."""
     declared = str(adapter.get("base_model_name_or_path") or "")
-    if not declared or _norm(Path(declared).name) == _norm(found.resolve().name):
+    if not declared or _norm(Path(declared).name) in {_norm(n) for n in _names_along_links(found)}:
         return ()
     return (f"adapter {str(p)!r} names its base {declared!r} in {ADAPTER_CONFIG}, but the base used is "
             f"{str(found)!r}; check it is that model (same shapes do not prove it)",)

@@ -538,7 +538,8 @@ def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
         k = resumed(sessions(r))
         lines += [f"### {name}" + (f" (label {r['label']})" if r["label"] != name else ""), "",
                   f"- folder `{_show_path(r['dir'])}`, created {r.get('created')}"
-                  + (f", resumed: measured in {k} sessions" if k > 1 else ""),
+                  + (f", resumed: measured in {k} sessions" if k > 1 else "")
+                  + (f", merged from {len(r['merged_from'])} shards" if r.get("merged_from") else ""),
                   f"- task `{r.get('task')}` ({', '.join(u['name'] for u in r['units'])}), limit {r.get('limit')}, "
                   f"seed {r.get('seed')}, batch size {r.get('batch_size')}, chat template {r.get('chat_template')}, "
                   f"prompts {r.get('prompts') or 'stock'}, paper task defaults {r.get('task_defaults')}, "

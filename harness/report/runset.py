@@ -171,6 +171,8 @@ def prompt_variant(cfg: dict, unit: str) -> str:
 def device_text(cfg: dict) -> str:
     """Where a run decoded: the GPU's name, or ``cpu (k threads)``."""
     env = cfg.get("environment") or {}
+    if str(env.get("hardware") or "").startswith("mixed: "):  # shards merged with --allow-mixed
+        return str(env["hardware"])
     dev = str(cfg.get("device") or env.get("device") or "?")
     if dev.startswith("cuda"):
         return str(env.get("gpu") or dev)

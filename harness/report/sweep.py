@@ -37,7 +37,7 @@ class InputError(Exception):
 
 def parse_grid(text: str) -> dict[str, list]:
     """``knob=v1,v2;knob2=...`` -> {knob: [values]} (values typed as lm-eval parses model args)."""
-    from harness.run.runner import _value
+    from harness.run.model_list import literal as _value
 
     grid: dict[str, list] = {}
     for part in [p.strip() for p in text.split(";") if p.strip()]:
@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         accepted = set(DECODERS["refusion"].knobs.names())
         bad = sorted(k for k in grid if k not in accepted)
         if bad:
-            raise InputError(f"unknown refusion knob(s) {', '.join(bad)}; valid knobs: {', '.join(sorted(accepted))}")
+            from harness.run.hints import did_you_mean
+
+            raise InputError(f"unknown refusion knob(s) {', '.join(bad)}{did_you_mean(bad[0], accepted)}; valid knobs: "
+                             f"{', '.join(sorted(accepted))}")
         if not ns.name or ns.name.startswith(".") or "/" in ns.name:
             raise InputError(f"--name {ns.name!r}: use a plain folder name")
     except InputError as e:

@@ -51,7 +51,9 @@ def _unit_of(task: str) -> str:
     for name, info in TASKS.items():
         if task in info.leaves:
             return name
-    raise InputError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
+    from harness.run.hints import did_you_mean
+
+    raise InputError(f"unknown task {task!r}{did_you_mean(task, TASKS)}; known tasks: {', '.join(TASKS)}")
 
 
 def embedded_query(task: str, index: int) -> str:

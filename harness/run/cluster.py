@@ -92,6 +92,31 @@ def parse_rate(text: str | None, cfg: dict) -> dict[str, float]:
     return paces(run)
 
 
+def rate_remark(text: str | None, cfg: dict) -> str | None:
+    """One line when ``--rate <run>`` measured its paces on another device or in another dtype than this run
+    will use (a CPU float32 trial for a bfloat16 GPU plan): its device-hours are then a rough guide only."""
+    run = Path(text) if text else None
+    if run is None or not (run / "run.json").is_file():
+        return None
+    old = read_json(run / "run.json")
+    env = old.get("environment") or {}
+    theirs = (str(old.get("device") or env.get("device") or "?").split(":")[0], str(old.get("dtype") or "float32"))
+    ours = (str(cfg.get("device") or "?").split(":")[0], str(cfg.get("dtype") or "float32"))
+    if theirs == ours:
+        return None
+    return (f"--rate {text}: its paces were measured on {theirs[0]} in {theirs[1]}, this run decodes on {ours[0]} in "
+            f"{ours[1]}: the device-hours below are a rough guide, not a measurement of this setting")
+
+
+def estimated(rates: dict[str, float], cfg: dict) -> dict[str, float]:
+    """A pace for each model that has none of its own: the mean of the others' (None when no model has one)."""
+    known = [rates[m["name"]] for m in cfg["models"] if rates.get(m["name"])]
+    if not known:
+        return {}
+    mean = sum(known) / len(known)
+    return {m["name"]: mean for m in cfg["models"] if not rates.get(m["name"])}
+
+
 def paces(run: Path) -> dict[str, float]:
     """Each model's measured pace in an earlier (finished or partial) run: budget tokens / decode seconds."""
     cfg = read_json(run / "run.json")
@@ -111,32 +136,45 @@ def paces(run: Path) -> dict[str, float]:
     return out
 
 
-def describe_budget(cfg: dict, rates: dict[str, float]) -> str:
+def describe_budget(cfg: dict, rates: dict[str, float], remark: str | None = None) -> str:
     """The dry run's sizing lines: requests and token budget per (model, task), totals, and GPU-hours
-    (device-hours on the CPU) for the models a rate is known for."""
+    (device-hours on the CPU) given the rates; a model without a rate of its own is estimated at the others'
+    mean pace and marked so, never left out. For one shard, the total of all N shards follows."""
     shard = cfg.get("shard")
     lines = ["budget" + (f" of shard {shard['index']}/{shard['count']}" if shard else "")
              + " (requests x generated-token budget per request):"]
-    total_tokens, total_hours, unknown = 0, 0.0, []
+    guessed = estimated(rates, cfg)
+    total_tokens, total_hours, all_tokens, all_hours = 0, 0.0, 0, 0.0
     for m in cfg["models"]:
         rows = [b for b in budget(cfg) if b["model"] == m["name"]]
         tokens = sum(b["tokens"] or 0 for b in rows)
+        # every document of every task (what all shards together run): the per-leaf counts after LIMIT
+        everything = sum((gen_budget(m, u) or 0) * sum((u.get("docs") or {}).values() or [u.get("samples") or 0])
+                         for u in cfg["units"])
         total_tokens += tokens
+        all_tokens += everything
         parts = ", ".join(f"{b['unit']} {b['requests']} x {b['per_request'] or '?'}" for b in rows)
-        rate = rates.get(m["name"])
+        rate = rates.get(m["name"]) or guessed.get(m["name"])
         hours = tokens / rate / 3600 if rate else None
-        if hours is None:
-            unknown.append(m["name"])
-        else:
+        if rate:
             total_hours += hours
+            all_hours += everything / rate / 3600
+        mark = " (estimated: no pace of its own, the others' mean)" if m["name"] in guessed else ""
         lines.append(f"  {m['name']}: {parts} = {tokens} tokens"
-                     + (f", {hours:.3g} device-hours at {rate:.3g} tokens/s" if hours is not None else ""))
+                     + (f", {hours:.3g} device-hours at {rate:.3g} tokens/s{mark}" if hours is not None else ""))
+    est = f" (estimated for {', '.join(guessed)})" if guessed else ""
     tail = f"  total: {total_tokens} tokens"
     if rates:
-        tail += f", {total_hours:.3g} device-hours" + (f" (no rate for {', '.join(unknown)})" if unknown else "")
+        tail += f", {total_hours:.3g} device-hours{est}"
     else:
         tail += "; give --rate TOKENS_PER_S or --rate <earlier run> for device-hours"
-    return "\n".join([*lines, tail])
+    lines.append(tail)
+    if shard:
+        lines.append(f"  all {shard['count']} shards: {all_tokens} tokens"
+                     + (f", {all_hours:.3g} device-hours{est}" if rates else ""))
+    if remark:
+        lines.append(f"  note: {remark}")
+    return "\n".join(lines)
 
 
 LAUNCH_OPTIONS = ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "accelerate_config")

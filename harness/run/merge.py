@@ -41,8 +41,26 @@ def _settings(cfg: dict) -> dict:
     return out
 
 
-def check_shards(dirs: list[Path]) -> list[tuple[Path, dict]]:
-    """Read and cross-check the shards; InputError naming the runs and what is wrong."""
+def _env(cfg: dict, key: str) -> str:
+    return str((cfg.get("environment") or {}).get(key))
+
+
+def _by_value(runs: list[tuple[Path, dict]], key: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for d, cfg in runs:
+        out.setdefault(_env(cfg, key), []).append(d.name)
+    return out
+
+
+def mixed_text(runs: list[tuple[Path, dict]], key: str = "hardware") -> str:
+    """``hwA (s1, s3); hwB (s2)``: which shards ran on which hardware (or commit)."""
+    return "; ".join(f"{v} ({', '.join(names)})" for v, names in _by_value(runs, key).items())
+
+
+def check_shards(dirs: list[Path], allow_mixed: bool = False) -> list[tuple[Path, dict]]:
+    """Read and cross-check the shards; InputError naming the runs and what is wrong. Shards that ran on
+    different hardware or at different commits are refused unless ``allow_mixed``: tokens/s of one merged
+    row would mix them."""
     runs = []
     for d in dirs:
         if not (d / "run.json").is_file():
@@ -63,6 +81,12 @@ def check_shards(dirs: list[Path]) -> list[tuple[Path, dict]]:
         if diff:
             raise InputError(f"shards {first_dir.name} and {d.name} have different settings ({', '.join(diff)}); "
                              "only shards of one command are merged")
+    if not allow_mixed:
+        for key, what in (("hardware", "hardware"), ("git_commit", "commits")):
+            if len(_by_value(runs, key)) > 1:
+                raise InputError(f"the shards ran on different {what} ({mixed_text(runs, key)}): a merged row's "
+                                 "tokens/s would mix them; rerun those shards alike, or pass --allow-mixed to merge "
+                                 f"anyway (the report then names the {what} per row)")
     n = counts[0]
     where: dict[int, list[str]] = {}
     for d, cfg in runs:
@@ -132,18 +156,29 @@ def _merged_metrics(runs: list[tuple[Path, dict]], model: str, unit: str, rows: 
             "merged_from": [m.get("run", {}).get("run_id") for m in mets]}
 
 
-def merge(dirs: list[Path], target: Path) -> Path:
-    """Check the shards, then write the merged run folder ``target`` (swapped in whole) and its summary."""
-    runs = check_shards(dirs)
+def merge(dirs: list[Path], target: Path, allow_mixed: bool = False) -> Path:
+    """Check the shards, then write the merged run folder ``target`` (swapped in whole) and its summary.
+
+    The merged run is described as merged from N shards, never as sessions of one resumed run: its
+    ``sessions`` is one entry (every model), each shard's own sessions stay under ``merged_from``. Mixed
+    hardware (``allow_mixed``) is recorded as the run's hardware, naming each kind's shards."""
+    runs = check_shards(dirs, allow_mixed)
     first = runs[0][1]
     units = [{**u, "samples": sum(next(x for x in c["units"] if x["name"] == u["name"]).get("samples") or 0
                                    for _, c in runs)} for u in first["units"]]
-    hardware = sorted({str((c.get("environment") or {}).get("hardware")) for _, c in runs})
-    cfg = {**first, "run_id": target.name, "shard": None, "units": units,
-           "created": _dt.datetime.now().isoformat(timespec="seconds"),
+    hardware = sorted({_env(c, "hardware") for _, c in runs})
+    env = dict(first.get("environment") or {})
+    if len(hardware) > 1:
+        env["hardware"] = f"mixed: {mixed_text(runs)}"
+    if len({_env(c, "git_commit") for _, c in runs}) > 1:
+        env["git_commit"] = f"mixed: {mixed_text(runs, 'git_commit')}"
+    created = _dt.datetime.now().isoformat(timespec="seconds")
+    cfg = {**first, "run_id": target.name, "shard": None, "units": units, "created": created, "environment": env,
            "merged_from": [{"run_id": c.get("run_id"), "dir": str(d), "shard": c["shard"],
-                            "hardware": (c.get("environment") or {}).get("hardware")} for d, c in runs],
-           "sessions": [s for _, c in runs for s in c.get("sessions") or []]}
+                            "hardware": (c.get("environment") or {}).get("hardware"),
+                            "git_commit": (c.get("environment") or {}).get("git_commit"),
+                            "sessions": c.get("sessions") or []} for d, c in runs],
+           "sessions": [{"started": created, "models": [m["name"] for m in first["models"]], "merged": len(runs)}]}
     with atomic_dir(target) as tmp:
         atomic_write_json(tmp / "run.json", cfg)
         for m in first["models"]:
@@ -157,9 +192,51 @@ def merge(dirs: list[Path], target: Path) -> Path:
 
     finalize(target)
     if len(hardware) > 1:
-        print(f"warning: the shards ran on different hardware ({'; '.join(hardware)}): tokens/s of the merged run "
-              "mixes them", file=sys.stderr)
+        print(f"warning: --allow-mixed: the shards ran on different hardware ({mixed_text(runs)}): tokens/s of the "
+              "merged run mixes them", file=sys.stderr)
     return target
+
+
+def shard_status(dirs: list[Path]) -> tuple[list[str], bool]:
+    """One line per shard of the run: done, unfinished (which (model, task) metrics are missing) or missing
+    (no run folder, or an index 1..N none of the given folders holds); and whether every shard is done.
+    Does not stop at the first problem."""
+    lines, counts, seen, ok = [], set(), {}, True
+    for d in dirs:
+        if not (d / "run.json").is_file():
+            lines.append(f"{d.name}: missing (no run folder with a run.json at {d})")
+            ok = False
+            continue
+        cfg = read_json(d / "run.json")
+        sh = cfg.get("shard") or {}
+        if sh:
+            counts.add(sh["count"])
+            seen.setdefault(sh["index"], []).append(d.name)
+        todo = [f"{m['name']}__{u['name']}" for m in cfg.get("models") or [] for u in cfg.get("units") or []
+                if not (d / "metrics" / f"{m['name']}__{u['name']}.json").is_file()]
+        label = f"shard {sh['index']}/{sh['count']}" if sh else "not a shard"
+        total = len(cfg.get("models") or []) * len(cfg.get("units") or [])
+        if todo:
+            ok = False
+            lines.append(f"{d.name}: {label}, unfinished ({total - len(todo)}/{total} (model, task) done; next: "
+                         f"{todo[0]}); resume it with its --run-id")
+        else:
+            lines.append(f"{d.name}: {label}, done")
+    for n in sorted(counts):
+        for i in range(1, n + 1):
+            if i not in seen:
+                ok = False
+                lines.append(f"shard {i}/{n}: missing (none of the given runs)")
+    twice = {i: names for i, names in seen.items() if len(names) > 1}
+    for i, names in sorted(twice.items()):
+        ok = False
+        lines.append(f"shard {i}: given twice ({', '.join(names)})")
+    if len(counts) > 1:
+        ok = False
+        lines.append(f"shards of different N ({', '.join(map(str, sorted(counts)))})")
+    done = sum(1 for ln in lines if ln.endswith(", done"))
+    lines.append(f"{done} of {max(counts, default=len(dirs))} shard(s) done" + ("" if ok else "; not ready to merge"))
+    return lines, ok
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -167,7 +244,14 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="the shards: run folders or ids under --runs-root, comma-separated")
     p.add_argument("--runs-root", default="results/runs", help="where run ids are looked up (default: %(default)s)")
-    p.add_argument("--run-id", required=True, help="name of the merged run folder, under --runs-root")
+    p.add_argument("--run-id", default=None, help="name of the merged run folder, under --runs-root (required "
+                   "unless --status)")
+    p.add_argument("--allow-mixed", action="store_true",
+                   help="merge shards that ran on different hardware or commits (refused otherwise); the report "
+                   "names the hardware per row")
+    p.add_argument("--status", action="store_true",
+                   help="list each shard as done, unfinished or missing and exit (0: all done, 1: not yet); "
+                   "writes nothing (make shards-status)")
     return p
 
 
@@ -179,12 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         dirs = [Path(t) if Path(t).is_dir() else root / t for t in names]
         if not dirs:
             raise InputError("--run: no shard given")
+        if ns.status:
+            lines, ok = shard_status(dirs)
+            print("\n".join(lines))
+            return 0 if ok else 1
+        if ns.run_id is None:
+            raise InputError("--run-id: the merged run's name is required (NAME=... under make)")
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", ns.run_id):
             raise InputError(f"--run-id {ns.run_id!r} may only use letters, digits, '_', '.', '-'")
         target = root / ns.run_id
         if target.exists():
             raise InputError(f"{target} exists; choose another --run-id")
-        merge(dirs, target)
+        merge(dirs, target, ns.allow_mixed)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

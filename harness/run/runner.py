@@ -41,14 +41,17 @@ import signal
 import stat
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from harness.run import cluster, summary
 from harness.run.faults import STOP_SIGNALS, pause_at
 from harness.run.metrics import speedup
-from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS, PRESETS, ModelSpec, paper_knobs
+from harness.run.hints import did_you_mean, models_change, unknown
+from harness.run.hints import short_list as hints_short_list
+from harness.run.model_list import (LOAD_OPTIONS, TEMPLATE_OPTION, InputError, KnobHelp, load_models_file,
+                                    parse_models, template_args)
+from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS, ModelSpec, paper_knobs
 from harness.run.store import atomic_write_json, read_json
 from tasks.checks import target_problem
 from tasks.scoring import task_manager
@@ -62,87 +65,9 @@ RESUME_KEYS = ("task", "units", "models", "limit", "seed", "chat_template", "dev
                "bootstrap_iters", "task_defaults", "baseline", "dtype", "chat_template_args", "shard")
 # Unit fields counted from the data, not set by the user (older runs lack them): not compared on resume.
 DERIVED_UNIT_KEYS = ("samples", "docs", "max_gen_toks", "data_sha256")
-# Model options that choose how a checkpoint loads, not how it decodes: taken out of the knob list.
-LOAD_OPTIONS = ("base",)
-# A model's own chat-template arguments (``chat_template_args=enable_thinking=false;x=1``), replacing the
-# run-wide --chat-template-args for that model: Qwen3 / ReFusion and the other rows in one run.
-TEMPLATE_OPTION = "chat_template_args"
 
 
-class InputError(Exception):
-    """Bad user input: reported as one line, exit code 2, nothing written."""
-
-
-# ---------------------------------------------------------------- parsing
-
-
-class KnobHelp(Exception):
-    """``MODELS=<model>:help``: print the decoder's knobs instead of running."""
-
-    def __init__(self, decoder: str):
-        super().__init__(decoder)
-        self.decoder = decoder
-
-
-def _value(text: str) -> Any:
-    from lm_eval.utils import handle_arg_string
-
-    return handle_arg_string(text)
-
-
-_NEW_MODEL = re.compile(r"^[A-Za-z0-9_.\-]+=[^=]*:")
-
-
-def parse_models(spec: str) -> list[ModelSpec]:
-    """``name=ckpt:decoder[:k=v,...],...`` and preset names -> ModelSpecs (no I/O)."""
-    groups: list[list[str]] = []
-    pieces = [p.strip() for p in spec.split(",") if p.strip()]
-    pieces = [name for p in pieces for name in MODEL_GROUPS.get(p, (p,))]  # "all" -> every preset
-    for piece in pieces:
-        starts_model = bool(_NEW_MODEL.match(piece)) or "=" not in piece.split(":")[0]
-        if starts_model or not groups:
-            groups.append([piece])
-        else:
-            groups[-1].append(piece)
-    models: list[ModelSpec] = []
-    for head, *more in groups:
-        knob_text = list(more)
-        if "=" in head.split(":")[0]:
-            name, _, rest = head.partition("=")
-            parts = rest.split(":")
-            if len(parts) < 2 or not parts[0] or not parts[1]:
-                raise InputError(f"bad model spec {head!r}: expected name=checkpoint:decoder[:knob=value,...]")
-            checkpoint, decoder = parts[0], parts[1]
-            if len(parts) > 2:
-                knob_text.insert(0, ":".join(parts[2:]))
-            base = ModelSpec(name, checkpoint, decoder)
-        else:
-            name, *rest = head.split(":")
-            if name not in PRESETS:
-                raise InputError(f"unknown model name {name!r}; valid names: {', '.join(PRESETS)} "
-                                 "(or give name=checkpoint:decoder[:knob=value,...])")
-            base = PRESETS[name]
-            if rest:
-                knob_text.insert(0, ":".join(rest))
-        knobs = dict(base.knobs)
-        for kv in knob_text:
-            if kv.strip() == "help":
-                raise KnobHelp(base.decoder)
-            k, eq, v = kv.partition("=")
-            if not eq or not k:
-                raise InputError(f"bad knob {kv!r} for model {name!r}: expected knob=value")
-            knobs[k.strip()] = _value(v.strip())
-        models.append(replace(base, name=name, knobs=knobs))
-    if not models:
-        raise InputError("no models given")
-    names = [m.name for m in models]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise InputError(f"model name(s) used twice: {', '.join(dup)}")
-    for n in names:
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", n):
-            raise InputError(f"model name {n!r} may only use letters, digits, '_', '.', '-'")
-    return models
+# ---------------------------------------------------------------- parsing: harness/run/model_list.py
 
 
 # ---------------------------------------------------------------- validation
@@ -194,13 +119,17 @@ def _root_message(exc: BaseException) -> str:
 def task_names(task_arg: str, tm) -> list[str]:
     """The comma list's names, each a task or group of ``tm`` (a TaskManager: indexing only, no data read);
     InputError listing the valid names otherwise."""
+    from tasks.info import TASK_ALIASES
+
     valid = sorted(set(tm.all_tasks) | set(tm.all_groups))
     names = [t.strip() for t in task_arg.split(",") if t.strip()]
+    lister = "python -m harness validate-tasks"
     if not names:
-        raise InputError(f"no task given; valid tasks: {', '.join(valid)}")
+        raise InputError("no task given; valid tasks: " + hints_short_list(valid, tm.all_groups, lister=lister))
     for name in names:
         if name not in valid:
-            raise InputError(f"unknown task {name!r}; valid tasks: {', '.join(valid)}")
+            raise InputError(f"unknown task {name!r}{did_you_mean(name, [*valid, *TASK_ALIASES])}; valid tasks: "
+                             + hints_short_list(valid, tm.all_groups, lister=lister))
     return names
 
 
@@ -366,13 +295,12 @@ def _inspect(m: ModelSpec, ckpt: Path, base: str | None, inspected: dict[str, An
 
 
 def _template_args(m: ModelSpec) -> dict:
-    from harness.run.lm_adapter import parse_chat_template_args
-
+    """A model's own chat-template arguments: a dict from a models file (checked there), or the MODELS text
+    (several arguments joined by ';': a comma would start the next knob)."""
     value = m.knobs[TEMPLATE_OPTION]
-    try:  # several arguments are joined by ';' (a comma would start the next knob)
-        return parse_chat_template_args("" if value is None else str(value))
-    except ValueError as e:
-        raise InputError(f"model {m.name!r}: {TEMPLATE_OPTION}: {e}") from None
+    if isinstance(value, dict):
+        return dict(value)
+    return template_args("" if value is None else str(value), m.name)
 
 
 def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: bool,
@@ -393,10 +321,17 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
     out = []
     for m in models:
         if m.decoder not in DECODERS:
-            raise InputError(f"model {m.name!r}: unknown decoder {m.decoder!r}; valid decoders: "
-                             f"{', '.join(sorted(DECODERS))}")
+            raise InputError(f"model {m.name!r}: " + unknown("decoder", m.decoder, DECODERS))
         knobs = {k: v for k, v in m.knobs.items() if k not in (*LOAD_OPTIONS, TEMPLATE_OPTION)}
-        load: dict[str, Any] = {k: str(_local_path(str(v)).resolve()) for k, v in m.knobs.items()
+        accepted = DECODERS[m.decoder].knobs.names()
+        bad = [k for k in knobs if k not in accepted]
+        if bad:
+            raise InputError(f"model {m.name!r}: unknown knob(s) {', '.join(bad)} for decoder {m.decoder!r}"
+                             f"{did_you_mean(bad[0], [*accepted, *LOAD_OPTIONS, TEMPLATE_OPTION])}; valid knobs: "
+                             + hints_short_list(accepted, lister=f"python -m harness knobs {m.decoder}"))
+        # Not resolved here: the base's name as given (a symlink named like the model) is what its adapter's
+        # base_model_name_or_path is compared with; run.json records the resolved folder (info.base.path).
+        load: dict[str, Any] = {k: str(_local_path(str(v)).absolute()) for k, v in m.knobs.items()
                                 if k in LOAD_OPTIONS}
         if TEMPLATE_OPTION in m.knobs:
             load[TEMPLATE_OPTION] = _template_args(m)
@@ -411,6 +346,8 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
             raise InputError(f"model {m.name!r} ({ckpt}): {e}") from None
         if info.base is not None:
             load["base"] = str(info.base.path)  # the base really used, found beside the adapter or given
+        elif "base" in load:
+            load["base"] = str(Path(load["base"]).resolve())
         try:  # each knob on its own now; the rules across knobs per task below, with its real budget
             check_knob_values(m.decoder, {**own, **knobs})
             if "gen_length" in {**own, **knobs} or "gen_length" not in DECODERS[m.decoder].knobs.names():
@@ -525,6 +462,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default=DEFAULT_TASK, help="task, group or comma list (default: %(default)s)")
     p.add_argument("--models", default=None, help="name=checkpoint:decoder[:knob=v,...],... or preset names, or "
                    f"'all' (every preset) (default: {','.join(DEFAULT_MODELS)} on the tiny checkpoints)")
+    p.add_argument("--models-file", default=None, metavar="FILE",
+                   help="the models as a TOML file, one [[models]] table each: name, path, decoder (or preset), knobs, "
+                   "chat_template_args, base (harness/run/model_list.py; e.g. examples/table1_models.toml)")
     p.add_argument("--limit", type=int, default=None,
                    help=f"documents per leaf task (default: {DEFAULT_LIMIT} for the default suite, with the default "
                    "models or 'all', else all)")
@@ -632,18 +572,18 @@ def build_config(ns: argparse.Namespace) -> dict:
         raise InputError(f"--device must be cpu or cuda, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device cuda given but no CUDA device is available; valid: cpu")
-    models = parse_models(ns.models or ",".join(DEFAULT_MODELS))
+    if ns.models is not None and ns.models_file is not None:
+        raise InputError("give either --models (MODELS) or --models-file (MODELS_FILE), not both")
+    if ns.models_file is not None:
+        models = load_models_file(ns.models_file)
+    else:
+        models = parse_models(ns.models or ",".join(DEFAULT_MODELS))
     tasks_dirs = [Path(d).expanduser() for d in ns.tasks_dir]
     for d in tasks_dirs:
         if not d.is_dir():
             raise InputError(f"--tasks-dir {str(d)!r} is not a folder")
     from harness.models.checkpoints import resolve_dtype
-    from harness.run.lm_adapter import parse_chat_template_args
-
-    try:
-        template_args = parse_chat_template_args(ns.chat_template_args)
-    except ValueError as e:
-        raise InputError(f"--chat-template-args: {e}") from None
+    run_template_args = template_args(ns.chat_template_args)
     task_defaults = not ns.no_task_defaults
     inspected: dict[str, Any] = {}
     task_arg = paper_tasks(ns.task) if ns.prompts == "paper" else ns.task
@@ -652,7 +592,7 @@ def build_config(ns: argparse.Namespace) -> dict:
     # Cheap checks first (decoders, every checkpoint completely, attention, model knobs), before tasks load.
     validate_models(models, [], task_defaults, inspected)
     limit = ns.limit
-    if limit is None and ns.task == DEFAULT_TASK and (ns.models is None or ns.models.strip() in MODEL_GROUPS):
+    if limit is None and ns.task == DEFAULT_TASK and ns.models_file is None and (ns.models is None or ns.models.strip() in MODEL_GROUPS):
         limit = DEFAULT_LIMIT
     budgets: dict[str, int | None] = {}
     units = resolve_units(task_arg, tasks_dirs, limit, budgets, tm)
@@ -685,7 +625,7 @@ def build_config(ns: argparse.Namespace) -> dict:
         "task_defaults": task_defaults, "baseline": baseline, "tasks_dir": str(REPO / "tasks"),
         "tasks_dirs": [str(d.resolve()) for d in tasks_dirs],
         "prompts": ns.prompts, "dtype": resolve_dtype(ns.dtype, device), "dtype_requested": ns.dtype,
-        "chat_template_args": template_args, "compile": compile_settings(model_cfgs),
+        "chat_template_args": run_template_args, "compile": compile_settings(model_cfgs),
     }
 
 
@@ -797,6 +737,23 @@ def settings_diff(old: dict, cfg: dict) -> list[str]:
     return diff
 
 
+def describe_diff(old: dict, cfg: dict, diff: list[str]) -> str:
+    """The differing settings as one phrase, each with its old and new value, and for the models the knob
+    that changed (``models: model 'rf' knobs slot_size: 8 -> 4``)."""
+    parts = []
+    for k in diff:
+        if k == "models":
+            strip = [{kk: v for kk, v in m.items() if kk != "resolved_knobs"} for m in old.get(k) or []]
+            new = [{kk: v for kk, v in m.items() if kk != "resolved_knobs"} for m in cfg.get(k) or []]
+            parts.append(f"models: {models_change(strip, new) or 'changed'}")
+        elif k == "units":
+            parts.append("units: the tasks or their documents")
+        else:
+            a, b = json.dumps(old.get(k), default=str), json.dumps(cfg.get(k), default=str)
+            parts.append(f"{k}: {a[:40]} -> {b[:40]}")
+    return "; ".join(parts)
+
+
 def _resume_value(key: str, value: Any) -> Any:
     """A setting as compared on resume: a unit's sample count is derived, not set (older runs lack it)."""
     if key == "units" and isinstance(value, list):
@@ -813,7 +770,7 @@ def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
         old = read_json(run_dir / "run.json")
         diff = settings_diff(old, cfg)
         if diff:
-            raise InputError(f"run {run_id!r} exists with different settings ({', '.join(diff)}); "
+            raise InputError(f"run {run_id!r} exists with different settings ({describe_diff(old, cfg, diff)}); "
                              "use a new --run-id or the same settings to resume")
         print(f"resuming run {run_id} in {run_dir}", file=sys.stderr)
         summary.add_session(run_dir / "run.json")  # timings of this session may mix with the earlier ones
@@ -945,9 +902,12 @@ def main(argv: list[str] | None = None) -> int:
             rates = cluster.parse_rate(ns.rate, cfg)
         except ValueError as e:
             raise InputError(str(e)) from None
+        remark = cluster.rate_remark(ns.rate, cfg)
+        if remark:
+            print(f"warning: {remark}", file=sys.stderr)
         if ns.dry_run:
             print(describe_resolved(cfg))
-            print(cluster.describe_budget(cfg, rates))
+            print(cluster.describe_budget(cfg, rates, remark))
             return 0
         if cfg["launch"].get("machine_rank"):
             run_dir = _join_run_dir(Path(ns.out), ns.run_id, cfg)

@@ -127,6 +127,10 @@ def session_note(ss: list[dict]) -> str | None:
     """One line for a resumed run (None for a run whose models all ran in one session).
 
     Sessions in which no model ran (a finished run started again) do not count."""
+    merged = next((x["merged"] for x in ss if x.get("merged")), None)
+    if merged:
+        return (f"Merged from {merged} shards (--shard I/{merged}, one job each, `make merge`): each (model, task) "
+                "combines the shards' samples; tokens/s and speedups pool their decode times.")
     ran = [x for x in ss if x.get("models")]
     if len(ran) < 2:
         return None
@@ -233,7 +237,8 @@ def one_line(s: dict, run_dir: Path) -> str:
     parts = [f"{k} {v:.2f}x" for k, v in s["mean_speedup"].items() if k != s["baseline"]]
     vs = f"; mean speedup vs {s['baseline']}: {', '.join(parts)}" if s.get("baseline") and parts else ""
     k = resumed(s.get("sessions") or [])
-    again = f"; resumed, measured in {k} sessions" if k > 1 else ""
+    merged = next((x["merged"] for x in s.get("sessions") or [] if x.get("merged")), None)
+    again = f"; merged from {merged} shards" if merged else f"; resumed, measured in {k} sessions" if k > 1 else ""
     return (f"done: {len(s['models'])} model(s) x {len(s['units'])} task(s), {sum(r['samples'] for r in s['rows'])} "
             f"samples{vs}{again}; results in {run_dir}")
 

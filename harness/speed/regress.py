@@ -333,7 +333,10 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
         models = tuple(m.strip() for m in ns.models.split(",") if m.strip())
         unknown = [m for m in models if m not in PRESETS]
         if unknown or not models:
-            raise RegressError(f"unknown preset(s) {', '.join(unknown) or '(none)'}; valid: {', '.join(PRESETS)}")
+            from harness.run.hints import did_you_mean
+
+            hint = did_you_mean(unknown[0], PRESETS) if unknown else ""
+            raise RegressError(f"unknown preset(s) {', '.join(unknown) or '(none)'}{hint}; valid: {', '.join(PRESETS)}")
         if ns.limit < 1:
             raise RegressError(f"--limit must be >= 1, got {ns.limit}")
         if not update and ns.ab_limit < 1:
