@@ -267,11 +267,10 @@ def test_a_stop_signal_stops_the_worker_and_unwinds_the_runner(sig):
 # ---------------------------------------------------------------- real runs
 
 
-def test_oom_and_nan_fail_only_their_items_and_a_retry_completes_the_run(setup, reference):
+def test_oom_and_nan_fail_only_their_items(setup, reference):
     """Batch 4 with out of memory on every call of 3 rows or more (backs off to 2), out of memory at batch 1 on
     document 4 and NaN logits at the first forward of every call holding document 2: those two fail, named; the
-    others give the answers of the uninterrupted batch-1 run. A resume with --retry-failed decodes the two (a
-    plain resume keeps them failed: tests/test_faults.py::test_a_plain_resume_keeps_failed_items)."""
+    others give the answers of the uninterrupted batch-1 run. (--retry-failed: the next test.)"""
     faults = {"oom": {"min_batch": 3, "docs": [f"{TASK}:4"]}, "nan": {"docs": [f"{TASK}:2"], "forward": 1}}
     p = _run(setup, "faulty", "--batch-size", "4", faults=faults)
     run_dir = setup["out"] / "faulty"
@@ -290,8 +289,23 @@ def test_oom_and_nan_fail_only_their_items_and_a_retry_completes_the_run(setup, 
                     f"forward 1), 4 (out of memory); retry them with --run-id faulty --retry-failed")
     assert "Traceback" not in p.stderr
 
+
+@pytest.mark.slow
+def test_retry_failed_decodes_the_failed_items_again(setup, reference):
+    """The faulty run above (run again here when it did not run first), resumed with --retry-failed and without
+    the faults: the two failed documents are decoded, the rest served from the journal; every answer is then
+    the uninterrupted run's. In process, tests/test_faults.py::test_a_plain_resume_keeps_failed_items covers the
+    journal side in `make test`."""
+    run_dir = setup["out"] / "faulty"
+    if not (run_dir / "summary.json").exists():
+        faults = {"oom": {"min_batch": 3, "docs": [f"{TASK}:4"]}, "nan": {"docs": [f"{TASK}:2"], "forward": 1}}
+        _run(setup, "faulty", "--batch-size", "4", faults=faults)
+    assert _metrics(run_dir)["failed"]["count"] == 2
     _run(setup, "faulty", "--batch-size", "4", "--retry-failed")  # without the faults now
-    assert _answers(_rows(run_dir)) == want
+    assert _answers(_rows(run_dir)) == _answers(_rows(reference))
+    assert _metrics(run_dir)["failed"]["count"] == 0 and _metrics(run_dir)["quality"] == _metrics(reference)["quality"]
+    done = json.loads((run_dir / "models" / "a" / "done.json").read_text())
+    assert (done["computed"], done["served_from_journal"]) == (2, N_DOCS - 2)
     assert _metrics(run_dir)["failed"]["count"] == 0 and _metrics(run_dir)["quality"] == _metrics(reference)["quality"]
     done = json.loads((run_dir / "models" / "a" / "done.json").read_text())
     assert (done["computed"], done["served_from_journal"]) == (2, N_DOCS - 2)
