@@ -117,13 +117,9 @@ def _ckpt_folders(root: Path) -> Path:
     return ckpt
 
 
-def test_the_table1_models_file_is_the_nine_rows_and_passes_the_dry_run(tmp_path, monkeypatch, capsys):
-    specs = load_models_file(EXAMPLE)
-    assert [(m.name, m.decoder) for m in specs] == [
-        ("llama3", "ar"), ("qwen3", "ar"), ("llada", "llada"), ("llada_fast_dllm", "fast_dllm"), ("llada_d2f", "d2f"),
-        ("dream", "dream"), ("dream_fast_dllm", "fast_dllm"), ("dream_d2f", "d2f"), ("refusion", "refusion")]
-    assert {m.name: m.knobs.get("chat_template_args") for m in specs if "chat_template_args" in m.knobs} == {
-        "qwen3": {"enable_thinking": False}, "refusion": {"enable_thinking": False}}
+def _table1_setup(tmp_path: Path, monkeypatch) -> Path:
+    """The example models file pointed at the release fixtures (``_ckpt_folders``) and one GSM8K item as the
+    data; returns the models file."""
     ckpt = _ckpt_folders(tmp_path)
     models = tmp_path / "table1.toml"
     models.write_text(EXAMPLE.read_text().replace('"/ckpt/', f'"{ckpt}/'))
@@ -132,6 +128,17 @@ def test_the_table1_models_file_is_the_nine_rows_and_passes_the_dry_run(tmp_path
     (data / "test.jsonl").write_text(json.dumps({"question": "Tom has 3 apples and buys 4 more. How many?",
                                                  "answer": "3 + 4 = 7\n#### 7"}) + "\n")
     monkeypatch.setenv("REFUSION_DATA_DIR", str(tmp_path / "data"))
+    return models
+
+
+def test_the_table1_models_file_is_the_nine_rows_and_passes_the_dry_run(tmp_path, monkeypatch, capsys):
+    specs = load_models_file(EXAMPLE)
+    assert [(m.name, m.decoder) for m in specs] == [
+        ("llama3", "ar"), ("qwen3", "ar"), ("llada", "llada"), ("llada_fast_dllm", "fast_dllm"), ("llada_d2f", "d2f"),
+        ("dream", "dream"), ("dream_fast_dllm", "fast_dllm"), ("dream_d2f", "d2f"), ("refusion", "refusion")]
+    assert {m.name: m.knobs.get("chat_template_args") for m in specs if "chat_template_args" in m.knobs} == {
+        "qwen3": {"enable_thinking": False}, "refusion": {"enable_thinking": False}}
+    models = _table1_setup(tmp_path, monkeypatch)
     out = tmp_path / "out"
     rc = runner.main(["--task", "gsm8k_cot", "--limit", "1", "--models-file", str(models), "--out", str(out),
                       "--dry-run", "--prompts", "paper", "--baseline", "qwen3"])
@@ -190,14 +197,7 @@ def test_the_table1_models_file_runs_the_nine_rows_and_fills_every_claim(tmp_pat
     item: every row runs in one run and speedup.md has our value beside every one of the paper's speedup claims."""
     from harness.report import paper_report
 
-    ckpt = _ckpt_folders(tmp_path)
-    models = tmp_path / "table1.toml"
-    models.write_text(EXAMPLE.read_text().replace('"/ckpt/', f'"{ckpt}/'))
-    data = tmp_path / "data" / "gsm8k"
-    data.mkdir(parents=True)
-    (data / "test.jsonl").write_text(json.dumps({"question": "Tom has 3 apples and buys 4 more. How many?",
-                                                 "answer": "3 + 4 = 7\n#### 7"}) + "\n")
-    monkeypatch.setenv("REFUSION_DATA_DIR", str(tmp_path / "data"))
+    models = _table1_setup(tmp_path, monkeypatch)
     out = tmp_path / "out"
     assert runner.main(["--task", "gsm8k_cot", "--limit", "1", "--models-file", str(models), "--out", str(out),
                         "--run-id", "table1", "--prompts", "paper", "--baseline", "qwen3", "--threads", "1"]) == 0

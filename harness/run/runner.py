@@ -92,8 +92,8 @@ def known_error(exc: BaseException) -> str | None:
     from harness.run.faults import disk_full
     from harness.run.lm_adapter import CheckpointError
 
-    if disk_full(exc):
-        return disk_full(exc)
+    if (line := disk_full(exc)) is not None:
+        return line
     for e in _chain(exc):
         if isinstance(e, (DataError, CheckpointError)):
             return str(e).replace("\n", " ")

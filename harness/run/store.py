@@ -70,8 +70,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        if _named(e, path) is not e:
-            raise _named(e, path) from e
+        named = _named(e, path)
+        if named is not e:
+            raise named from e
         raise
 
 
@@ -106,8 +107,9 @@ def atomic_save_figure(fig, path: str | os.PathLike, dpi: int = 90) -> None:
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if _named(e, path) is not e:
-            raise _named(e, path) from e
+        named = _named(e, path)
+        if named is not e:
+            raise named from e
         raise
     finally:
         plt.close(fig)
@@ -186,8 +188,9 @@ class Journal:
         except OSError as e:
             # A torn line may be on disk: the next load drops it, the next append cuts it off first.
             self.close_quietly()
-            if _named(e, self.path) is not e:
-                raise _named(e, self.path) from e
+            named = _named(e, self.path)
+            if named is not e:
+                raise named from e
             raise
 
     def close_quietly(self) -> None:
