@@ -69,7 +69,7 @@ RECIPES: dict[str, dict] = {"ar": {"steps": 3000, "lr": 2e-3},  # not retrained 
 # #37 retrains one model at a time across sessions; a model leaves this table in the commit that brings
 # its retrained weights, so the fingerprint test pins every committed folder to the recipe it was made
 # with at every stop. `--recipe previous` trains these settings again.
-PREVIOUS: dict[str, dict] = {"dream": {"steps": 1800, "lr": 1e-3}, "d2f": {"steps": 1800, "lr": 1e-3}}
+PREVIOUS: dict[str, dict] = {"dream": {"steps": 1800, "lr": 1e-3}}
 # Bidirectional (LLaDA, Dream) or block-causal (D2F, explicit masks) attention: not causal.
 NON_CAUSAL = ("mdm", "dream", "d2f")
 # TrainConfig fields a resumed run may change (how often it saves, how many threads): the rest must match.
