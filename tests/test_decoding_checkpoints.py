@@ -85,9 +85,12 @@ def test_d2f_checkpoint_cache_exact_and_no_cache_identical(tiny_checkpoint, asse
             assert_close(mine.values, theirs.values)
 
     depth = []
-    for skip in (0.9, 0.999):  # the preset's threshold; a stricter one, so that blocks overlap in the pipeline
-        a, sa = DECODERS["d2f"](model, ids, gen_length=32, block_size=8, skip_threshold=skip, on_cache=check)
-        b, sb = DECODERS["d2f"](model, ids, gen_length=32, block_size=8, skip_threshold=skip, no_cache=True)
+    # The preset's thresholds (the trained model fills each block of 8 in one forward there), and one token a step
+    # per fully active block with blocks activated at half their predecessor, so that blocks overlap in the pipeline.
+    for skip, ready in ((0.9, 0.95), (1.0, 0.5)):
+        knobs = dict(gen_length=32, block_size=8, skip_threshold=skip, decoded_token_threshold=ready)
+        a, sa = DECODERS["d2f"](model, ids, **knobs, on_cache=check)
+        b, sb = DECODERS["d2f"](model, ids, **knobs, no_cache=True)
         assert torch.equal(a[0], b[0]) and sa["nfe"] == sb["nfe"] and sa["tpf"] > 1.0
         depth.append(sa["pipeline_max"])
     assert max(depth) >= 2

@@ -267,48 +267,53 @@ def test_a_stop_signal_stops_the_worker_and_unwinds_the_runner(sig):
 # ---------------------------------------------------------------- real runs
 
 
-def test_oom_and_nan_fail_only_their_items(setup, reference):
-    """Batch 4 with out of memory on every call of 3 rows or more (backs off to 2), out of memory at batch 1 on
-    document 4 and NaN logits at the first forward of every call holding document 2: those two fail, named; the
-    others give the answers of the uninterrupted batch-1 run. (--retry-failed: the next test.)"""
-    faults = {"oom": {"min_batch": 3, "docs": [f"{TASK}:4"]}, "nan": {"docs": [f"{TASK}:2"], "forward": 1}}
-    p = _run(setup, "faulty", "--batch-size", "4", faults=faults)
+# The faults of the real run below: OOM on every call of 3 rows or more (batch 4 backs off to 2) and at batch 1
+# on document 4, NaN logits at the first forward of every call holding document 2, and a never-ending sample on
+# document 0 (a model whose confidences never pass a threshold, under a budget of 2 forwards a row).
+FAULTY = {"oom": {"min_batch": 3, "docs": [f"{TASK}:4"]}, "nan": {"docs": [f"{TASK}:2"], "forward": 1},
+          "stall": {"docs": [f"{TASK}:0"], "forwards": 2}}
+
+
+def test_oom_nan_and_a_sample_that_never_ends_fail_only_their_items(setup, reference):
+    """A real run at batch 4 with the faults of FAULTY: documents 0, 2 and 4 fail, each named with its reason;
+    the others give the answers of the uninterrupted batch-1 run. (--retry-failed: the next test.)"""
+    p = _run(setup, "faulty", "--batch-size", "4", faults=FAULTY)
     run_dir = setup["out"] / "faulty"
     got, want = _answers(_rows(run_dir)), _answers(_rows(reference))
+    assert got[0][:3] == ("forward budget exceeded (2 forwards)", [], "")
     assert got[2][:3] == ("non-finite logits at forward 1", [], "")
     assert got[4][:3] == ("out of memory", [], "")
-    assert {d: r for d, r in got.items() if d not in (2, 4)} == {d: r for d, r in want.items() if d not in (2, 4)}
+    assert {d: r for d, r in got.items() if d not in (0, 2, 4)} == {
+        d: r for d, r in want.items() if d not in (0, 2, 4)}
     m = _metrics(run_dir)
-    assert m["failed"] == {"count": 2, "items": [
+    assert m["failed"] == {"count": 3, "items": [
+        {"task": TASK, "doc_id": 0, "reason": "forward budget exceeded (2 forwards)"},
         {"task": TASK, "doc_id": 2, "reason": "non-finite logits at forward 1"},
         {"task": TASK, "doc_id": 4, "reason": "out of memory"}]}
-    assert m["speed"]["samples"] == N_DOCS - 2
-    assert f"| a | {TASK} | {N_DOCS} (2 failed) |" in (run_dir / "summary.md").read_text()
+    assert m["speed"]["samples"] == N_DOCS - 3
+    assert f"| a | {TASK} | {N_DOCS} (3 failed) |" in (run_dir / "summary.md").read_text()
     last = p.stderr.strip().splitlines()[-1]
-    assert last == (f"warning: a on {TASK}: 2 failed item(s), counted as wrong: document 2 (non-finite logits at "
-                    f"forward 1), 4 (out of memory); retry them with --run-id faulty --retry-failed")
+    assert last == (f"warning: a on {TASK}: 3 failed item(s), counted as wrong: document 0 (forward budget exceeded "
+                    f"(2 forwards)), 2 (non-finite logits at forward 1), 4 (out of memory); retry them with "
+                    f"--run-id faulty --retry-failed")
     assert "Traceback" not in p.stderr
 
 
 @pytest.mark.slow
 def test_retry_failed_decodes_the_failed_items_again(setup, reference):
     """The faulty run above (run again here when it did not run first), resumed with --retry-failed and without
-    the faults: the two failed documents are decoded, the rest served from the journal; every answer is then
+    the faults: the three failed documents are decoded, the rest served from the journal; every answer is then
     the uninterrupted run's. In process, tests/test_faults.py::test_a_plain_resume_keeps_failed_items covers the
     journal side in `make test`."""
     run_dir = setup["out"] / "faulty"
     if not (run_dir / "summary.json").exists():
-        faults = {"oom": {"min_batch": 3, "docs": [f"{TASK}:4"]}, "nan": {"docs": [f"{TASK}:2"], "forward": 1}}
-        _run(setup, "faulty", "--batch-size", "4", faults=faults)
-    assert _metrics(run_dir)["failed"]["count"] == 2
+        _run(setup, "faulty", "--batch-size", "4", faults=FAULTY)
+    assert _metrics(run_dir)["failed"]["count"] == 3
     _run(setup, "faulty", "--batch-size", "4", "--retry-failed")  # without the faults now
     assert _answers(_rows(run_dir)) == _answers(_rows(reference))
     assert _metrics(run_dir)["failed"]["count"] == 0 and _metrics(run_dir)["quality"] == _metrics(reference)["quality"]
     done = json.loads((run_dir / "models" / "a" / "done.json").read_text())
-    assert (done["computed"], done["served_from_journal"]) == (2, N_DOCS - 2)
-    assert _metrics(run_dir)["failed"]["count"] == 0 and _metrics(run_dir)["quality"] == _metrics(reference)["quality"]
-    done = json.loads((run_dir / "models" / "a" / "done.json").read_text())
-    assert (done["computed"], done["served_from_journal"]) == (2, N_DOCS - 2)
+    assert (done["computed"], done["served_from_journal"]) == (3, N_DOCS - 3)
 
 
 @pytest.mark.slow

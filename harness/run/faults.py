@@ -18,6 +18,10 @@ real run meet a fault at a chosen place, however fast the machine is. Keys:
   ``"oom": {"docs": ["task:doc_id", ...]}``: every call holding one of those documents does;
 - ``"nan": {"docs": [...], "forward": K}``: forward K (1-based) of every call holding one of those
   documents returns NaN logits (a forward hook on the model: the decoder's own check must catch it);
+- ``"stall": {"docs": [...], "forwards": N}``: every call holding one of those documents meets a model whose
+  confidences never pass a threshold (all logits equal, as the conformance suite's ``budget`` rule builds it)
+  under a forward budget cut to N forwards a row (``common.FORWARDS_PER_TOKEN``/``FORWARDS_EXTRA``), so the
+  decoder's own budget check stops it as it would stop a sample that never ends;
 - ``"enospc": "SITE"``: the first write whose file name contains SITE fails with ENOSPC halfway
   (``store.maybe_fail_write``; once per process);
 - ``"pause": "POINT"``: the process prints ``paused at POINT`` to stderr and waits for a signal at a
@@ -109,23 +113,35 @@ def injected_decode_faults(model, items: list[dict]) -> Iterator[None]:
         import torch
 
         raise torch.OutOfMemoryError(f"{FAULTS_ENV}: injected out of memory ({len(items)} rows)")
-    nan = faults.get("nan") or {}
-    if not any(_doc(it) in nan.get("docs", ()) for it in items):
+    nan, stall = faults.get("nan") or {}, faults.get("stall") or {}
+    poisoned = any(_doc(it) in nan.get("docs", ()) for it in items)
+    stalled = any(_doc(it) in stall.get("docs", ()) for it in items)
+    if not (poisoned or stalled):
         yield
         return
+    import torch
+
+    from refusion.decoding import common
+
     seen = [0]
 
     def poison(_module, _args, out):
         seen[0] += 1
-        if seen[0] == int(nan.get("forward", 1)):
+        if poisoned and seen[0] == int(nan.get("forward", 1)):
             out.logits = out.logits.float().fill_(float("nan"))
+        elif stalled:
+            out.logits = torch.zeros_like(out.logits)  # every confidence 1/V: no threshold is ever passed
         return out
 
     handle = model.register_forward_hook(poison)
+    saved = common.FORWARDS_PER_TOKEN, common.FORWARDS_EXTRA
+    if stalled:
+        common.FORWARDS_PER_TOKEN, common.FORWARDS_EXTRA = 0, int(stall.get("forwards", 1))
     try:
         yield
     finally:
         handle.remove()
+        common.FORWARDS_PER_TOKEN, common.FORWARDS_EXTRA = saved
 
 
 # ---------------------------------------------------------------- a full disk
