@@ -38,8 +38,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[test]'
 	@touch $(STAMP)
 
-test: setup ## run the test suite (CPU, tiny models; what CI runs), without the slow end-to-end process tests
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+# `make test` spreads the tests over TEST_WORKERS pytest-xdist workers (one thread each, tests/conftest.py);
+# TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
+
+test: setup ## run the test suite (CPU, tiny models; what CI runs) on TEST_WORKERS=2 workers, without the slow end-to-end process tests
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-slow: setup ## the slow end-to-end tests: kill/signal/resume of real runs, 2 processes, the sweep, every released family
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m slow $(PYTEST_ARGS)

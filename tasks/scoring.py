@@ -15,6 +15,7 @@ row of ``tasks.embedded.load_split``).
 from __future__ import annotations
 
 import functools
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -95,9 +96,14 @@ def task_manager(include_defaults: bool = False, extra_dirs=()):
                        include_defaults=include_defaults)
 
 
-@functools.lru_cache(maxsize=64)
 def lm_eval_task(leaf: str):
-    """The lm-eval Task object of one of our leaf tasks (built once per process)."""
+    """The lm-eval Task object of one of our leaf tasks (built once per process and data dir: the Task holds
+    its dataset, so a changed ``REFUSION_DATA_DIR`` builds it again)."""
+    return _lm_eval_task(leaf, os.environ.get("REFUSION_DATA_DIR"))
+
+
+@functools.lru_cache(maxsize=64)
+def _lm_eval_task(leaf: str, data_dir: str | None):
     return task_manager().load([leaf])["tasks"][leaf]
 
 

@@ -25,6 +25,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `make test` runs one pytest-xdist worker per core: each worker, and every process its tests start, then
+# computes on one thread (set before torch is imported), so two workers never oversubscribe two cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CHECKPOINTS = REPO / "checkpoints" / "tiny"
