@@ -15,13 +15,20 @@ share a process. The program runs in the *candidate* process; the tests run in a
 separate *judge* process under another uid, which receives them on a pipe (they
 are never written where the candidate could read them) and sees the program's
 functions only as proxies: each call is a request over a socket and each answer
-is plain data (tagged JSON of builtin types), rebuilt by the judge. So a returned
-object's ``__eq__``, a patched ``builtins.abs`` or a replaced helper never reaches
-the comparisons: helpers the tests call come from the trusted ``prelude`` (the
-task's own prompt code) and standard modules are the judge's own imports. The
-judge writes its verdict with a random nonce to a pipe only it holds; the harness
-accepts ``passed`` only from that pipe with that nonce. The program's exit
-status, output and files never count.
+is data (tagged JSON: builtin values, every ``numbers.Number``, numpy scalars and
+arrays), rebuilt by the judge with its own types. So a returned object's
+``__eq__``, a patched ``builtins.abs`` or a replaced helper never reaches the
+comparisons: helpers the tests call come from the trusted ``prelude`` (the
+task's own prompt code) and standard modules, and modules of the evaluation's
+packages, are the judge's own imports. The judge writes its verdict with a random
+nonce to a pipe only it holds; the harness accepts ``passed`` only from that pipe
+with that nonce. The program's exit status, output and files never count.
+
+What a correct program gets, as under the official scorers (docs/design.md §6d):
+the evaluation's packages (its venv's site-packages) read-only, ``exec``
+semantics (no ``__name__``: a main guard does not run; stdin refuses reads).
+``capabilities()["packages"]`` says which interpreter and package folders the
+sandbox gives, with a warning naming cause and fix when it cannot give them.
 
 Isolation of the candidate (as root, when the kernel allows it; see capabilities()):
 
@@ -40,9 +47,9 @@ Isolation of the candidate (as root, when the kernel allows it; see capabilities
 
 When a mechanism is missing, the run falls back (uid switch and a root kill
 loop, scratch-file sweep) and ``capabilities()["warning"]`` says what is lost;
-it is printed once per process and the runner records it in run.json. Cleanup
-never raises: a sample whose cleanup fails is scored failed with reason
-``sandbox_error`` and the problem in ``detail``.
+it is printed once per run (once per process outside a run) and the runner
+records it in run.json. Cleanup never raises: a sample whose cleanup fails is
+scored failed with reason ``sandbox_error`` and the problem in ``detail``.
 """
 
 from __future__ import annotations
