@@ -215,7 +215,10 @@ def unreadable_reason(folder: str) -> str | None:
         if p.stat().st_mode & need != need:
             return f"{p} is not readable by other users (mode {_mode(p)})"
         for e in os.scandir(p):
-            st = e.stat()  # through links: what an import opens
+            try:
+                st = e.stat()  # through links: what an import opens
+            except FileNotFoundError:  # a dangling link: nothing to import there, for anyone
+                continue
             want = need if stat.S_ISDIR(st.st_mode) else stat.S_IROTH
             if st.st_mode & want != want:
                 return f"{e.path} is not readable by other users (mode {oct(stat.S_IMODE(st.st_mode))[2:]})"
@@ -237,36 +240,39 @@ def _python_version(python: str) -> str | None:
 def package_environment(as_other_uid: bool, namespaces: bool = False, dirs: list[str] | None = None) -> dict:
     """What the candidate and the judge get of the evaluation's environment (see docs/design.md §6d):
     ``python`` (the interpreter), ``site`` (package folders put on their ``sys.path``, read-only) and
-    ``warning`` (one line naming the cause and the fix when the packages cannot be given; ``site`` is
-    then empty and programs see the standard library only)."""
+    ``warning`` (one line naming the cause and the fix when some or all of them cannot be given; ``site``
+    then holds the folders that can be, often none: the standard library only)."""
     dirs = _package_dirs() if dirs is None else dirs
     python = _interpreter(as_other_uid)
     mine = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    problem = fix = None
-    if dirs:
-        theirs = _python_version(python)
-        if theirs != mine:
-            problem = (f"the only Python the sandbox uids can run is {python} ({theirs or 'does not start'}), not "
-                       f"the evaluation's {mine} ({getattr(sys, '_base_executable', sys.executable)}), so the "
-                       "venv's compiled packages cannot load in it")
-            fix = (f"install python{mine} where every user can run it (/usr/bin), or make the evaluation's "
-                   "interpreter and the folders above it readable and executable by every user")
+    given: list[str] = []
+    problems: list[str] = []
+    fixes: list[str] = []
+    theirs = _python_version(python) if dirs else mine
+    if theirs != mine:
+        problems.append(f"the only Python the sandbox uids can run is {python} ({theirs or 'does not start'}), "
+                        f"not the evaluation's {mine} ({getattr(sys, '_base_executable', sys.executable)}), so "
+                        "the venv's compiled packages cannot load in it")
+        fixes.append(f"install python{mine} where every user can run it (/usr/bin), or make the evaluation's "
+                     "interpreter and the folders above it readable and executable by every user")
+        dirs = []
+    for d in dirs:
+        if as_other_uid and (why := unreadable_reason(d)):
+            problems.append(why)
+            fixes.append(f"let every user read the packages (chmod o+x on each folder above {d}, chmod -R o+rX "
+                         f"{d}) or create the venv in a world-readable folder")
+        elif namespaces and (d == "/tmp" or d.startswith("/tmp/")):
+            problems.append(f"{d} lies under /tmp, which the sandbox replaces by its own scratch folder")
+            fixes.append("create the venv outside /tmp")
         else:
-            for d in dirs:
-                if as_other_uid and (why := unreadable_reason(d)):
-                    problem = why
-                    fix = (f"let every user read the packages (chmod o+x on each folder above {d}, "
-                           f"chmod -R o+rX {d}) or create the venv in a world-readable folder")
-                    break
-                if namespaces and (d == "/tmp" or d.startswith("/tmp/")):
-                    problem = f"{d} lies under /tmp, which the sandbox replaces by its own scratch folder"
-                    fix = "create the venv outside /tmp"
-                    break
+            given.append(d)
     warning = None
-    if problem:
-        warning = (f"programs and tests see the standard library only, not the evaluation's packages "
-                   f"(import numpy fails where the official scorers' would work): {problem}; fix: {fix}")
-    return {"python": python, "site": [] if problem else list(dirs), "warning": warning}
+    if problems:
+        what = "the standard library only" if not given else f"only {', '.join(given)}"
+        warning = (f"programs and tests see {what}, not all of the evaluation's packages (an import that "
+                   f"works under the official scorers can fail here): {'; '.join(problems)}; "
+                   f"fix: {'; '.join(fixes)}")
+    return {"python": python, "site": given, "warning": warning}
 
 
 _NS_PROBE = r"""

@@ -317,7 +317,8 @@ def hostile_cases(tmp: Path, listener: Listener, secret_file: Path) -> dict[str,
             "import numpy as np\nimport numpy.testing\nnp.isclose = lambda *a, **k: True\n"
             "np.allclose = lambda *a, **k: True\nnp.testing.assert_allclose = lambda *a, **k: None\n"
             "import types, sys\nfake = types.ModuleType('numpy')\nfake.array_equal = lambda *a, **k: True\n"
-            "for d in ('.', '/tmp'):\n    try:\n        open(d + '/numpy.py', 'w').write('isclose = lambda *a, **k: True')\n"
+            "for d in ('.', '/tmp'):\n    try:\n"
+            "        open(d + '/numpy.py', 'w').write('isclose = lambda *a, **k: True')\n"
             "    except OSError:\n        pass\n"
             "def f(x):\n    return 0.0\n",
             "assert np.isclose(f(2), 4)\nassert np.allclose(f(5), 10)\nnp.testing.assert_allclose(f(1), 2)\n"
@@ -682,6 +683,11 @@ def test_package_environment_names_cause_and_fix(public_dir):
     (site / "pkg").chmod(0o700)
     assert f"{site / 'pkg'} is not readable by other users (mode 700)" in \
         sandbox.package_environment(as_other_uid=True, dirs=[str(site)])["warning"]
+    # A readable folder beside an unreadable one is still given, and the warning says which.
+    other = tmp_path / "other-site"
+    other.mkdir(mode=0o755)
+    env = sandbox.package_environment(as_other_uid=True, dirs=[str(site), str(other)])
+    assert env["site"] == [str(other)] and f"see only {other}, not all" in env["warning"], env
     # The same user (the non-root fallback) reads it whatever the modes.
     assert sandbox.package_environment(as_other_uid=False, dirs=[str(site)])["site"] == [str(site)]
     # Inside the namespace /tmp is the sandbox's own scratch folder: a venv there cannot be shown.
