@@ -15,13 +15,20 @@ share a process. The program runs in the *candidate* process; the tests run in a
 separate *judge* process under another uid, which receives them on a pipe (they
 are never written where the candidate could read them) and sees the program's
 functions only as proxies: each call is a request over a socket and each answer
-is plain data (tagged JSON of builtin types), rebuilt by the judge. So a returned
-object's ``__eq__``, a patched ``builtins.abs`` or a replaced helper never reaches
-the comparisons: helpers the tests call come from the trusted ``prelude`` (the
-task's own prompt code) and standard modules are the judge's own imports. The
-judge writes its verdict with a random nonce to a pipe only it holds; the harness
-accepts ``passed`` only from that pipe with that nonce. The program's exit
-status, output and files never count.
+is data (tagged JSON: builtin values, every ``numbers.Number``, numpy scalars and
+arrays), rebuilt by the judge with its own types. So a returned object's
+``__eq__``, a patched ``builtins.abs`` or a replaced helper never reaches the
+comparisons: helpers the tests call come from the trusted ``prelude`` (the
+task's own prompt code) and standard modules, and modules of the evaluation's
+packages, are the judge's own imports. The judge writes its verdict with a random
+nonce to a pipe only it holds; the harness accepts ``passed`` only from that pipe
+with that nonce. The program's exit status, output and files never count.
+
+What a correct program gets, as under the official scorers (docs/design.md §6d):
+the evaluation's packages (its venv's site-packages) read-only, ``exec``
+semantics (no ``__name__``: a main guard does not run; stdin refuses reads).
+``capabilities()["packages"]`` says which interpreter and package folders the
+sandbox gives, with a warning naming cause and fix when it cannot give them.
 
 Isolation of the candidate (as root, when the kernel allows it; see capabilities()):
 
@@ -40,9 +47,9 @@ Isolation of the candidate (as root, when the kernel allows it; see capabilities
 
 When a mechanism is missing, the run falls back (uid switch and a root kill
 loop, scratch-file sweep) and ``capabilities()["warning"]`` says what is lost;
-it is printed once per process and the runner records it in run.json. Cleanup
-never raises: a sample whose cleanup fails is scored failed with reason
-``sandbox_error`` and the problem in ``detail``.
+it is printed once per run (once per process outside a run) and the runner
+records it in run.json. Cleanup never raises: a sample whose cleanup fails is
+scored failed with reason ``sandbox_error`` and the problem in ``detail``.
 """
 
 from __future__ import annotations
@@ -73,7 +80,9 @@ _SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 _CGROUP_NAME = "refusion-sandbox"
 _CHILD_SRC = (Path(__file__).resolve().parent / "sandbox_child.py").read_text(encoding="utf-8")
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
-        "PYTHONDONTWRITEBYTECODE": "1"}
+        "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# Set by the runner for its workers once it has printed the sandbox warning: one warning per run.
+WARNED_ENV = "REFUSION_SANDBOX_WARNED"
 _warned = threading.Event()
 
 
@@ -161,11 +170,109 @@ def _world_executable(path: str) -> bool:
 
 
 def _interpreter(as_other_uid: bool) -> str:
-    candidates = [getattr(sys, "_base_executable", None), sys.executable, "/usr/bin/python3", shutil.which("python3")]
+    """The Python the sandbox runs: the evaluation's own interpreter when the sandbox uids can execute
+    it, else a world-executable one of the same version (same ABI: the venv's compiled packages load in
+    it), else any world-executable python3 (environment() then says the packages are not given)."""
+    ver = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    candidates = [getattr(sys, "_base_executable", None), sys.executable, f"/usr/bin/{ver}",
+                  f"/usr/local/bin/{ver}", shutil.which(ver), "/usr/bin/python3", shutil.which("python3")]
     for c in candidates:
         if c and os.path.isfile(c) and (not as_other_uid or _world_executable(c)):
             return str(Path(c).resolve())
     raise RuntimeError("sandbox: no Python interpreter executable by an unprivileged user was found")
+
+
+def _package_dirs() -> list[str]:
+    """The evaluation's package folders: its interpreter's site-packages (the venv's), real paths. Not
+    PYTHONPATH entries or the repository: the sandbox never shows those."""
+    import site
+
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    out: list[str] = []
+    for d in dirs:
+        r = os.path.realpath(d)
+        if os.path.isdir(r) and r not in out:
+            out.append(r)
+    return out
+
+
+def _mode(p: Path) -> str:
+    return oct(stat.S_IMODE(p.stat().st_mode))[2:]
+
+
+def unreadable_reason(folder: str) -> str | None:
+    """Why a sandbox uid (another user, no supplementary groups) cannot read the package folder
+    `folder`, or None when it can: every folder above it world-traversable, the folder and each entry
+    in it world-readable (folders also traversable)."""
+    p = Path(folder)
+    try:
+        for d in reversed(p.parents):
+            if not d.stat().st_mode & stat.S_IXOTH:
+                return f"{d} is not traversable by other users (mode {_mode(d)})"
+        need = stat.S_IROTH | stat.S_IXOTH
+        if p.stat().st_mode & need != need:
+            return f"{p} is not readable by other users (mode {_mode(p)})"
+        for e in os.scandir(p):
+            try:
+                st = e.stat()  # through links: what an import opens
+            except FileNotFoundError:  # a dangling link: nothing to import there, for anyone
+                continue
+            want = need if stat.S_ISDIR(st.st_mode) else stat.S_IROTH
+            if st.st_mode & want != want:
+                return f"{e.path} is not readable by other users (mode {oct(stat.S_IMODE(st.st_mode))[2:]})"
+    except OSError as e:
+        return f"{folder} cannot be checked ({e.strerror or e})"
+    return None
+
+
+def _python_version(python: str) -> str | None:
+    """'X.Y' of an interpreter (run once, as this user), None when it does not run."""
+    try:
+        r = subprocess.run([python, "-I", "-S", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                           capture_output=True, text=True, timeout=30)
+        return r.stdout.strip() if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def package_environment(as_other_uid: bool, namespaces: bool = False, dirs: list[str] | None = None) -> dict:
+    """What the candidate and the judge get of the evaluation's environment (see docs/design.md §6d):
+    ``python`` (the interpreter), ``site`` (package folders put on their ``sys.path``, read-only) and
+    ``warning`` (one line naming the cause and the fix when some or all of them cannot be given; ``site``
+    then holds the folders that can be, often none: the standard library only)."""
+    dirs = _package_dirs() if dirs is None else dirs
+    python = _interpreter(as_other_uid)
+    mine = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    given: list[str] = []
+    problems: list[str] = []
+    fixes: list[str] = []
+    theirs = _python_version(python) if dirs else mine
+    if theirs != mine:
+        problems.append(f"the only Python the sandbox uids can run is {python} ({theirs or 'does not start'}), "
+                        f"not the evaluation's {mine} ({getattr(sys, '_base_executable', sys.executable)}), so "
+                        "the venv's compiled packages cannot load in it")
+        fixes.append(f"install python{mine} where every user can run it (/usr/bin), or make the evaluation's "
+                     "interpreter and the folders above it readable and executable by every user")
+        dirs = []
+    for d in dirs:
+        if as_other_uid and (why := unreadable_reason(d)):
+            problems.append(why)
+            fixes.append(f"let every user read the packages (chmod o+x on each folder above {d}, chmod -R o+rX "
+                         f"{d}) or create the venv in a world-readable folder")
+        elif namespaces and (d == "/tmp" or d.startswith("/tmp/")):
+            problems.append(f"{d} lies under /tmp, which the sandbox replaces by its own scratch folder")
+            fixes.append("create the venv outside /tmp")
+        else:
+            given.append(d)
+    warning = None
+    if problems:
+        what = "the standard library only" if not given else f"only {', '.join(given)}"
+        warning = (f"programs and tests see {what}, not all of the evaluation's packages (an import that "
+                   f"works under the official scorers can fail here): {'; '.join(problems)}; "
+                   f"fix: {'; '.join(fixes)}")
+    return {"python": python, "site": given, "warning": warning}
 
 
 _NS_PROBE = r"""
@@ -225,6 +332,7 @@ def capabilities() -> dict:
         except (OSError, subprocess.SubprocessError, RuntimeError):
             namespaces = False
         cgroup, _ = _cgroup_setup()
+    packages = package_environment(as_other_uid=root, namespaces=namespaces)
     missing = []
     if not root:
         missing.append("not root: no uid switch, namespaces or cgroups (the program can signal the harness, "
@@ -234,14 +342,18 @@ def capabilities() -> dict:
             missing.append("no mount/PID/IPC/network namespaces (the program sees the host filesystem and network)")
         if cgroup is None:
             missing.append("no memory/pids cgroup (limits are per process only)")
-    return {"uid_switch": root, "namespaces": namespaces, "cgroup": cgroup,
-            "warning": ("sandbox: reduced isolation: " + "; ".join(missing)) if missing else None}
+    parts = (["reduced isolation: " + "; ".join(missing)] if missing else []) + \
+        ([packages["warning"]] if packages["warning"] else [])
+    return {"uid_switch": root, "namespaces": namespaces, "cgroup": cgroup, "packages": packages,
+            "warning": ("sandbox: " + "; and ".join(parts)) if parts else None}
 
 
 def _warn_once(caps: dict) -> None:
+    """Print the warning once per process, and not at all in a worker whose runner printed it already."""
     if caps["warning"] and not _warned.is_set():
         _warned.set()
-        print(f"warning: {caps['warning']}", file=sys.stderr)
+        if os.environ.get(WARNED_ENV) != "1":
+            print(f"warning: {caps['warning']}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- cgroups
@@ -539,7 +651,7 @@ class _Run:
 
     def _execute(self, start: float, out_f, err_f) -> SandboxResult:
         lim = self.lim
-        python = _interpreter(as_other_uid=self.root)
+        python = self.caps["packages"]["python"]
         if self.root:
             self.leases = [_UidLease(), _UidLease()]
         cand_lease, judge_lease = (self.leases + [None, None])[:2]
@@ -559,8 +671,9 @@ class _Run:
             [python, "-I", "-S", "-c", _CHILD_SRC, "judge", str(jsock.fileno()), str(verdict_w)],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=judge_err, cwd="/", env=base_env,
             pass_fds=(jsock.fileno(), verdict_w), start_new_session=True, **self._user(judge_lease))
+        site = list(self.caps["packages"]["site"])
         judge_cfg = {"nonce": nonce, "prelude": self.prelude, "tests": self.tests, "remote": list(self.remote),
-                     "limits": self._limits(8, max(2048, lim["memory_mb"]))}
+                     "limits": self._limits(8, max(2048, lim["memory_mb"])), "site": site}
         self.judge.stdin.write(json.dumps(judge_cfg).encode("utf-8"))
         self.judge.stdin.close()
 
@@ -568,7 +681,7 @@ class _Run:
         if self.ns:
             cfg = {"parent": os.getpid(), "cgroups": self.cgroup.procs_files() if self.cgroup else [],
                    "uid": cand_lease.uid, "scratch_mb": lim["scratch_mb"], "program": self.program,
-                   "limits": self._limits(lim["max_procs"], lim["memory_mb"])}
+                   "limits": self._limits(lim["max_procs"], lim["memory_mb"]), "site": site}
             self.cand = subprocess.Popen(
                 [python, "-I", "-S", "-c", _CHILD_SRC, "stage", str(status_w), str(csock.fileno())],
                 stdin=subprocess.PIPE, stdout=out_f, stderr=err_f, cwd="/", env=base_env,
@@ -588,7 +701,7 @@ class _Run:
             os.chmod(self.workdir, 0o700)
             self.cand = subprocess.Popen(
                 [python, "-I", "-S", "-c", _CHILD_SRC, "candidate", str(csock.fileno()),
-                 json.dumps(self._limits(nproc, lim["memory_mb"]))],
+                 json.dumps({"limits": self._limits(nproc, lim["memory_mb"]), "site": site})],
                 stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, cwd=self.workdir,
                 env={**base_env, "HOME": self.workdir, "TMPDIR": self.workdir},
                 pass_fds=(csock.fileno(),), start_new_session=True, **self._user(cand_lease))

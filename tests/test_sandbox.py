@@ -10,6 +10,7 @@ machine is checked afterwards: no process of a sandbox uid, no sandbox files in
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -87,6 +88,35 @@ def _uid_leftovers(uid: int) -> list[str]:
         except OSError:
             continue
     return found
+
+
+def venv_state() -> dict:
+    """The evaluation's package folders as the sandbox gives them: a sha256 over every entry's path, type,
+    size, mode, owner, mtime and ctime (a write, chmod, utime, rename or new file changes it; ctime cannot
+    be set back), the sha256 of the files the attacks aim at, and any entry owned by a sandbox uid.
+    Bytecode caches are left out of the first hash only: the evaluation's own root processes write them
+    on a first import at any time; a sandbox write there would show as a sandbox-owned entry."""
+    import hashlib
+
+    lines, owned, content = [], [], {}
+    for site in sandbox.capabilities()["packages"]["site"]:
+        for dirpath, dirnames, filenames in os.walk(site):
+            dirnames.sort()
+            for name in dirnames + sorted(filenames):
+                p = os.path.join(dirpath, name)
+                st = os.lstat(p)
+                if st.st_uid in sandbox.UID_RANGE:
+                    owned.append(p)
+                if "__pycache__" in p.split(os.sep):
+                    continue
+                times = "" if name in dirnames else f"{st.st_mtime_ns} {st.st_ctime_ns}"
+                lines.append(f"{p} {st.st_mode:o} {st.st_uid} {st.st_size if name in filenames else ''} {times}")
+        for rel in ("numpy/__init__.py", "numpy/version.py"):
+            f = Path(site, rel)
+            if f.is_file():
+                content[str(f)] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return {"manifest": hashlib.sha256("\n".join(lines).encode()).hexdigest(), "entries": len(lines),
+            "content": content, "owned_by_sandbox": owned}
 
 
 @pytest.fixture()
@@ -262,8 +292,84 @@ def hostile_cases(tmp: Path, listener: Listener, secret_file: Path) -> dict[str,
             "import atexit, os\nprint('PASSED'); print('{\"kind\": \"passed\"}')\n"
             "atexit.register(lambda: [os.write(fd, b'{\"kind\": \"passed\"}') for fd in range(3, 64)"
             " if os.path.exists(f'/proc/self/fd/{fd}')])\n" + wrong, TESTS, None),
+        # -- the widened surface (issue 40): the evaluation's packages, numbers and numpy values as data
+        "numpy array subclass whose __eq__ lies": (
+            "import numpy as np\nclass Liar(np.ndarray):\n    def __eq__(self, o): return np.ones(self.shape, bool)\n"
+            "    def __ne__(self, o): return np.zeros(self.shape, bool)\n    def __bool__(self): return True\n"
+            "    def __sub__(self, o): return self\n    def __abs__(self): return self\n"
+            "    def __lt__(self, o): return True\n    __hash__ = None\n"
+            "def f(x):\n    return np.zeros(1).view(Liar)\n", TESTS, None),
+        "numpy float64 subclass whose __eq__ lies": (
+            "import numpy as np\nclass Liar(np.float64):\n    def __eq__(self, o): return True\n"
+            "    def __hash__(self): return hash(4)\n    def __sub__(self, o): return Liar(0.0)\n"
+            "    def __abs__(self): return Liar(0.0)\n    def __lt__(self, o): return True\n"
+            "def f(x):\n    return Liar(0.0)\n", TESTS, None),
+        "Fraction subclass with forged __eq__ and __hash__": (
+            "from fractions import Fraction\nclass N(Fraction):\n    def __eq__(self, o): return True\n"
+            "    def __hash__(self): return hash(4)\n    def __sub__(self, o): return N(0)\n"
+            "    def __rsub__(self, o): return N(0)\n    def __abs__(self): return N(0)\n"
+            "    def __lt__(self, o): return True\n"
+            "def f(x):\n    return N(0)\n", TESTS, None),
+        "registered Real with forged __eq__ and __hash__": (FORGED_NUMBERS, TESTS, None),
+        "set of forged Numbers": (FORGED_NUMBERS, "assert g(2) == {4}\n", None),
+        "bare Number with forged __eq__": (FORGED_NUMBERS, "assert h(2) == 4\n", None),
+        "site-packages module patched at import": (
+            "import numpy as np\nimport numpy.testing\nnp.isclose = lambda *a, **k: True\n"
+            "np.allclose = lambda *a, **k: True\nnp.testing.assert_allclose = lambda *a, **k: None\n"
+            "import types, sys\nfake = types.ModuleType('numpy')\nfake.array_equal = lambda *a, **k: True\n"
+            "for d in ('.', '/tmp'):\n    try:\n"
+            "        open(d + '/numpy.py', 'w').write('isclose = lambda *a, **k: True')\n"
+            "    except OSError:\n        pass\n"
+            "def f(x):\n    return 0.0\n",
+            "assert np.isclose(f(2), 4)\nassert np.allclose(f(5), 10)\nnp.testing.assert_allclose(f(1), 2)\n"
+            "assert fake.array_equal(f(1), 2)\n", None),
+        "writes into the venv": (VENV_WRITER + GOOD, TESTS, None),
     }
     return cases
+
+
+# Numbers of the program's own types: one registered as a Real (travels as its float, 0.0), one only as
+# a Number (no conversion applies: a handle), both claiming to equal anything and to hash like 4.
+FORGED_NUMBERS = (
+    "import numbers\nclass Forged:\n    def __eq__(self, o): return True\n    def __hash__(self): return hash(4)\n"
+    "    def __float__(self): return 0.0\n    def __sub__(self, o): return self\n"
+    "    def __rsub__(self, o): return self\n    def __abs__(self): return 0.0\n"
+    "numbers.Real.register(Forged)\nclass Opaque:\n    def __eq__(self, o): return True\n"
+    "    def __hash__(self): return hash(4)\nnumbers.Number.register(Opaque)\n"
+    "def f(x):\n    return Forged()\ndef g(x):\n    return {Forged(), Opaque()}\ndef h(x):\n    return Opaque()\n")
+
+
+# Every way a program might change the evaluation's packages (the venv): found through numpy (inside the
+# sandbox, at the path it shows them) and at the host path. Unguarded: the first refused write fails it.
+VENV_ATTACKS = """
+import os, sys, numpy
+inside = os.path.dirname(os.path.dirname(numpy.__file__))
+host = {host!r}
+def attacks(site):
+    init = os.path.join(site, 'numpy', '__init__.py')
+    return [
+        lambda: open(init, 'a').write('\\nimport builtins; builtins.AssertionError = None\\n'),
+        lambda: open(os.path.join(site, 'zz_refusion_evil.pth'), 'w').write('import os\\n'),
+        lambda: open(os.path.join(site, 'numpy', '__pycache__', '__init__.cpython-311.pyc'), 'wb').write(b'x'),
+        lambda: os.mkdir(os.path.join(site, 'evil_pkg')),
+        lambda: os.chmod(init, 0o777),
+        lambda: os.utime(init, (0, 0)),
+        lambda: os.rename(init, init + '.bak'),
+        lambda: os.unlink(os.path.join(site, 'numpy', 'version.py')),
+        lambda: os.symlink('/tmp', os.path.join(site, 'evil_link')),
+    ]
+"""
+
+
+def _venv_writer(guarded: bool) -> str:
+    host = (sandbox.capabilities()["packages"]["site"] or ["/nonexistent"])[0]
+    body = "for site in (inside, host):\n    for a in attacks(site):\n"
+    body += ("        try:\n            a()\n        except OSError:\n            pass\n" if guarded
+             else "        a()\n")
+    return VENV_ATTACKS.format(host=host) + body
+
+
+VENV_WRITER = _venv_writer(guarded=False)
 
 
 # Cases about the machine: the solution is correct, the program also does something
@@ -278,6 +384,7 @@ MACHINE_CASES = {
     "files in /run/lock, /var/tmp and /dev/shm": (
         "for p in ('/run/lock/x', '/var/tmp/x', '/dev/shm/x', '/tmp/x'):\n    try:\n"
         "        open(p, 'w').write('left behind')\n    except OSError:\n        pass\n" + GOOD),
+    "tries every write into the venv, then answers": _venv_writer(guarded=True) + GOOD,
     "detached daemon that outlives the program": (
         "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
         "        time.sleep(30)\n    os._exit(0)\n" + GOOD),
@@ -296,6 +403,7 @@ def hostile_results(tmp_path_factory):
     secret.chmod(0o644)
     listener = Listener(tmp)
     cases = hostile_cases(tmp, listener, secret)
+    venv_before = venv_state()
     items = [(n, p, r, 4.0) for n, (p, r, _) in cases.items()]
     items += [(n, p, TESTS, 60.0) for n, p in MACHINE_CASES.items()]
     # Hostile programs get a short deadline (each ends by failing it at worst); the
@@ -307,7 +415,7 @@ def hostile_results(tmp_path_factory):
     elapsed = time.monotonic() - t0
     listener.close()
     yield {"results": results, "cases": cases, "elapsed": elapsed, "accepted": listener.accepted,
-           "left": leftovers()}
+           "left": leftovers(), "venv": (venv_before, venv_state())}
 
 
 def _hostile_names():
@@ -339,6 +447,15 @@ def test_hostile_set_leaves_machine_clean_and_fast(hostile_results):
     deadlines = {n: 4.0 for n in hostile_results["cases"]} | {n: 60.0 for n in MACHINE_CASES}
     late = {n: r.duration_s for n, r in hostile_results["results"].items() if r.duration_s > deadlines[n] + 30}
     assert not late, late
+
+
+def test_hostile_set_leaves_the_venv_unchanged(hostile_results):
+    if not sandbox.capabilities()["packages"]["site"]:
+        pytest.skip(f"the sandbox gives no packages here: {sandbox.capabilities()['packages']['warning']}")
+    before, after = hostile_results["venv"]
+    assert before["entries"] > 0 and before["content"], before
+    assert after == before
+    assert after["owned_by_sandbox"] == []
 
 
 # ---------------------------------------------------------------- scorer semantics
@@ -520,3 +637,190 @@ def test_capabilities_report_is_one_line_or_none():
     assert w is None or "\n" not in w
     if ROOT:
         assert CAPS["uid_switch"]
+
+
+# ---------------------------------------------------------------- the evaluation's packages (issue 40)
+def test_program_runs_as_under_exec_with_the_packages(clean_machine):
+    """No __name__ (reads 'builtins', as exec(program, {}) gives it), so a main guard does not run; stdin
+    refuses reads as under the official scorers; numpy comes from the evaluation's venv, read-only."""
+    prog = ("import numpy as np\nimport sys\nNAME = __name__\ndef f(x):\n    return np.float32(x) * 2\n"
+            "def reads():\n    try:\n        sys.stdin.read()\n    except OSError:\n        return 'refused'\n"
+            "    return 'read'\n"
+            "if __name__ == '__main__':\n    print(f(int(input())))\n")
+    tests = ("assert f(2) == 4 and f(0.1) == 0.2\nassert NAME == 'builtins'\nassert reads() == 'refused'\n"
+             "import numpy\nassert type(f(1)) is numpy.float32\n")
+    r = run_program(prog, tests, timeout_s=30)
+    assert r.passed, r
+    assert r.stdout == ""  # the main guard did not run
+
+
+@pytest.fixture()
+def public_dir():
+    """A folder every user can traverse (pytest's own tmp folders are private), outside /tmp (which the
+    namespace replaces); removed afterwards."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="refusion-issue40-", dir="/var/tmp"))
+    base.chmod(0o755)
+    yield base
+    subprocess.run(["rm", "-rf", "--", str(base)], check=True)
+
+
+def test_package_environment_names_cause_and_fix(public_dir):
+    tmp_path = public_dir
+    site = tmp_path / "venv" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "pkg").mkdir()
+    env = sandbox.package_environment(as_other_uid=True, dirs=[str(site)])
+    assert env["site"] == [str(site)] and env["warning"] is None, env
+    (tmp_path / "venv").chmod(0o700)  # a private home folder above the venv
+    env = sandbox.package_environment(as_other_uid=True, dirs=[str(site)])
+    w = env["warning"]
+    assert env["site"] == [] and "\n" not in w, env
+    assert f"{tmp_path / 'venv'} is not traversable by other users (mode 700)" in w
+    assert "standard library only" in w and "fix: " in w and f"chmod -R o+rX {site}" in w
+    (tmp_path / "venv").chmod(0o755)
+    (site / "pkg").chmod(0o700)
+    assert f"{site / 'pkg'} is not readable by other users (mode 700)" in \
+        sandbox.package_environment(as_other_uid=True, dirs=[str(site)])["warning"]
+    # A readable folder beside an unreadable one is still given, and the warning says which.
+    other = tmp_path / "other-site"
+    other.mkdir(mode=0o755)
+    env = sandbox.package_environment(as_other_uid=True, dirs=[str(site), str(other)])
+    assert env["site"] == [str(other)] and f"see only {other}, not all" in env["warning"], env
+    # The same user (the non-root fallback) reads it whatever the modes.
+    assert sandbox.package_environment(as_other_uid=False, dirs=[str(site)])["site"] == [str(site)]
+    # Inside the namespace /tmp is the sandbox's own scratch folder: a venv there cannot be shown.
+    w = sandbox.package_environment(as_other_uid=False, namespaces=True, dirs=["/tmp/x/site-packages"])["warning"]
+    assert "lies under /tmp" in w and "fix: create the venv outside /tmp" in w
+
+
+def test_package_environment_refuses_another_python_version(monkeypatch):
+    monkeypatch.setattr(sandbox, "_python_version", lambda python: "3.99")
+    env = sandbox.package_environment(as_other_uid=True, dirs=["/usr/lib/python3/dist-packages"])
+    assert env["site"] == [] and "(3.99), not the evaluation's" in env["warning"] and "fix: install python" in \
+        env["warning"]
+
+
+def test_warning_printed_once_per_run(monkeypatch, capsys):
+    caps = {"warning": "sandbox: programs and tests see the standard library only: x; fix: y"}
+    monkeypatch.setattr(sandbox, "_warned", threading.Event())
+    monkeypatch.delenv(sandbox.WARNED_ENV, raising=False)
+    sandbox._warn_once(caps)
+    sandbox._warn_once(caps)
+    assert capsys.readouterr().err == f"warning: {caps['warning']}\n"
+    monkeypatch.setattr(sandbox, "_warned", threading.Event())
+    monkeypatch.setenv(sandbox.WARNED_ENV, "1")  # a worker whose runner printed it
+    sandbox._warn_once(caps)
+    assert capsys.readouterr().err == ""
+
+
+@needs_ns
+def test_unreadable_packages_are_withheld_with_a_warning(monkeypatch, public_dir, clean_machine):
+    """End to end with a package folder of our own: readable, the program imports from it; made private,
+    capabilities() says so and the program sees the standard library only: never a quietly poorer
+    environment."""
+    base = public_dir
+    site = base / "site-packages"
+    site.mkdir(mode=0o755)
+    (site / "issue40_fakepkg.py").write_text("VALUE = 21\n")
+    (site / "issue40_fakepkg.py").chmod(0o644)
+    prog = "from issue40_fakepkg import VALUE\ndef f(x):\n    return x * VALUE\n"
+    monkeypatch.setattr(sandbox, "_package_dirs", lambda: [str(site)])
+    try:
+        for private, passes in ((False, True), (True, False)):
+            base.chmod(0o700 if private else 0o755)
+            sandbox.capabilities.cache_clear()
+            caps = sandbox.capabilities()
+            assert (caps["warning"] is not None and str(base) in caps["warning"]) == private, caps
+            r = run_program(prog, "assert f(2) == 42\n", timeout_s=30)
+            assert r.passed == passes, r
+            if private:
+                assert "No module named 'issue40_fakepkg'" in r.stderr, r
+    finally:
+        base.chmod(0o755)
+        sandbox.capabilities.cache_clear()
+
+
+# ---------------------------------------------------------------- values as data (issue 40)
+def _round_trip(value):
+    """encode in one process, JSON on the wire, decode in another: here both in this process."""
+    from tasks import sandbox_child as sc
+
+    handles = []
+    msg = json.loads(json.dumps(sc.encode(value, lambda o: handles.append(o) or ["h", len(handles) - 1])))
+    return sc.decode(msg, lambda tag, ref: ("handle", ref)), handles
+
+
+def test_numbers_travel_as_data_and_compare_as_python_does():
+    from decimal import Decimal
+    from fractions import Fraction
+
+    import numpy as np
+    import sympy
+
+    for value, expected_type, equal_to in (
+            (Fraction(1, 2), Fraction, 0.5), (Fraction(4, 2), Fraction, 2), (Decimal("0.1"), Decimal, Decimal("0.1")),
+            (Decimal(0.5), Decimal, 0.5), (np.float32(0.1), np.float32, 0.1), (np.int64(5), np.int64, 5),
+            (np.bool_(True), np.bool_, True), (np.str_("ab"), np.str_, "ab"), (np.float64(2.5), np.float64, 2.5),
+            (np.complex64(1 + 2j), np.complex64, 1 + 2j), (sympy.Integer(7), int, 7),
+            (sympy.Rational(1, 3), Fraction, Fraction(1, 3)), (True, bool, 1)):
+        back, handles = _round_trip(value)
+        assert type(back) is expected_type and back == equal_to and handles == [], (value, back)
+    back, _ = _round_trip([np.float32(0.1), (Fraction(1, 3), {Decimal("1.5"): np.int8(3)})])
+    assert back == [0.1, (Fraction(1, 3), {Decimal("1.5"): 3})]
+    # No equality of the number's own: a subclass travels as its base; an unconvertible Number is a handle.
+    class Liar(Fraction):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = Fraction.__hash__
+
+    class Bare:
+        pass
+
+    import numbers
+    numbers.Number.register(Bare)
+    back, handles = _round_trip([Liar(0), Bare()])
+    assert type(back[0]) is Fraction and back[0] != 4 and back[1] == ("handle", 0) and len(handles) == 1
+
+
+def test_numpy_arrays_travel_as_data():
+    import numpy as np
+
+    for arr in (np.arange(6, dtype=np.int16).reshape(2, 3), np.array([], dtype=float), np.array(["a", "bc"]),
+                np.array([1.5, 2.5], dtype=">f4"), np.array(["2020-01-01"], dtype="datetime64[D]"),
+                np.asarray(3.0), np.array([b"x", b"yz"]), np.array([True, False])):
+        back, _ = _round_trip(arr)
+        assert type(back) is np.ndarray and back.dtype == arr.dtype and back.shape == arr.shape, arr
+        assert np.array_equal(back, arr) and back.flags.writeable
+    back, handles = _round_trip(np.array([1, "a", None], dtype=object))
+    assert back.dtype == object and list(back) == [1, "a", None] and handles == []
+
+    class Lies(np.ndarray):
+        def __eq__(self, other):
+            return True
+
+    back, _ = _round_trip(np.zeros(2).view(Lies))
+    assert type(back) is np.ndarray and not (back == 4).any()
+    back, handles = _round_trip(np.zeros(1, dtype=[("a", "i4")]))  # a structured array holds no plain value
+    assert back == ("handle", 0)
+
+
+@pytest.mark.parametrize("msg", [
+    ["A", "|O", [2], [["i", "1"]]],  # wrong element count
+    ["A", "<i4", [2], "00000000"],  # wrong byte count
+    ["N", "<i4,<f8", [], "00" * 12],  # structured
+    ["A", "O", [1], "00" * 8],  # objects as bytes
+    ["A", "<i4", [-1], ""],
+    ["A", "<i4", [1], "zz"],
+    ["q", "1", "0"],
+    ["q", 1, 2],
+    ["D", "not a number"],
+    ["D", 1.5],
+])
+def test_malformed_numbers_and_arrays_are_protocol_errors(msg):
+    from tasks import sandbox_child as sc
+
+    with pytest.raises(sc.WireError):
+        sc.decode(msg, lambda tag, ref: None)

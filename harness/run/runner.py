@@ -778,11 +778,12 @@ def _prepare_run_dir(out: Path, run_id: str | None, cfg: dict) -> Path:
     if run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir()):
         raise InputError(f"{run_dir} exists and is not a run folder (no run.json); choose another --run-id")
     env = environment(cfg["device"], cfg["threads"], cfg["num_processes"], cfg["seed"])
-    from tasks.sandbox import capabilities
+    from tasks.sandbox import WARNED_ENV, capabilities
 
-    env["sandbox"] = capabilities()  # what code-task isolation this machine gave, with its warning
+    env["sandbox"] = capabilities()  # what code-task isolation and packages this machine gave, with its warning
     if env["sandbox"]["warning"]:
         print(f"warning: {env['sandbox']['warning']}", file=sys.stderr)
+        os.environ[WARNED_ENV] = "1"  # the workers inherit it and do not repeat the warning: once per run
     created = _dt.datetime.now().isoformat(timespec="seconds")
     atomic_write_json(run_dir / "run.json", {**cfg, "run_id": run_id, "environment": env, "created": created,
                                              "sessions": [{"started": created, "models": []}]})
