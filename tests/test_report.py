@@ -832,6 +832,15 @@ def test_summary_and_table1_carry_95_percent_intervals(tmp_path):
     q = next(x for x in _md_section(sp, "Quality against ar, item by item (points, McNemar's exact test):")
              if x[0] == "refusion")
     assert q[2] == "-60.00 pp, p 0.031: differs"
+    # The figures draw the intervals: error bars on each of our points and on each speedup bar.
+    from matplotlib.container import ErrorbarContainer
+
+    rs = paper_report.load_runs([run])
+    figs = figures.build_all(rs, paper_report.build(rs))
+    bars = [c for c in figs["pareto_embedded_math.png"][0].axes[0].containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 2
+    ax = figs["speedup_embedded.png"][0].axes[0]
+    assert any(isinstance(c, ErrorbarContainer) for c in ax.containers)
 
 
 def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
