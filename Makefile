@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test test-slow eval report merge shards-status compare sweep trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
+.PHONY: help setup test test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -99,6 +99,18 @@ sweep: setup ## ReFusion quality vs tokens/s as its knobs vary: make sweep LIMIT
 	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness sweep \
 		--task "$$TASK" $${LIMIT:+--limit "$$LIMIT"} $${GRID:+--grid "$$GRID"} --out "$$OUT" \
 		$${DTYPE:+--dtype "$$DTYPE"} $${CHAT_TEMPLATE_ARGS:+--chat-template-args "$$CHAT_TEMPLATE_ARGS"} $$SWEEP_ARGS
+
+FRONTIER_ARGS ?=
+override FRONTIER_ARGS := $(value FRONTIER_ARGS)
+export FRONTIER_ARGS
+
+# TASK keeps its `make eval` default (the embedded suite); LIMIT unset = 100 items per kind there, else all.
+frontier: setup ## every decoder's accuracy vs parallelism over its grid, AUP, figures: make frontier MODELS=... TASK=... LIMIT=... NAME=...
+	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness frontier \
+		--task "$$TASK" $${MODELS:+--models "$$MODELS"} $${MODELS_FILE:+--models-file "$$MODELS_FILE"} \
+		$${LIMIT:+--limit "$$LIMIT"} --out "$$OUT" $${NAME:+--name "$$NAME"} $${DTYPE:+--dtype "$$DTYPE"} \
+		$${TASKS_DIR:+--tasks-dir "$$TASKS_DIR"} $${CHAT_TEMPLATE_ARGS:+--chat-template-args "$$CHAT_TEMPLATE_ARGS"} \
+		$$FRONTIER_ARGS
 
 PROMPT ?=
 INDEX ?=

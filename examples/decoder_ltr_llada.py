@@ -27,7 +27,7 @@ from refusion.decoding import Decoder, register
 from refusion.decoding.common import Meter, cut_after_eos, eos_ids, forward, make_generator, mask_id
 from refusion.decoding.knobs import Knobs, compile_knob, gen_length, seed, temperature
 from refusion.decoding.mdm import (block_length_knob, block_schedule, check_steps, commit_topk, finished, masked_start,
-                                   propose, steps_knob, stop_at_eos_knob)
+                                   propose, steps_knob, stop_at_eos_knob, tokens_per_step_knob)
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class LtrLladaKnobs(Knobs):
     """Knobs of ``ltr_llada``: those of ``llada`` without ``remasking`` (the order is fixed)."""
     gen_length: int = gen_length(128)
     steps: int = steps_knob()
+    tokens_per_step: int = tokens_per_step_knob()  # set, it replaces steps (block_schedule reads it)
     block_length: int = block_length_knob()
     temperature: float = temperature()
     stop_at_eos: bool = stop_at_eos_knob()

@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge": ("harness.run.merge", "join the shards of one run (eval --shard I/N) into one run folder"),
     "report": ("harness.report.paper_report", "the paper's Table 1, speedups and figures from one or more runs"),
     "sweep": ("harness.report.sweep", "ReFusion accuracy vs tokens/s as its knobs vary (ablation view)"),
+    "frontier": ("harness.report.frontier", "every decoder's accuracy-parallelism frontier over its grid, with AUP"),
     "compare": ("harness.report.compare", "the same models in two or more runs side by side, with ratios"),
     "curves": ("harness.train.curves", "learning curves: preset decoders on 100 test items per kind vs training step"),
     "trace": ("harness.report.trace", "how each decoder fills one answer, forward by forward (figures, GIFs, HTML)"),

@@ -85,7 +85,7 @@ def test_docs_makefile_and_scripts_call_commands_and_modules_that_exist():
 # make target -> (the variable that passes extra options, the command it runs)
 MAKE_TARGETS = {
     "eval": ("EVAL_ARGS", "eval"), "report": ("REPORT_ARGS", "report"), "compare": ("REPORT_ARGS", "compare"),
-    "sweep": ("SWEEP_ARGS", "sweep"), "trace": ("TRACE_ARGS", "trace"), "train-tiny": ("TRAIN_ARGS", "train-tiny"),
+    "sweep": ("SWEEP_ARGS", "sweep"), "frontier": ("FRONTIER_ARGS", "frontier"), "trace": ("TRACE_ARGS", "trace"), "train-tiny": ("TRAIN_ARGS", "train-tiny"),
     "curves": ("CURVES_ARGS", "curves"), "bench-kernels": ("BENCH_ARGS", "bench-kernels"),
 }
 

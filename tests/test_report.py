@@ -482,13 +482,16 @@ def test_compare_writes_each_figure_side_by_side_with_ratios(tmp_path, capsys):
     assert cli_main(["compare", "--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
     folder = out / "compare-a-vs-b"
     md = (folder / "compare.md").read_text()
-    tps_rows = {(r[0], r[1]): r[2:] for r in _md_section(md, "## tokens/s (ratio of sums)")}
+    tps_rows = {(r[0], r[1]): r[2:5] for r in _md_section(md, "## tokens/s (ratio of sums)")}
     assert tps_rows[("refusion", "embedded_math")] == ["300.00", "600.00", "2.00"]
     assert tps_rows[("ar", "embedded_math")] == ["100.00", "120.00", "1.20"]
     assert tps_rows[("refusion", "gsm8k_cot")] == ["50.00", "75.00", "1.50"]  # stock vs paper prompt of GSM8K
+    # These runs kept no per-item logs: no interval, no paired test, and no row said to differ.
+    assert _md_section(md, "## tokens/s (ratio of sums)")[0][5:] == ["-", "-", "not tested"]
+    assert "None: no figure differs by more than chance" in md
     tasks = {(r[0], r[1]): r[2:4] for r in _md_section(md, "## Tasks and samples")}
     assert tasks[("refusion", "gsm8k_cot")] == ["gsm8k_cot", "gsm8k_cot_paper"]
-    q = {(r[0], r[1]): r[2:] for r in _md_section(md, "## quality (%, accuracy or pass@1)")}
+    q = {(r[0], r[1]): r[2:5] for r in _md_section(md, "## quality (%, accuracy or pass@1)")}
     assert q[("refusion", "embedded_math")] == ["40.00", "30.00", "0.75"]
     diffs = _md_section(md, "## Model settings that differ")
     assert diffs == [["refusion", "knobs", "-", "slot_size=8"]]
@@ -765,3 +768,103 @@ def test_report_marks_models_decoded_compiled(tmp_path):
     assert re.search(r"^\| arc \| ar \| .* \| yes: 3 compilation\(s\), 1\.5 s \|$", index, re.M), index
     assert re.search(r"^\| ar \| ar \| .* \| no \|$", index, re.M), index
     assert any("arc decoded compiled" in n and "published numbers, are eager" in n for n in paper_report.run_notes(rs))
+
+
+# ---------------------------------------------------------------- 95% intervals and paired tests
+
+
+def item_run(root: Path, run_id: str, items: dict[tuple[str, str], list[tuple]], **kw) -> Path:
+    """A run whose per-sample logs carry every item: ``items[(model, unit)]`` = [(score, tokens, seconds, nfe)];
+    models are named after their decoder; the metrics are those items' figures."""
+    models = list(dict.fromkeys((m, m) for m, _ in items))
+    units = list(dict.fromkeys(u for _, u in items))
+    cells = {k: (sum(x[0] for x in v) / len(v), sum(x[1] for x in v) / sum(x[2] for x in v),
+                 sum(x[1] for x in v) / sum(x[3] for x in v)) for k, v in items.items()}
+    d = fake_run(root, run_id, models, cells, units, samples=False, **kw)
+    for (m, u), rows in items.items():
+        (d / "models" / m / "samples").mkdir(parents=True, exist_ok=True)
+        (d / "models" / m / "samples" / f"{u}.jsonl").write_text("".join(
+            json.dumps({"task": u, "doc_id": i, "filter": "none", "metrics": {"exact_match": float(sc)},
+                        "generated_tokens": t, "decode_s": sec, "nfe": n}) + "\n" for i, (sc, t, sec, n) in enumerate(rows)))
+        path = d / "metrics" / f"{m}__{u}.json"
+        met = json.loads(path.read_text())
+        met["speed"]["samples"] = len(rows)
+        path.write_text(json.dumps(met))
+    return d
+
+
+# ar: 8 of 10 right at 100 tok/s on every item; refusion: 2 of 10 (right only where ar is) at 400 tok/s.
+AR_ITEMS = [(1, 10, 0.1, 10)] * 8 + [(0, 10, 0.1, 10)] * 2
+RF_ITEMS = [(1, 10, 0.025, 5)] * 2 + [(0, 10, 0.025, 5)] * 8
+
+
+def test_summary_and_table1_carry_95_percent_intervals(tmp_path):
+    from harness.run import runner
+
+    run = item_run(tmp_path / "runs", "iv", {("ar", "embedded_math"): AR_ITEMS, ("refusion", "embedded_math"): RF_ITEMS})
+    runner.finalize(run)
+    md = (run / "summary.md").read_text()
+    # Wilson: 8/10 -> [0.490, 0.943], 2/10 -> [0.057, 0.510]; every item at the same speed: degenerate intervals.
+    assert "| ar | embedded_math | 10 | 0.800 [0.490, 0.943] | 100.0 [100.0, 100.0] | 1.00 | 1.00 [1.00, 1.00] |" in md
+    assert "| refusion | embedded_math | 10 | 0.200 [0.057, 0.510] | 400.0 [400.0, 400.0] | 4.00 [4.00, 4.00] |" in md
+    assert "Mean per-task speedup [95% CI]: ar 1.00x, refusion 4.00x [4.00, 4.00]" in md and "Wilson" in md
+    s = json.loads((run / "summary.json").read_text())
+    row = next(r for r in s["rows"] if r["model"] == "refusion")
+    assert row["quality_ci"]["method"] == "wilson" and row["speedup_p"] == 0.0
+    assert row["latency_p90_s_ci"] == {"lo": 0.025, "hi": 0.025, "method": "bootstrap"}
+    # The report: every cell of ours with its interval, the quality in %.
+    out = tmp_path / "reports"
+    assert main(["--run", str(run), "--out", str(out), "--name", "iv"]) == 0
+    table = _md_section((out / "iv" / "table1.md").read_text().split("## " + paper.EMBEDDED.title)[1], "### This run")
+    cells = {r[0]: r for r in table}
+    assert cells["ar"][FIRST] == "80.00 [49.02, 94.33] / 100.00 [100.00, 100.00]"
+    assert cells["refusion"][FIRST] == "20.00 [5.67, 50.98] / 400.00 [400.00, 400.00]"
+    avg = cells["ar"][-1]  # the Avg of one measured column: a stratified bootstrap, tokens/s degenerate
+    assert avg.startswith("80.00 [") and avg.endswith("/ 100.00 [100.00, 100.00] (1/3)")
+    rows = list(csv.DictReader(open(out / "iv" / "table1.csv")))
+    r = next(x for x in rows if x["model"] == "ar" and x["suite"] == "embedded")
+    assert float(r["embedded_math_quality_lo"]) == pytest.approx(49.016247, abs=1e-5)
+    # speedup.md: the per-task speedup with its paired interval and p-value, and McNemar on the answers:
+    # 6 items right in ar only, none in refusion only: p = 2 / 2^6 = 0.031 < 0.05, so it differs.
+    sp = (out / "iv" / "speedup.md").read_text().split("## " + paper.EMBEDDED.title)[1]
+    row = next(x for x in _md_section(sp, "### vs ar (AR baseline)") if x[0] == "refusion")
+    assert row[2] == "4.00 [4.00, 4.00], p <0.001: differs" and row[3] == "4.00 [4.00, 4.00]"
+    q = next(x for x in _md_section(sp, "Quality against ar, item by item (points, McNemar's exact test):")
+             if x[0] == "refusion")
+    assert q[2] == "-60.00 pp, p 0.031: differs"
+    # The figures draw the intervals: error bars on each of our points and on each speedup bar.
+    from matplotlib.container import ErrorbarContainer
+
+    rs = paper_report.load_runs([run])
+    figs = figures.build_all(rs, paper_report.build(rs))
+    bars = [c for c in figs["pareto_embedded_math.png"][0].axes[0].containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 2
+    ax = figs["speedup_embedded.png"][0].axes[0]
+    assert any(isinstance(c, ErrorbarContainer) for c in ax.containers)
+
+
+def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
+    from harness.report import compare
+
+    runs, out = tmp_path / "runs", tmp_path / "reports"
+    item_run(runs, "a", {("ar", "embedded_math"): AR_ITEMS, ("refusion", "embedded_math"): RF_ITEMS})
+    # b: ar answers as before but half as fast; refusion gets 2 more right (1 vs 0 discordant: p 1 for 1 vs 3).
+    slow = [(sc, t, 2 * sec, n) for sc, t, sec, n in AR_ITEMS]
+    better = RF_ITEMS[:2] + [(1, 10, 0.025, 5)] * 2 + RF_ITEMS[4:]
+    item_run(runs, "b", {("ar", "embedded_math"): slow, ("refusion", "embedded_math"): better},
+             extra={"created": "2026-03-01T00:00:00"})
+    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "differs: ar embedded_math tokens_per_s in b (p <0.001, paired bootstrap, 10 items)" in printed
+    md = (out / "compare-a-vs-b" / "compare.md").read_text()
+    differ = _md_section(md, "## Rows that differ")
+    assert ["ar", "embedded_math", "tokens/s (ratio of sums)", "b", "x0.50", "paired bootstrap", "<0.001",
+            "10"] in differ
+    assert not any(r[0] == "refusion" and r[2].startswith("quality") for r in differ)  # 2 vs 0 discordant: p 0.5
+    q = {r[0]: r for r in _md_section(md, "## quality (%, accuracy or pass@1)")}
+    assert q["refusion"][2:] == ["20.00 [5.67, 50.98]", "40.00 [16.82, 68.73]", "2.00",
+                                 "+20.00 pp [+0.00, +50.00]", "0.500", "no difference shown (10 items)"]
+    assert q["ar"][5:] == ["+0.00 pp [+0.00, +0.00]", "1.000", "no difference shown (10 items)"]
+    data = json.loads((out / "compare-a-vs-b" / "compare.json").read_text())
+    assert [(d["model"], d["figure"]) for d in data["differ"]] == [
+        ("ar", "tokens_per_s"), ("ar", "latency_p50_s"), ("ar", "latency_p90_s")]

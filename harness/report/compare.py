@@ -5,8 +5,11 @@
     python -m harness compare                              # the two newest runs under --runs-root
 
 For every model name and benchmark measured in the runs, each figure (quality, tokens/s, TPF,
-NFE, latency p50/p90, peak memory, the run's own speedup over its AR model) is shown per run,
-with its ratio to the first run. Models pair up by name, so a preset run with other knobs
+NFE, latency p50/p90, peak memory, the run's own speedup over its AR model) is shown per run with
+its 95% interval, and with its ratio to the first run. Where two runs measured the same items,
+the ratio is a paired test (harness/run/stats.py): McNemar's exact test for quality, a paired
+bootstrap for the speed figures (interval and p-value); a row "differs" only where p < 0.05, and
+the rows that differ are listed first with their p-values. Models pair up by name, so a preset run with other knobs
 (``MODELS=refusion:slot_size=8`` in one run, ``MODELS=refusion`` in the other) lines up with
 itself; a benchmark pairs up across prompt variants (``gsm8k_cot`` with ``gsm8k_cot_paper``), so
 stock and paper prompts can be compared too. The settings that differ between the runs, run-wide
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from harness.report import paper
+from harness.run import stats
 from harness.run.metrics import speedup
 from harness.report.paper_report import NOT_MEASURED, _show_path, check_name, quality_pct, tps
 from harness.report.runset import InputError, _read, device_text, resolve_runs, run_parser
@@ -62,6 +66,9 @@ FIGURES: list[tuple[str, str, Callable[[dict], Any], str]] = [
     ("speedup", "speedup over the run's own AR model (x)", lambda m: (m.get("speedup") or {}).get("tokens_per_s"),
      ".2f"),
 ]
+# Figures with a paired test between runs on the same items: quality (McNemar) and the per-item speed figures
+# (paired bootstrap of the ratio); memory (a peak) and the run's own speedup (a ratio of ratios) have none.
+PAIRED_SPEED = ("tokens_per_s", "tpf", "nfe_mean", "latency_p50_s", "latency_p90_s")
 RUN_KEYS = ("task", "limit", "seed", "prompts", "chat_template", "task_defaults", "batch_size", "num_processes",
             "threads")
 MODEL_KEYS = ("decoder", "checkpoint", "knobs", "task_knobs")
@@ -117,27 +124,96 @@ def pair(runs: list[dict]) -> list[dict]:
         for (model, unit), met in r["metrics"].items():
             bench = benchmark_of(unit)
             key = (model, unit) if (model, bench) in ambiguous else (model, bench)
-            entry = order.setdefault(key, {"model": model, "benchmark": key[1], "tasks": {}, "metrics": {}})
+            entry = order.setdefault(key, {"model": model, "benchmark": key[1], "tasks": {}, "metrics": {},
+                                           "dirs": {}})
             entry["tasks"][r["label"]] = unit
             entry["metrics"][r["label"]] = met
+            entry["dirs"][r["label"]] = r["dir"]
     rank = {b: i for i, b in enumerate(col_order)}
     return sorted(order.values(), key=lambda e: (models.index(e["model"]) if e["model"] in models else len(models),
                                                  rank.get(e["benchmark"], len(rank)), e["benchmark"]))
 
 
+def entry_items(e: dict) -> dict[str, stats.Items | None]:
+    """Per run label, the entry's items from that run's per-sample log (None where it kept none), each leaf
+    named by its benchmark, so a stock and a paper prompt variant of one benchmark pair by document."""
+    return {lab: stats.read_items(e["dirs"][lab], e["model"], unit, e["metrics"][lab].get("quality_primary"),
+                                  rename=benchmark_of) for lab, unit in e["tasks"].items()}
+
+
+def _value_interval(key: str, met: dict, it: stats.Items | None, stream: str) -> dict | None:
+    """A figure's 95% interval in the figure's own unit (quality in %), or None."""
+    if key == "quality":
+        prim = met.get("quality_primary")
+        n = (_speed(met, "samples") or 0) + (met.get("failed") or {}).get("count", 0)
+        iv = stats.quality_interval(it, (met.get("quality") or {}).get(prim) if prim else None, n, (stream, "quality"))
+        return None if iv is None else iv.scaled(100.0).to_dict()
+    if key == "speedup":
+        return (met.get("speedup") or {}).get("interval")
+    if key in stats.SPEED and it is not None:
+        got = stats.percentile_interval(stats.speed_dist(it, key, stream))
+        return None if got is None else {"lo": got[0], "hi": got[1], "method": "bootstrap"}
+    return None
+
+
+def _paired(key: str, a: stats.Items | None, b: stats.Items | None, stream: str) -> dict | None:
+    """The paired test of a figure between two runs on their shared items (None: no test for this figure, or
+    no per-item logs, or no shared item)."""
+    if a is None or b is None:
+        return None
+    if key == "quality":
+        return stats.paired_quality(a, b, stream)
+    if key in PAIRED_SPEED:
+        return stats.paired_ratio(a, b, key, stream)
+    return None
+
+
 def figures_of(entries: list[dict], labels: list[str]) -> list[dict]:
-    """Every figure per entry and run, with its ratio to the first run."""
+    """Every figure per entry and run with its 95% interval, its ratio to the first run and, where both runs
+    measured the same items, the paired test of the difference (``tests``)."""
     ref = labels[0]
     out = []
     for e in entries:
+        items = entry_items(e)
         figs = {}
         for key, _, get, _fmt in FIGURES:
             vals = {lab: (get(e["metrics"][lab]) if lab in e["metrics"] else None) for lab in labels}
-            figs[key] = {"values": vals, "ratios": {lab: speedup(vals[lab], vals[ref]) for lab in labels[1:]}}
+            ivs = {lab: (_value_interval(key, e["metrics"][lab], items.get(lab), e["benchmark"])
+                         if vals[lab] is not None else None) for lab in labels}
+            tests = {lab: (_paired(key, items.get(ref), items.get(lab), e["benchmark"])
+                           if vals[lab] is not None and vals[ref] is not None else None) for lab in labels[1:]}
+            figs[key] = {"values": vals, "intervals": ivs, "ratios": {lab: speedup(vals[lab], vals[ref])
+                                                                      for lab in labels[1:]}, "tests": tests}
         out.append({"model": e["model"], "benchmark": e["benchmark"], "tasks": e["tasks"],
                     "samples": {lab: _speed(e["metrics"][lab], "samples") for lab in labels if lab in e["metrics"]},
                     "figures": figs})
     return out
+
+
+def differing(rows: list[dict], labels: list[str]) -> list[dict]:
+    """Every (model, benchmark, figure, run) whose paired test says it differs from the first run."""
+    out = []
+    for r in rows:
+        for key, heading, _, _ in FIGURES:
+            for lab, t in r["figures"][key]["tests"].items():
+                if t and t.get("differs"):
+                    out.append({"model": r["model"], "benchmark": r["benchmark"], "figure": key, "heading": heading,
+                                "run": lab, "test": t["test"], "p": t["p"], "items": t["items"],
+                                "change": t.get("difference", t.get("ratio"))})
+    return out
+
+
+def _test_cells(t: dict | None, key: str) -> list[str]:
+    """The ratio's interval, the p-value and the verdict of one paired test, as table cells."""
+    if t is None:
+        return ["-", "-", "not tested" if key in ("quality", *PAIRED_SPEED) else "-"]
+    if key == "quality":
+        iv = stats.fmt_interval(t.get("interval"), "+.2f", 100.0).strip() or "-"
+        what = f"{100 * t['difference']:+.2f} pp {iv}"
+    else:
+        what = stats.fmt_interval(t.get("interval"), ".2f").strip() or "-"
+    verdict = f"differs ({t['items']} items)" if t["differs"] else f"no difference shown ({t['items']} items)"
+    return [what, stats.fmt_p(t.get("p")), verdict]
 
 
 def _show(v: Any) -> str:
@@ -204,7 +280,8 @@ def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: li
     missing = [f"{r['label']}: {len(r['missing'])} metrics file(s) missing" for r in runs if r["missing"]]
     if missing:
         lines += ["", "Partial: " + "; ".join(missing) + "."]
-    lines += ["", "## Model settings that differ", ""]
+    lines += ["", *differs_md(rows, labels)]
+    lines += ["## Model settings that differ", ""]
     if diffs:
         lines += _md_table(["model", "setting", *labels],
                            [[d["model"], d["setting"], *[d["values"].get(lab, NOT_MEASURED) for lab in labels]]
@@ -220,12 +297,38 @@ def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: li
         if all(v is None for r in rows for v in r["figures"][key]["values"].values()):
             continue
         lines += ["", f"## {heading}", ""]
-        lines += _md_table(["model", "benchmark", *labels, *[f"{lab} / {ref}" for lab in labels[1:]]],
-                           [[r["model"], r["benchmark"], *[_fmt(r["figures"][key]["values"][lab], spec)
-                                                           for lab in labels],
-                             *[_fmt(r["figures"][key]["ratios"][lab], ".2f") for lab in labels[1:]]] for r in rows])
+        change = "difference [95% CI]" if key == "quality" else "ratio 95% CI"
+        test = "p (McNemar / paired bootstrap)" if key == "quality" else "p (paired bootstrap)"
+        head = ["model", "benchmark", *labels]
+        for lab in labels[1:]:
+            head += [f"{lab} / {ref}", f"{lab} vs {ref}: {change}", f"{lab} vs {ref}: {test}", f"{lab} vs {ref}"]
+        body = []
+        for r in rows:
+            f = r["figures"][key]
+            cells = [r["model"], r["benchmark"], *[_fmt(f["values"][lab], spec)
+                                                   + stats.fmt_interval(f["intervals"][lab], spec) for lab in labels]]
+            for lab in labels[1:]:
+                cells += [_fmt(f["ratios"][lab], ".2f"), *_test_cells(f["tests"][lab], key)]
+            body.append(cells)
+        lines += _md_table(head, body)
     lines.append("")
     return "\n".join(lines)
+
+
+def differs_md(rows: list[dict], labels: list[str]) -> list[str]:
+    """The section naming every row whose paired test says it differs from the first run, with its p-value."""
+    found = differing(rows, labels)
+    lines = ["## Rows that differ", "",
+             f"Paired tests against `{labels[0]}` on the items both runs measured (95%: p < {stats.ALPHA}): McNemar's "
+             "exact test for quality (binary scores; else a paired bootstrap of the difference), a paired bootstrap "
+             "(2000 resamples, fixed seed) for each speed ratio. Only these rows differ by more than chance; every "
+             "other difference below is within it.", ""]
+    if not found:
+        return lines + ["None: no figure differs by more than chance (or no two runs share per-item logs).", ""]
+    body = [[d["model"], d["benchmark"], d["heading"], d["run"],
+             f"{100 * d['change']:+.2f} pp" if d["figure"] == "quality" else f"x{d['change']:.2f}", d["test"],
+             stats.fmt_p(d["p"]), str(d["items"])] for d in found]
+    return lines + _md_table(["model", "benchmark", "figure", "run", "change", "test", "p", "items"], body) + [""]
 
 
 def to_csv(labels: list[str], rows: list[dict]) -> str:
@@ -233,15 +336,22 @@ def to_csv(labels: list[str], rows: list[dict]) -> str:
     w = csv.writer(buf, lineterminator="\n")
     ref = labels[0]
     w.writerow(["model", "benchmark", "figure", *[f"value_{lab}" for lab in labels],
-                *[f"ratio_{lab}_over_{ref}" for lab in labels[1:]], *[f"n_{lab}" for lab in labels]])
+                *[f"ratio_{lab}_over_{ref}" for lab in labels[1:]], *[f"n_{lab}" for lab in labels],
+                *[f"{end}_{lab}" for lab in labels for end in ("lo", "hi")],
+                *[f"{what}_{lab}_vs_{ref}" for lab in labels[1:] for what in ("p", "differs")]])
+
+    def num(v):
+        return NOT_MEASURED if v is None else round(v, 6)
+
     for r in rows:
         for key, _, _, _ in FIGURES:
             f = r["figures"][key]
-            w.writerow([r["model"], r["benchmark"], key,
-                        *[NOT_MEASURED if f["values"][lab] is None else round(f["values"][lab], 6) for lab in labels],
-                        *[NOT_MEASURED if f["ratios"][lab] is None else round(f["ratios"][lab], 6)
-                          for lab in labels[1:]],
-                        *[r["samples"].get(lab, NOT_MEASURED) for lab in labels]])
+            w.writerow([r["model"], r["benchmark"], key, *[num(f["values"][lab]) for lab in labels],
+                        *[num(f["ratios"][lab]) for lab in labels[1:]],
+                        *[r["samples"].get(lab, NOT_MEASURED) for lab in labels],
+                        *[num((f["intervals"][lab] or {}).get(end)) for lab in labels for end in ("lo", "hi")],
+                        *[x for lab in labels[1:] for x in (num((f["tests"][lab] or {}).get("p")),
+                                                            (f["tests"][lab] or {}).get("differs", NOT_MEASURED))]])
     return buf.getvalue()
 
 
@@ -275,10 +385,15 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(tmp / "compare.json", {
             "runs": [{"label": r["label"], "dir": _show_path(str(r["dir"])), "missing": r["missing"], **s}
                      for r, s in zip(runs, settings)],
-            "reference": names[0], "model_differences": diffs,
+            "reference": names[0], "model_differences": diffs, "differ": differing(rows, names),
             "rows": rows})
     shared = sum(1 for r in rows if len(r["tasks"]) > 1)
-    print(f"wrote {target}/compare.md ({len(rows)} (model, benchmark) rows, {shared} measured in more than one run)")
+    differ = differing(rows, names)
+    print(f"wrote {target}/compare.md ({len(rows)} (model, benchmark) rows, {shared} measured in more than one run; "
+          f"{len(differ)} figure(s) differ by a paired test)")
+    for d in differ:
+        print(f"  differs: {d['model']} {d['benchmark']} {d['figure']} in {d['run']} (p {stats.fmt_p(d['p'])}, "
+              f"{d['test']}, {d['items']} items)")
     return 0
 
 

@@ -52,20 +52,30 @@ def _legend(ax: plt.Axes) -> None:
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
 
 
+def _err(v: float, iv: dict | None) -> list[list[float]]:
+    """An interval as matplotlib's asymmetric error bar ([[below], [above]]); none -> 0."""
+    return [[max(0.0, v - iv["lo"]) if iv else 0.0], [max(0.0, iv["hi"] - v) if iv else 0.0]]
+
+
 def pareto(title: str, ours: list[tuple], published: list[tuple[str, float, float]],
            ours_label: str = "this run", published_label: str = "published", colors: dict | None = None,
-           left_out: list[str] | None = None, left_out_why: str = "") -> Figure:
+           left_out: list[str] | None = None, left_out_why: str = "", errors: dict | None = None) -> Figure:
     """Quality (%) vs tokens/s: one marker per model/decoder; ours filled, published hollow grey.
 
     ``ours`` holds (name, tokens/s, quality) or (name, tokens/s, quality, detail); the detail (sample
     count, device) joins the legend label, so a LIMIT-3 CPU point is never read as a full GPU one.
-    ``left_out``: our models the figure cannot show, named in the title with ``left_out_why``."""
+    ``left_out``: our models the figure cannot show, named in the title with ``left_out_why``. ``errors``:
+    per model (tokens/s interval, quality interval), drawn as 95% error bars where given."""
     fig, ax = _fig()
     title += _left_out_line(left_out or [], left_out_why)
     for i, (name, x, y, *detail) in enumerate(ours):
         what = ", ".join([ours_label, *[d for d in detail if d]])
         ax.scatter([x], [y], marker=OURS_MARKERS[i % len(OURS_MARKERS)], s=60, color=_color(colors, name, i),
                    edgecolors="black", linewidths=0.5, zorder=3, label=f"{name} ({what})")
+        x_iv, y_iv = (errors or {}).get(name, (None, None))
+        if x_iv or y_iv:
+            ax.errorbar([x], [y], xerr=_err(x, x_iv), yerr=_err(y, y_iv), fmt="none", ecolor=_color(colors, name, i),
+                        elinewidth=0.8, capsize=2, zorder=2)
     for i, (name, x, y) in enumerate(published):
         ax.scatter([x], [y], marker=PAPER_MARKERS[i % len(PAPER_MARKERS)], s=50, facecolors="none",
                    edgecolors="0.45", linewidths=1.0, zorder=2, label=f"{name} ({published_label})")
@@ -81,14 +91,23 @@ def pareto(title: str, ours: list[tuple], published: list[tuple[str, float, floa
 
 
 def grouped_bars(title: str, groups: list[str], series: dict[str, list[float | None]], ylabel: str,
-                 hline: float | None = None, xlabel: str = "task", colors: dict | None = None) -> Figure:
-    """One bar series per key of ``series``, one group per entry of ``groups`` (None = no bar)."""
+                 hline: float | None = None, xlabel: str = "task", colors: dict | None = None,
+                 errors: dict[str, list[dict | None]] | None = None) -> Figure:
+    """One bar series per key of ``series``, one group per entry of ``groups`` (None = no bar); ``errors``: per
+    series, each bar's 95% interval (or None), drawn as error bars."""
     fig, ax = _fig()
     n = max(len(series), 1)
     width = 0.8 / n
     for i, (name, vals) in enumerate(series.items()):
         xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width=width, label=name, color=_color(colors, name, i))
+        ys = [v if v is not None else 0.0 for v in vals]
+        ivs = (errors or {}).get(name) or []
+        yerr = None
+        if any(ivs):
+            bars = [_err(v, iv) for v, iv in zip(ys, ivs + [None] * (len(ys) - len(ivs)))]
+            yerr = [[b[0][0] for b in bars], [b[1][0] for b in bars]]
+        ax.bar(xs, ys, width=width, label=name, color=_color(colors, name, i), yerr=yerr, capsize=2 if yerr else 0,
+               error_kw={"elinewidth": 0.8})
     ax.set_xticks(range(len(groups)), groups, rotation=20 if len(groups) > 5 else 0, fontsize=8)
     if hline is not None:
         ax.axhline(hline, color="black", linewidth=0.8, linestyle="--")
@@ -231,11 +250,13 @@ def _task_paretos(s: dict, measured: list, who: str, pub_label: str, colors: dic
                 left_out.append(r["model"])
                 continue
             shown.append((r["model"], cell["tokens_per_s"], cell["quality"], _detail(cell)))
+        errors = {r["model"]: (r["cells"][c.key].get("tokens_per_s_ci"), r["cells"][c.key].get("quality_ci"))
+                  for r in s["ours"] if r["status"][c.key] == "ok"}
         pub = [(r["model"], r["cells"][c.key]["tokens_per_s"], r["cells"][c.key]["quality"])
                for r in s["published"] if c.key in r["cells"]]
         figs[f"pareto_{c.key}.png"] = (pareto(f"{c.label}: quality vs throughput", shown, pub, ours_label=who,
                                               published_label=pub_label, colors=colors, left_out=left_out,
-                                              left_out_why="no quality or tokens/s"),
+                                              left_out_why="no quality or tokens/s", errors=errors),
                                        f"{c.label} ({c.key}): quality vs tokens/s"
                                        + (f"; not shown: {', '.join(left_out)}" if left_out else ""))
     return figs
@@ -251,9 +272,10 @@ def _avg_pareto(s: dict, who: str, pub_avg: list, colors: dict) -> tuple[str, tu
     left_out = [r["model"] for r in s["ours"] if not r["average"]["complete"]
                 and any(st == "ok" for st in r["status"].values())]
     note = "" if suite.published else "\n(published: averages over the paper's 7 benchmarks, 7-8B models)"
+    errors = {r["model"]: (r["average"].get("tokens_per_s_ci"), r["average"].get("quality_ci")) for r in s["ours"]}
     fig = pareto(f"Average over the {suite.name} suite{note}", shown, pub_avg, ours_label=who,
                  published_label="published avg: full test sets, GPU", colors=colors, left_out=left_out,
-                 left_out_why="not every task measured")
+                 left_out_why="not every task measured", errors=errors)
     caption = f"{short}: average quality vs average tokens/s (models that measured every task)"
     if left_out:
         caption += f"; not shown (not every task measured): {', '.join(left_out)}"
@@ -275,8 +297,11 @@ def _speedup_bars(s: dict, measured: list, where: str, colors: dict) -> dict:
         name = f"speedup_{suite.name}.png" if len(refs) == 1 else f"speedup_{suite.name}_vs_{_slug(ref)}.png"
         title = (f"Speedup vs {ref} per task ({suite.name} suite)\n{where}"
                  + _left_out_line(left_out, "no task measured comparably with " + ref))
+        errors = {x["model"]: [((x.get("per_task_test") or {}).get(c.key) or {}).get("interval") for c in measured]
+                  + [x.get("mean_of_ratios_interval")] for x in rows}
         figs[name] = (grouped_bars(title, [c.label for c in measured] + ["mean of ratios"], series,
-                                   f"speedup over {ref} (x, tokens/s ratio)", hline=1.0, colors=colors),
+                                   f"speedup over {ref} (x, tokens/s ratio, 95% interval)", hline=1.0, colors=colors,
+                                   errors=errors),
                       f"{short}: speedup over {ref} per task and mean of per-task ratios"
                       + (f"; not shown: {', '.join(left_out)}" if left_out else ""))
     return figs

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from harness.report import paper
+from harness.run import stats
 from harness.run.metrics import speedup
 # Loading lives in harness/report/runset.py; load_runs stays importable from here (harness.report.sweep, tests).
 from harness.report.runset import (PAPER_ROW, InputError, RunSet, device_text, load_runs, resolve_runs,
@@ -62,11 +63,48 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def _average(cells: dict[str, dict], n_columns: int) -> dict:
+def _average(cells: dict[str, dict], n_columns: int, dists: dict[str, dict] | None = None) -> dict:
+    """The row's Avg (mean of its columns) and, from each column's bootstrap distributions (``dists``, our rows
+    with per-item logs), the 95% interval of each mean: a bootstrap stratified by task (each task's items
+    resampled on their own). No interval when a column has no per-item log."""
     qs = [c["quality"] for c in cells.values() if c.get("quality") is not None]
     ts = [c["tokens_per_s"] for c in cells.values() if c.get("tokens_per_s") is not None]
-    return {"quality": _mean(qs), "tokens_per_s": _mean(ts), "columns": min(len(qs), len(ts)),
-            "complete": len(qs) == len(ts) == n_columns}
+    out = {"quality": _mean(qs), "tokens_per_s": _mean(ts), "columns": min(len(qs), len(ts)),
+           "complete": len(qs) == len(ts) == n_columns, "quality_ci": None, "tokens_per_s_ci": None}
+    for what, vals in (("quality", qs), ("tokens_per_s", ts)):
+        got = [(dists or {}).get(k, {}).get(what) for k, c in cells.items() if c.get(what) is not None]
+        iv = stats.mean_interval(got) if vals and all(d is not None for d in got) else None
+        out[f"{what}_ci"] = None if iv is None else {"lo": iv[0], "hi": iv[1], "method": "stratified bootstrap"}
+    return out
+
+
+def cell_items(rs: RunSet, cell: dict) -> stats.Items | None:
+    """The items of one of our cells, from its run's per-sample log (None where the run kept none)."""
+    run = next((r for r in rs.runs if (r.get("run_id") or Path(r["dir"]).name) == cell.get("run_id")), None)
+    if run is None or not cell.get("model_in_run"):
+        return None
+    return stats.cached_items(run["dir"], cell["model_in_run"], cell["task"], cell.get("quality_metric"))
+
+
+def _cell(met: dict, task: str, it: stats.Items | None) -> tuple[dict, dict]:
+    """One of our cells (quality %, tokens/s and TPF with their 95% intervals) and the bootstrap distributions
+    of its quality and tokens/s (for the row's Avg interval; empty without per-item logs)."""
+    q, n = quality_pct(met), _items(met)
+    qiv = stats.quality_interval(it, None if q is None else q / 100, n, (task, "quality"))
+    tps_dist = stats.speed_dist(it, "tokens_per_s", task) if it is not None else None
+    tiv = stats.percentile_interval(tps_dist) if tps_dist is not None else None
+    cell = {"task": task, "quality": q, "tokens_per_s": tps(met),
+            "tpf": ((met.get("speed") or {}).get("tpf") or {}).get("ratio_of_sums"),
+            "quality_ci": None if qiv is None else qiv.scaled(100.0).to_dict(),
+            "tokens_per_s_ci": None if tiv is None else {"lo": tiv[0], "hi": tiv[1], "method": "bootstrap"},
+            "quality_metric": met.get("quality_primary"), "run_id": met["_run_id"], "model_in_run": met.get("model"),
+            "samples": _items(met), "failed": (met.get("failed") or {}).get("count", 0), "device": met.get("_device")}
+    dists = {}
+    if it is not None and it.has_scores:
+        dists["quality"] = 100.0 * stats.quality_dist(it, task)
+    if tps_dist is not None and tps_dist.size:
+        dists["tokens_per_s"] = tps_dist
+    return cell, dists
 
 
 def our_rows(rs: RunSet, suite: paper.Suite) -> list[dict]:
@@ -75,6 +113,7 @@ def our_rows(rs: RunSet, suite: paper.Suite) -> list[dict]:
     rows = []
     for m in rs.models:
         cells: dict[str, dict] = {}
+        dists: dict[str, dict] = {}
         status: dict[str, str] = {}
         for col in suite.columns:
             task = next((t for t in col.tasks if (m["name"], t) in rs.metrics), None)
@@ -82,15 +121,12 @@ def our_rows(rs: RunSet, suite: paper.Suite) -> list[dict]:
                 status[col.key] = MISSING if any((m["name"], t) in missing for t in col.tasks) else NOT_MEASURED
                 continue
             met = rs.metrics[(m["name"], task)]
-            cells[col.key] = {"task": task, "quality": quality_pct(met), "tokens_per_s": tps(met),
-                              "tpf": ((met.get("speed") or {}).get("tpf") or {}).get("ratio_of_sums"),
-                              "quality_metric": met.get("quality_primary"), "run_id": met["_run_id"],
-                              "samples": _items(met), "failed": (met.get("failed") or {}).get("count", 0),
-                              "device": met.get("_device")}
+            it = stats.cached_items(met["_run_dir"], met.get("model", m["model"]), task, met.get("quality_primary"))
+            cells[col.key], dists[col.key] = _cell(met, task, it)
             status[col.key] = "ok"
         rows.append({"model": m["name"], "decoder": m["decoder"], "family": m.get("family"),
                      "source": ours_label(rs), "cells": cells,
-                     "status": status, "average": _average(cells, len(suite.columns)),
+                     "status": status, "average": _average(cells, len(suite.columns), dists),
                      "n": sorted({c["samples"] for c in cells.values() if c.get("samples") is not None}),
                      "failed": sum(c.get("failed", 0) for c in cells.values()),
                      "device": sorted({c["device"] for c in cells.values() if c.get("device")})})
@@ -133,23 +169,35 @@ def speedup_summary(row: dict, ref: dict, keys: list[str], rs: RunSet | None = N
     divided only when the runs share hardware, dtype and batch size; otherwise the column is None and
     ``refused`` says why. Without it (the published rows) every column is divided."""
     per: dict[str, float | None] = {}
+    tests: dict[str, dict | None] = {}
+    quality: dict[str, dict | None] = {}
+    pairs: dict[str, tuple] = {}
     refused: set[str] = set()
     for k in keys:
         a, b = row["cells"].get(k), ref["cells"].get(k)
         if a is None or b is None or a["task"] != b["task"]:
             per[k] = None
             continue
+        mine_it, ref_it = (cell_items(rs, a), cell_items(rs, b)) if rs is not None else (None, None)
+        if mine_it is not None and ref_it is not None:  # quality pairs whatever the hardware
+            quality[k] = stats.paired_quality(ref_it, mine_it, a["task"])
         why = rs.why_not_comparable(a.get("run_id"), b.get("run_id")) if rs is not None else None
         if why:
             refused.add(why)
             per[k] = None
             continue
         per[k] = speedup(a["tokens_per_s"], b["tokens_per_s"])
+        if mine_it is not None and ref_it is not None and per[k] is not None:
+            tests[k] = stats.paired_ratio(ref_it, mine_it, "tokens_per_s", a["task"])
+            pairs[k] = (ref_it, mine_it)
     both = [k for k, v in per.items() if v is not None]
     mine = _mean([row["cells"][k]["tokens_per_s"] for k in both])
     theirs = _mean([ref["cells"][k]["tokens_per_s"] for k in both])
+    mean_iv = (stats.mean_ratio_interval([pairs[k] for k in both], streams=[row["cells"][k]["task"] for k in both])
+               if both and all(k in pairs for k in both) else None)
     return {"per_task": per, "mean_of_ratios": _mean([per[k] for k in both]),
-            "ratio_of_averages": speedup(mine, theirs), "tasks": len(both), "refused": sorted(refused)}
+            "ratio_of_averages": speedup(mine, theirs), "tasks": len(both), "refused": sorted(refused),
+            "per_task_test": tests, "mean_of_ratios_interval": mean_iv, "quality_tests": quality}
 
 
 def is_masked_diffusion(decoder: str) -> bool:
@@ -168,7 +216,11 @@ def references(rs: RunSet) -> list[tuple[str, str]]:
     bases = {r["baseline"] for r in rs.runs if r.get("baseline")} or {rs.baseline}
     out = [(m["name"], "AR baseline") for m in rs.models if m["model"] in bases]
     out += [(m["name"], "AR baseline") for m in rs.models if m["decoder"] == "ar" and m["model"] not in bases]
-    out += [(m["name"], "MDM baseline") for m in rs.models if is_masked_diffusion(m["decoder"])]
+    from harness.report.aup import not_own_points
+
+    extra = not_own_points(rs)  # a frontier's other grid points are rows, not references
+    out += [(m["name"], "MDM baseline") for m in rs.models if is_masked_diffusion(m["decoder"])
+            and m["name"] not in extra]
     return out
 
 
@@ -255,12 +307,17 @@ def _num(v: float | None, spec: str = ".2f") -> str:
     return NOT_MEASURED if v is None else format(v, spec)
 
 
+def _with_ci(d: dict, what: str, spec: str = ".2f") -> str:
+    """A figure of a cell or average with its 95% interval (`` [lo, hi]``) where it has one."""
+    return _num(d[what], spec) + ("" if d[what] is None else stats.fmt_interval(d.get(f"{what}_ci"), spec))
+
+
 def cell_text(row: dict, key: str) -> str:
     st = row["status"].get(key, NOT_MEASURED)
     if st != "ok":
         return st
     c = row["cells"][key]
-    return f"{_num(c['quality'])} / {_num(c['tokens_per_s'])}"
+    return f"{_with_ci(c, 'quality')} / {_with_ci(c, 'tokens_per_s')}"
 
 
 def avg_text(row: dict, n_columns: int) -> str:
@@ -268,7 +325,24 @@ def avg_text(row: dict, n_columns: int) -> str:
     if a["quality"] is None and a["tokens_per_s"] is None:
         return NOT_MEASURED
     mark = "" if a["complete"] else f" ({a['columns']}/{n_columns})"
-    return f"{_num(a['quality'])} / {_num(a['tokens_per_s'])}{mark}"
+    return f"{_with_ci(a, 'quality')} / {_with_ci(a, 'tokens_per_s')}{mark}"
+
+
+def speedup_cell(x: dict, key: str) -> str:
+    """A per-task speedup with its paired bootstrap interval and p-value; "differs" only where p < 0.05."""
+    v, t = x["per_task"].get(key), (x.get("per_task_test") or {}).get(key)
+    if v is None or t is None:
+        return _num(v)
+    verdict = ": differs" if t["differs"] else ""
+    return f"{v:.2f}{stats.fmt_interval(t.get('interval'), '.2f')}, p {stats.fmt_p(t['p'])}{verdict}"
+
+
+def quality_test_cell(t: dict | None) -> str:
+    """A quality difference against the reference (points) with McNemar's p; "differs" only where p < 0.05."""
+    if t is None:
+        return "-"
+    verdict = ": differs" if t["differs"] else ""
+    return f"{100 * t['difference']:+.2f} pp, p {stats.fmt_p(t['p'])}{verdict}"
 
 
 def n_text(row: dict) -> str:
@@ -306,7 +380,10 @@ def legend(rs: RunSet) -> str:
             f"measured by {who}; `{MISSING}` = part of the run but its metrics file is absent (reported with "
             "--allow-partial); `(k/n)` after an average = mean over the k measured columns only. Avg = mean of "
             "the columns, as in the paper; a row never mixes prompt variants (a model measured with both has a "
-            f"second row marked `{PAPER_ROW.strip()}`).")
+            f"second row marked `{PAPER_ROW.strip()}`). `[lo, hi]` = 95% interval (harness/run/stats.py): quality by "
+            "Wilson's score interval (items scored 0 or 1; else a bootstrap over items), tokens/s by a bootstrap over "
+            "items (2000 resamples, fixed seed), Avg by a bootstrap stratified by task; a figure without one: the "
+            "run kept no per-item logs for it (the published rows have none).")
 
 
 def run_notes(rs: RunSet) -> list[str]:
@@ -393,7 +470,9 @@ def table1_csv(data: dict) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["suite", "source", "model", "decoder", "device"]
                + [f"{c.key}_{what}" for c in cols for what in ("quality", "tokens_per_s", "n")]
-               + ["avg_quality", "avg_tokens_per_s", "avg_columns", "avg_columns_total"])
+               + ["avg_quality", "avg_tokens_per_s", "avg_columns", "avg_columns_total"]
+               + [f"{c.key}_{what}_{end}" for c in cols for what in ("quality", "tokens_per_s") for end in ("lo", "hi")]
+               + [f"avg_{what}_{end}" for what in ("quality", "tokens_per_s") for end in ("lo", "hi")])
     for s in data["suites"]:
         keys = {c.key for c in s["suite"].columns}
         for r in (s["ours"] if suite_measured(s["ours"]) else []) + s["published"]:
@@ -407,10 +486,17 @@ def table1_csv(data: dict) -> str:
                     else:
                         vals.append(_csv_value(r, c.key, what))
             a = r["average"]
+            ivs = []
+            for c in cols:
+                for what in ("quality", "tokens_per_s"):
+                    iv = (r["cells"].get(c.key) or {}).get(f"{what}_ci") if c.key in keys else None
+                    ivs += [NOT_MEASURED if iv is None else round(iv[end], 6) for end in ("lo", "hi")]
+            ivs += [NOT_MEASURED if a.get(f"{what}_ci") is None else round(a[f"{what}_ci"][end], 6)
+                    for what in ("quality", "tokens_per_s") for end in ("lo", "hi")]
             w.writerow([s["suite"].name, r["source"], r["model"], r["decoder"], device_cell(r), *vals,
                         NOT_MEASURED if a["quality"] is None else round(a["quality"], 6),
                         NOT_MEASURED if a["tokens_per_s"] is None else round(a["tokens_per_s"], 6),
-                        a["columns"], len(s["suite"].columns)])
+                        a["columns"], len(s["suite"].columns), *ivs])
     return buf.getvalue()
 
 
@@ -448,7 +534,10 @@ CONVENTION = ("speedup = TPS(model) / TPS(reference), same task, same run or run
               "paper's headline convention: ReFusion is 2.33x faster than Qwen3-8B); **ratio of averages** = mean "
               "TPS of the model / mean TPS of the reference over the same tasks (2.24x for that pair). "
               f"`{NOT_MEASURED}`: either side not measured, or measured in runs that are not comparable (the reason "
-              "follows the table).")
+              "follows the table). Where both rows kept per-item logs, a per-task speedup carries its 95% interval and "
+              "p-value from a paired bootstrap over the items both decoded, and the mean of ratios a bootstrap stratified "
+              "by task; the quality table below each compares the two rows' answers item by item (McNemar's exact "
+              "test). \"differs\" only where p < 0.05 (harness/run/stats.py).")
 
 
 def speedup_md(rs: RunSet, data: dict) -> str:
@@ -471,9 +560,16 @@ def speedup_md(rs: RunSet, data: dict) -> str:
             lines += [f"### vs {ref} ({role})", ""]
             lines += _md_table(["model", "decoder", *[c.label for c in measured], "mean of ratios",
                                 "ratio of averages"],
-                               [[x["model"], x["decoder"], *[_num(x["per_task"][c.key]) for c in measured],
-                                 _num(x["mean_of_ratios"]), _num(x["ratio_of_averages"])] for x in rows])
+                               [[x["model"], x["decoder"], *[speedup_cell(x, c.key) for c in measured],
+                                 _num(x["mean_of_ratios"]) + stats.fmt_interval(x.get("mean_of_ratios_interval"), ".2f"),
+                                 _num(x["ratio_of_averages"])] for x in rows])
             lines.append("")
+            if any(x.get("quality_tests") for x in rows):
+                lines += [f"Quality against {ref}, item by item (points, McNemar's exact test):", ""]
+                lines += _md_table(["model", "decoder", *[c.label for c in measured]],
+                                   [[x["model"], x["decoder"], *[quality_test_cell((x.get("quality_tests") or {}).get(
+                                       c.key)) for c in measured]] for x in rows])
+                lines.append("")
             for why in sorted({w for x in rows for w in x["refused"]}):
                 lines += [f"Not divided ({', '.join(x['model'] for x in rows if why in x['refused'])}): {why}.", ""]
         if s.get("claims"):
@@ -520,6 +616,9 @@ def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
              f"Table 1 layout, {ours_label(rs)} beside the published numbers ({paper.source()})",
              "- [speedup.md](speedup.md): per-task speedups, mean of ratios and ratio of averages",
              "- [report.json](report.json): every number of this report", ""]
+    if any(name.startswith("frontier_") for name in figures):
+        lines[-1:-1] = ["- [aup.md](aup.md) and [frontier.json](frontier.json): each decoder's accuracy-parallelism "
+                        "frontier, its AUP per task and the Pareto sets (`make frontier`)"]
     if rs.missing:
         lines += [f"**Partial:** {len(rs.missing)} (model, task) metrics file(s) missing, marked `{MISSING}`: "
                   + ", ".join(f"{m} on {u}" for m, u, _ in rs.missing), ""]
@@ -595,6 +694,9 @@ def write_report(rs: RunSet, target: Path) -> Path:
         made = figures.save_all(figures.build_all(rs, data), tmp)
         from harness.report.trace import report_traces  # one logged sample per task, when the runs recorded traces
 
+        from harness.report import aup  # a frontier run (`make frontier`): its figures, aup.md, frontier.json
+
+        made.update(aup.write(rs, tmp, _run_names(rs)))
         atomic_write_text(tmp / "index.md", index_md(rs, data, made) + report_traces(rs, tmp))
         from harness.run.faults import pause_at
 

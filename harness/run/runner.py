@@ -267,12 +267,17 @@ def _local_path(path: str) -> Path:
 
 def shown_values(values: dict) -> dict:
     """The knob values as the decoders really use them where a knob's default is None (refusion/decoding/
-    mdm.py): ``steps`` is gen_length (512 on the paper's tasks), fast_dllm's ``commit_first`` follows
-    ``shift``, an unset ``top_p`` / ``top_k`` is off. What the dry run prints and run.json records never
-    says None."""
+    mdm.py): ``steps`` is gen_length (512 on the paper's tasks), or gen_length / ``tokens_per_step`` (rounded
+    up) when that is set, fast_dllm's ``commit_first`` follows ``shift``, an unset ``top_p`` / ``top_k`` /
+    ``tokens_per_step`` is off. What the dry run prints and run.json records never says None."""
     out = dict(values)
-    if "steps" in out and out["steps"] is None:
-        out["steps"] = out.get("gen_length")
+    per_step, length = out.get("tokens_per_step"), out.get("gen_length")
+    if "steps" in out and per_step is not None:
+        out["steps"] = -(-length // per_step) if isinstance(length, int) else f"{length}/{per_step}"
+    elif "steps" in out and out["steps"] is None:
+        out["steps"] = length
+    if "tokens_per_step" in out and per_step is None:
+        out["tokens_per_step"] = "off"
     if "commit_first" in out and out["commit_first"] is None:
         out["commit_first"] = out.get("shift")
     for k in ("top_p", "top_k"):
@@ -816,7 +821,8 @@ def _join_run_dir(out: Path, run_id: str | None, cfg: dict, wait_s: float = JOIN
 
 
 def finalize(run_dir: Path) -> dict:
-    """Add speedups to every metrics file and write the run summary (JSON + Markdown)."""
+    """Add speedups and 95% intervals (harness/run/stats.py) to every metrics file and write the run summary
+    (JSON + Markdown)."""
     cfg = read_json(run_dir / "run.json")
     pause_at("finalize")  # a test hook: a stop signal before the summary
     rows = []
@@ -830,8 +836,10 @@ def finalize(run_dir: Path) -> dict:
     for r in rows:
         b = base_tps.get(r["task"])
         r["speedup"] = {"baseline": base, "tokens_per_s": speedup(r["speed"]["tokens_per_s"]["ratio_of_sums"], b)}
+    mean_intervals = summary.attach_intervals(run_dir, cfg, rows)  # 95% intervals from the per-sample logs
+    for r in rows:
         atomic_write_json(run_dir / "metrics" / f"{r['model']}__{r['task']}.json", r)
-    result = summary.summary(cfg, rows, summary.warmup_compile(run_dir, cfg))
+    result = summary.summary(cfg, rows, summary.warmup_compile(run_dir, cfg), mean_intervals)
     atomic_write_json(run_dir / "summary.json", result)
     (run_dir / "summary.md").parent.mkdir(parents=True, exist_ok=True)
     from harness.run.store import atomic_write_text

@@ -33,11 +33,54 @@ def _row(m: dict) -> dict:
         "compiled": bool((s.get("compile") or {}).get("compiled")),
         "compilations": (s.get("compile") or {}).get("compilations", 0),
         "compile_s": (s.get("compile") or {}).get("compile_s", 0.0),
+        # 95% intervals (harness/run/stats.py; None where the run kept no per-item logs), quality as a share
+        **{f"{k}_ci": (m.get("intervals") or {}).get(k) for k in INTERVAL_FIGURES},
+        "speedup_ci": (m.get("speedup") or {}).get("interval"), "speedup_p": (m.get("speedup") or {}).get("p"),
     }
 
 
-def summary(cfg: dict, metrics: list[dict], warmup: dict[str, dict] | None = None) -> dict:
-    """The run summary; ``warmup``: per model, what its warm-up calls compiled (done.json's warmup_compile)."""
+INTERVAL_FIGURES = ("quality", "tokens_per_s", "tpf", "nfe_mean", "latency_mean_s", "latency_p50_s", "latency_p90_s")
+
+
+def attach_intervals(run_dir: Path, cfg: dict, metrics: list[dict]) -> dict[str, dict | None]:
+    """Add to every metrics dict its 95% intervals (``intervals``: quality and each speed figure over its items,
+    harness/run/stats.py) and, beside a speedup over the run's baseline, the speedup's paired bootstrap interval
+    and p-value on the items both decoded. Returns, per model other than the baseline, the interval of its mean
+    per-task speedup (a stratified paired bootstrap; None where a task lacks per-item logs)."""
+    from harness.run import stats
+
+    items = {(m["model"], m["task"]): stats.read_items(run_dir, m["model"], m["task"], m.get("quality_primary"))
+             for m in metrics}
+    for m in metrics:
+        prim = m.get("quality_primary")
+        value = (m.get("quality") or {}).get(prim) if prim else None
+        n = m["speed"]["samples"] + (m.get("failed") or {}).get("count", 0)
+        m["intervals"] = stats.row_intervals(items[(m["model"], m["task"])], m["task"], value, n)
+    base = cfg.get("baseline")
+    means: dict[str, dict | None] = {}
+    for model in dict.fromkeys(m["model"] for m in metrics):
+        if model == base:
+            continue
+        pairs, tasks = [], []
+        for m in metrics:
+            a, b = items.get((base, m["task"])), items.get((model, m["task"]))
+            if m["model"] != model or (m.get("speedup") or {}).get("tokens_per_s") is None:
+                continue
+            got = stats.paired_ratio(a, b, "tokens_per_s", m["task"]) if a is not None and b is not None else None
+            m["speedup"] = {**m["speedup"], "interval": got and got["interval"], "p": got and got["p"],
+                            "items": got and got["items"]}
+            pairs.append((a, b))
+            tasks.append(m["task"])
+        if pairs:
+            ok = all(a is not None and b is not None for a, b in pairs)
+            means[model] = stats.mean_ratio_interval(pairs, streams=tasks) if ok else None
+    return means
+
+
+def summary(cfg: dict, metrics: list[dict], warmup: dict[str, dict] | None = None,
+            mean_speedup_interval: dict[str, dict | None] | None = None) -> dict:
+    """The run summary; ``warmup``: per model, what its warm-up calls compiled (done.json's warmup_compile);
+    ``mean_speedup_interval``: per model, the interval of its mean per-task speedup (``attach_intervals``)."""
     rows = [_row(m) for m in metrics]
     # Mean over tasks of the per-task speedup: the paper's headline convention (docs/design.md §6).
     by_model: dict[str, list[float]] = {}
@@ -48,6 +91,7 @@ def summary(cfg: dict, metrics: list[dict], warmup: dict[str, dict] | None = Non
         "run_id": cfg.get("run_id"), "task": cfg["task"], "limit": cfg["limit"], "baseline": cfg.get("baseline"),
         "models": [m["name"] for m in cfg["models"]], "units": [u["name"] for u in cfg["units"]],
         "rows": rows, "mean_speedup": {k: sum(v) / len(v) for k, v in by_model.items()},
+        "mean_speedup_interval": {k: (mean_speedup_interval or {}).get(k) for k in by_model},
         "environment": cfg.get("environment"), "sessions": sessions(cfg),
         "compile": compile_totals(cfg, rows, warmup or {}),
     }
@@ -157,13 +201,24 @@ def _fmt(v, spec: str = ".3f") -> str:
 
 
 COLUMNS = [("model", "model", None), ("task", "task", None), ("n", "samples", None),
-           ("quality", "quality", ".3f"), ("tok/s", "tokens_per_s", ".1f"), ("speedup", "speedup", ".2f"),
-           ("TPF", "tpf", ".2f"), ("NFE/sample", "nfe_mean", ".1f"), ("lat p50 s", "latency_p50_s", ".3f"),
-           ("lat p90 s", "latency_p90_s", ".3f"), ("RSS MiB", "peak_rss_bytes", None),
+           ("quality [95% CI]", "quality", ".3f"), ("tok/s [95% CI]", "tokens_per_s", ".1f"),
+           ("speedup [95% CI]", "speedup", ".2f"), ("TPF [95% CI]", "tpf", ".2f"),
+           ("NFE/sample [95% CI]", "nfe_mean", ".1f"), ("lat p50 s [95% CI]", "latency_p50_s", ".3f"),
+           ("lat p90 s [95% CI]", "latency_p90_s", ".3f"), ("RSS MiB", "peak_rss_bytes", None),
            ("KV KiB", "kv_peak_bytes", None)]
+def intervals_note(baseline: str | None) -> str:
+    """The summary's line on its intervals (the speedup's only when the run has a baseline)."""
+    sp = (f"speedup by a paired bootstrap over the items both it and {baseline} decoded ({baseline}'s own is 1 by "
+          "definition), " if baseline else "")
+    return ("Intervals: 95%; quality by Wilson's score interval (every item scored 0 or 1; else a bootstrap over items), "
+            "tokens/s, TPF, NFE and latency by a bootstrap over items (2000 resamples, fixed seed), " + sp +
+            "harness/run/stats.py. Peak memory is a maximum, not a mean over items: no interval. Any other figure "
+            "without one: the run kept no per-item logs for it.")
 
 
 def _cells(r: dict) -> list[str]:
+    from harness.run.stats import fmt_interval
+
     out = []
     for _, key, spec in COLUMNS:
         v = r.get(key)
@@ -173,7 +228,10 @@ def _cells(r: dict) -> list[str]:
             v = f"{v / 2**20:.0f}"
         elif key == "kv_peak_bytes" and v is not None:
             v = f"{v / 2**10:.1f}"
-        out.append(_fmt(v, spec) if spec else _fmt(v))
+        text = _fmt(v, spec) if spec else _fmt(v)
+        if spec and v is not None:
+            text += fmt_interval(r.get(f"{key}_ci"), spec)
+        out.append(text)
     return out
 
 
@@ -198,7 +256,12 @@ def markdown(s: dict) -> str:
     if failed:
         lines += ["", "Failed items (scored as wrong, outside the speed figures): " + "; ".join(failed)]
     if s["mean_speedup"] and s.get("baseline"):
-        lines += ["", "Mean per-task speedup: " + ", ".join(f"{k} {v:.2f}x" for k, v in s["mean_speedup"].items())]
+        from harness.run.stats import fmt_interval
+
+        ivs = s.get("mean_speedup_interval") or {}
+        lines += ["", "Mean per-task speedup [95% CI]: " + ", ".join(f"{k} {v:.2f}x{fmt_interval(ivs.get(k), '.2f')}"
+                                                                     for k, v in s["mean_speedup"].items())]
+    lines += ["", intervals_note(s.get("baseline"))]
     if compile_note(s):
         lines += ["", compile_note(s)]
     env = s.get("environment") or {}

@@ -8,8 +8,9 @@ and keyword overrides of single knobs; it returns ``(tokens, stats)`` (see commo
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -19,6 +20,37 @@ from .d2f import D2fKnobs, d2f
 from .knobs import Knobs
 from .mdm import DreamKnobs, FastDllmKnobs, LladaKnobs, dream, fast_dllm, llada
 from .refusion import RefusionKnobs, refusion
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A decoder's parallelism grid: the knob sets at which ``make frontier`` measures its accuracy against its
+    parallelism (tokens per forward), each given on top of a model's own knobs (docs/design.md "Frontier and
+    AUP"). ``{}`` is the model's own setting. ``doc`` says in one line what varies and which values mean what.
+
+    The grid sits in the registry beside the decoder's knob class, so registering a decoder with one gives it a
+    frontier without any change to harness/. A decoder without a grid is one point at its own setting."""
+    points: tuple[Mapping[str, Any], ...]
+    doc: str
+
+    def __post_init__(self) -> None:
+        points = tuple(MappingProxyType(dict(p)) for p in self.points)
+        if not points:
+            raise ValueError("a grid needs at least one point ({} = the model's own setting)")
+        if len({tuple(sorted(p.items())) for p in points}) != len(points):
+            raise ValueError(f"a grid point appears twice: {[dict(p) for p in points]}")
+        if not isinstance(self.doc, str) or not self.doc.strip():
+            raise ValueError("a grid needs a one-line doc: what varies and what its values mean")
+        object.__setattr__(self, "points", points)
+
+    @classmethod
+    def over(cls, knob: str, values: tuple, doc: str, own: bool = False) -> "Grid":
+        """One knob at ``values`` (``own``: the model's own setting first, as ``{}``)."""
+        return cls(points=(({},) if own else ()) + tuple({knob: v} for v in values), doc=doc)
+
+    def varied(self) -> list[str]:
+        """The knobs some point sets, in first-use order."""
+        return list(dict.fromkeys(k for p in self.points for k in p))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +64,9 @@ class Decoder:
     - ``masked_diffusion``: a masked-diffusion baseline, which reports measure ReFusion against as an
       "MDM baseline" row (harness/report/paper_report.py reads it from here).
 
+    ``grid`` (optional): its parallelism grid for ``make frontier`` (``Grid``); every point's knobs are checked
+    against ``knobs`` here, so a bad grid fails at registration.
+
     Calling it runs ``fn`` and checks the result's contract (``check_result``): a decoder that
     generated tokens without a counted forward is an error, never a TPF of 0."""
     name: str
@@ -40,6 +75,7 @@ class Decoder:
     batched: bool
     causal: bool
     masked_diffusion: bool
+    grid: Grid | None = field(default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
@@ -51,6 +87,14 @@ class Decoder:
         for flag in ("batched", "causal", "masked_diffusion"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"decoder {self.name!r}: {flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.grid is not None:
+            if not isinstance(self.grid, Grid):
+                raise TypeError(f"decoder {self.name!r}: grid must be a Grid, got {type(self.grid).__name__}")
+            for point in self.grid.points:
+                try:
+                    self.knobs.check_each(dict(point), decoder=self.name)
+                except ValueError as e:
+                    raise ValueError(f"decoder {self.name!r}: grid point {dict(point)}: {e}") from None
 
     def __call__(self, *args: Any, **kwargs: Any):
         tokens, stats = self.fn(*args, **kwargs)
@@ -96,22 +140,43 @@ DECODERS: dict[str, Decoder] = {}
 
 
 def register(name: str, fn: Callable, knobs: type[Knobs], *, batched: bool, causal: bool,
-             masked_diffusion: bool) -> Decoder:
+             masked_diffusion: bool, grid: Grid | None = None) -> Decoder:
     """Add decoder ``name`` to ``DECODERS`` (ValueError if the name is taken) and return its entry; every
-    flag must be given (see ``Decoder``). Registering is enough to put it under tests/test_conformance.py."""
+    flag must be given (see ``Decoder``), the parallelism ``grid`` of ``make frontier`` may be. Registering is
+    enough to put it under tests/test_conformance.py and give it a frontier."""
     if name in DECODERS:
         raise ValueError(f"decoder {name!r} is already registered; registered: {', '.join(sorted(DECODERS))}")
     DECODERS[name] = Decoder(name=name, fn=fn, knobs=knobs, batched=batched, causal=causal,
-                             masked_diffusion=masked_diffusion)
+                             masked_diffusion=masked_diffusion, grid=grid)
     return DECODERS[name]
 
 
-register("ar", ar, ArKnobs, batched=True, causal=True, masked_diffusion=False)
-register("refusion", refusion, RefusionKnobs, batched=True, causal=True, masked_diffusion=False)
-register("llada", llada, LladaKnobs, batched=True, causal=False, masked_diffusion=True)
-register("fast_dllm", fast_dllm, FastDllmKnobs, batched=True, causal=False, masked_diffusion=True)
-register("dream", dream, DreamKnobs, batched=True, causal=False, masked_diffusion=True)
-register("d2f", d2f, D2fKnobs, batched=True, causal=False, masked_diffusion=True)
+# The parallelism grids of `make frontier` (docs/design.md "Frontier and AUP"): each decoder's thresholds from
+# cautious to bold, or, where no threshold applies (LLaDA, Dream), the tokens unmasked per step. Four points
+# each: with 100 items per kind the tiny suite's default frontier (4 presets) fits 30 minutes on 2 cores.
+STEP_GRID_DOC = ("tokens unmasked per step: the model's own steps (the presets: one a step, steps = gen_length, "
+                 "32 steps a block at block_length 32), then tokens_per_step 2, 4, 8 (16, 8, 4 steps a block)")
+register("ar", ar, ArKnobs, batched=True, causal=True, masked_diffusion=False,
+         grid=Grid(points=({},), doc="one point: AR commits one token per forward (TPF 1)"))
+register("refusion", refusion, RefusionKnobs, batched=True, causal=True, masked_diffusion=False,
+         grid=Grid(points=tuple({"slot_threshold": s, "token_threshold": t}
+                                for s, t in ((0.9, 0.6), (0.8, 0.4), (0.6, 0.3), (0.4, 0.1))),
+                   doc="slot_threshold / token_threshold lowered together: 0.9/0.6, 0.8/0.4, 0.6/0.3 (the tiny "
+                       "preset), 0.4/0.1; lower thresholds plan more slots and accept more drafted tokens"))
+register("llada", llada, LladaKnobs, batched=True, causal=False, masked_diffusion=True,
+         grid=Grid.over("tokens_per_step", (2, 4, 8), STEP_GRID_DOC, own=True))
+register("fast_dllm", fast_dllm, FastDllmKnobs, batched=True, causal=False, masked_diffusion=True,
+         grid=Grid.over("threshold", (0.95, 0.9, 0.7, 0.5),
+                        "threshold 0.95, 0.9 (the paper's and the presets'), 0.7, 0.5: every masked token above it "
+                        "is unmasked in a step"))
+register("dream", dream, DreamKnobs, batched=True, causal=False, masked_diffusion=True,
+         grid=Grid.over("tokens_per_step", (2, 4, 8), "tokens unmasked per step: the model's own steps (the preset: "
+                        "one a step, steps = gen_length; the whole response is Dream's one block), then "
+                        "tokens_per_step 2, 4, 8", own=True))
+register("d2f", d2f, D2fKnobs, batched=True, causal=False, masked_diffusion=True,
+         grid=Grid.over("skip_threshold", (0.95, 0.9, 0.7, 0.5),
+                        "skip_threshold 0.95, 0.9 (D2F's and the preset's), 0.7, 0.5: every masked token of an "
+                        "active block above it is committed in a step"))
 
 
 def get_decoder(name: str) -> Decoder:

@@ -15,8 +15,8 @@ Public building blocks for variants (docs/extending.md writes a left-to-right LL
 ``masked_start`` (the canvas), ``propose`` / ``dream_propose`` (token and confidence per position),
 ``commit_topk`` / ``commit_sampled`` (unmask k positions of each row), ``finished`` / ``settled`` (when
 the answer can no longer change), ``top_p_filter`` / ``top_k_filter``, and the knob pieces
-``block_length_knob`` / ``steps_knob`` / ``stop_at_eos_knob`` / ``check_blocks`` / ``check_steps``, and
-``block_schedule`` (LLaDA's tokens per step). With ``common.Meter``, ``common.forward``
+``block_length_knob`` / ``steps_knob`` / ``tokens_per_step_knob`` / ``stop_at_eos_knob`` / ``check_blocks`` /
+``check_steps``, and ``block_schedule`` (LLaDA's tokens per step) / ``steps_of`` (the steps a decode takes). With ``common.Meter``, ``common.forward``
 (the only counted way to call the model) and ``common.cut_after_eos`` they make a whole decoder.
 """
 
@@ -50,8 +50,8 @@ from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
 __all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "as_float32", "block_length_knob",
            "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "dream_generation_defaults",
            "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "propose", "settled", "settled_row",
-           "steps_knob",
-           "stop_at_eos_knob", "top_k_filter", "top_open", "top_p_filter"]
+           "steps_knob", "steps_of",
+           "stop_at_eos_knob", "tokens_per_step_knob", "top_k_filter", "top_open", "top_p_filter"]
 
 
 def block_length_knob() -> int:
@@ -78,12 +78,33 @@ def steps_knob() -> int:
                 "count, at most gen_length", low=1, optional=True)
 
 
+def tokens_per_step_knob() -> int:
+    """The ``tokens_per_step`` knob field (default None) of the step-count decoders (``llada``, ``dream``): the
+    parallelism grid of ``make frontier`` varies it (refusion/decoding/__init__.py); ``steps_of`` reads it."""
+    return knob(None, "tokens unmasked per step on average: steps = gen_length / tokens_per_step (LLaDA: "
+                "block_length / tokens_per_step steps a block, so it must divide block_length); when set it "
+                "replaces steps; none = steps decides", low=1, optional=True)
+
+
+def steps_of(k) -> int:
+    """Forwards a decode takes: gen_length / ``tokens_per_step`` (rounded up) when the knob class has it and it
+    is set, else ``steps``, else gen_length (one token a step)."""
+    per_step = getattr(k, "tokens_per_step", None)
+    if per_step is not None:
+        return -(-k.gen_length // per_step)
+    return k.gen_length if k.steps is None else k.steps
+
+
 def check_steps(k) -> None:
-    """ValueError unless ``k.block_length`` divides ``k.gen_length`` and ``k.steps`` (None = gen_length) is a
-    multiple of the block count, at most gen_length."""
+    """ValueError unless ``k.block_length`` divides ``k.gen_length`` and the steps (``steps_of``: None =
+    gen_length) are a multiple of the block count, at most gen_length; a ``tokens_per_step`` must divide
+    block_length."""
     check_blocks(k)
     n_blocks = k.gen_length // k.block_length
-    steps = k.gen_length if k.steps is None else k.steps
+    per_step = getattr(k, "tokens_per_step", None)
+    if per_step is not None and k.block_length % per_step:
+        raise ValueError(f"tokens_per_step must divide block_length {k.block_length}, got {per_step}")
+    steps = steps_of(k)
     if not n_blocks <= steps <= k.gen_length or steps % n_blocks:
         raise ValueError(f"steps must be a multiple of the block count {n_blocks} in [{n_blocks}, "
                          f"{k.gen_length}], got {k.steps}")
@@ -93,7 +114,7 @@ def block_schedule(k) -> tuple[int, list[int]]:
     """(block count, tokens committed at each step of a block) for knobs checked by ``check_steps``: the
     block's length spread evenly over steps / n_blocks steps, remainder first (LLaDA's schedule)."""
     n_blocks = k.gen_length // k.block_length
-    per_block = (k.gen_length if k.steps is None else k.steps) // n_blocks
+    per_block = steps_of(k) // n_blocks
     return n_blocks, [k.block_length // per_block + (i < k.block_length % per_block) for i in range(per_block)]
 
 
@@ -102,6 +123,7 @@ class LladaKnobs(Knobs):
     """Knobs of ``llada`` (docs/design.md §4)."""
     gen_length: int = gen_length(128)
     steps: int = steps_knob()
+    tokens_per_step: int = tokens_per_step_knob()
     block_length: int = block_length_knob()
     remasking: str = knob("low_confidence", "which masked tokens a step unmasks",
                           choices=("low_confidence", "random"))
@@ -162,6 +184,7 @@ class DreamKnobs(Knobs):
     gen_length: int = gen_length(128)
     steps: int = knob(None, "forwards in all (default gen_length); more than gen_length is allowed, as in Dream "
                       "(steps that unmask nothing)", low=1, optional=True)
+    tokens_per_step: int = tokens_per_step_knob()
     alg: str = knob("entropy", "which masked tokens a step unmasks: origin (each at random, with the schedule's "
                     "probability), else the most confident by maskgit_plus (top probability), topk_margin (top-1 "
                     "minus top-2 probability) or entropy (negative entropy)", choices=DREAM_ALGS)
@@ -579,7 +602,7 @@ def dream(
     reference runs all steps; the returned tokens are the same). Phase: step.
     """
     k = DreamKnobs.of(knobs, overrides, "dream")
-    steps = k.gen_length if k.steps is None else k.steps
+    steps = steps_of(k)
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
     meter = Meter(model, ("step",), compile=k.compile)
