@@ -1,4 +1,4 @@
-"""Each decoder's accuracy-parallelism frontier in a report, and its AUP (docs/design.md §6d).
+"""Each decoder's accuracy-parallelism frontier in a report, and its AUP (docs/design.md §6e).
 
 A frontier run (`make frontier`, harness/report/frontier.py) keeps ``frontier_plan.json`` in its run folder:
 which model of the run is which point of which decoder's grid. ``write`` turns such a run into, per task,
