@@ -56,11 +56,17 @@ case "${1:-}" in
     echo "shard $I/$SHARDS of run $RUN on $(hostname), job ${SLURM_JOB_ID:-?}, restart ${SLURM_RESTART_COUNT:-0}"
     read -r -a extra <<< "$EVAL_EXTRA"
     # In the background, so this shell can pass Slurm's warning on and requeue the job after a clean stop.
-    (harness eval --task "$TASKS" --models-file "$MODELS_FILE" --dtype "$DTYPE" --out "$OUT" \
+    # The traps are set first and a signal that comes before the harness has a pid is kept and passed on
+    # once it has one: a warning is never lost, however early it comes.
+    pid='' pending=''
+    pass_on() { if [ -n "$pid" ]; then kill "-$1" "$pid" 2> /dev/null || true; else pending=$1; fi; }
+    trap 'pass_on USR1' USR1
+    trap 'pass_on TERM' TERM
+    (trap - USR1 TERM
+     harness eval --task "$TASKS" --models-file "$MODELS_FILE" --dtype "$DTYPE" --out "$OUT" \
         ${LIMIT:+--limit "$LIMIT"} --shard "$I/$SHARDS" --run-id "$RUN-shard$I" "${extra[@]}") &
     pid=$!
-    trap 'kill -USR1 "$pid" 2> /dev/null' USR1
-    trap 'kill -TERM "$pid" 2> /dev/null' TERM
+    if [ -n "$pending" ]; then kill "-$pending" "$pid" 2> /dev/null || true; fi
     rc=0
     wait "$pid" || rc=$?
     while kill -0 "$pid" 2> /dev/null; do  # a trapped signal ends `wait` early: wait for the harness itself

@@ -54,8 +54,11 @@ def test_a_shard_warned_of_its_time_limit_stops_cleanly_and_requeues(tmp_path):
     the harness has stopped cleanly (exit 138), requeues the job. The harness is a stand-in here (a script that
     waits for SIGUSR1 and exits as the runner does); `scontrol` is a stand-in that records its arguments."""
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/bash\ntrap 'echo stopped; exit 138' USR1\necho started\n"
-                    "for i in $(seq 600); do sleep 0.1; done\nexit 0\n")
+    # The stand-in's whole body is parsed before it says "started": bash reads a script line by line, and a
+    # trap that runs while it parses a command substitution (`$(seq 600)`) breaks the parse (CI saw
+    # "unexpected EOF while looking for matching `)'" once).
+    fake.write_text("#!/bin/bash\ntrap 'echo stopped; exit 138' USR1\n"
+                    "main() { echo started; for ((i = 0; i < 600; i++)); do sleep 0.1; done; exit 0; }\nmain\n")
     fake.chmod(0o755)
     (tmp_path / "bin").mkdir()
     scontrol = tmp_path / "bin" / "scontrol"
