@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml
 # `make test` spreads the tests over TEST_WORKERS pytest-xdist workers (one thread each, tests/conftest.py);
 # TEST_WORKERS=0 runs them in this process, one after another. worksteal: a worker that runs out of tests
 # takes some of the other's, so a few 40-80 s tests do not leave one core idle at the end.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 
 test: setup ## run the test suite (CPU, tiny models; what CI runs) on TEST_WORKERS=2 workers, without the slow end-to-end process tests
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) $(if $(filter-out 0,$(TEST_WORKERS)),--dist worksteal) $(PYTEST_ARGS)

@@ -69,20 +69,24 @@ def test_include_path_overrides_builtin_task_of_same_name():
 
 
 @needs_data
-def test_gpqa_stays_in_memory():
-    """GPQA questions must never be written to disk: the dataset has no cache files."""
+def test_gpqa_stays_in_memory(tmp_path, monkeypatch):
+    """GPQA questions must never be written to disk: the dataset has no cache files. The datasets cache is a
+    folder of this test's own: the shared one also gets other tests' (other xdist workers') datasets, so a
+    diff of it raced them (CI saw another worker's json dataset appear in it)."""
     import datasets
 
     from tasks import hooks
 
-    cache = Path(datasets.config.HF_DATASETS_CACHE)
-    before = {p for p in cache.rglob("*")} if cache.exists() else set()
+    cache = tmp_path / "hf-datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
     hooks._dataset.cache_clear()
-    ds = hooks.load_dataset("gpqa", "main")["main"]
-    processed = hooks.gpqa_process_docs(ds)
-    assert ds.cache_files == [] and processed.cache_files == [] and len(processed) == 448
-    after = {p for p in cache.rglob("*")} if cache.exists() else set()
-    assert after == before
+    try:
+        ds = hooks.load_dataset("gpqa", "main")["main"]
+        processed = hooks.gpqa_process_docs(ds)
+        assert ds.cache_files == [] and processed.cache_files == [] and len(processed) == 448
+        assert not cache.exists() or list(cache.rglob("*")) == []
+    finally:
+        hooks._dataset.cache_clear()  # nothing loaded under the patched cache outlives the test
 
 
 # ---------------------------------------------------------------- gold and wrong answers
