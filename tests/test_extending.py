@@ -32,6 +32,7 @@ def _error(capsys, argv: list[str], out: Path) -> str:
 # ---------------------------------------------------------------- the example task
 
 
+@pytest.mark.slow  # 53 s; make test runs a --tasks-dir task through the runner (tests/test_checkpoints.py)
 def test_example_task_runs_beside_a_builtin_one_through_make_eval(tmp_path, fake_venv):
     out = tmp_path / "runs"
     # The command docs/extending.md gives, with a model, a run id and an output folder of the test's.

@@ -318,6 +318,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # 83 s; make test covers the several-machine arguments by dry run (tests/test_cluster.py)
 def test_two_machine_accelerate_job_matches_one_process(setup, tmp_path):
     """`--num-machines 2` on localhost (CPU, gloo): two runners, machine ranks 0 and 1, one run folder, each
     machine one process of accelerate's job; started beside a single-process run of the same settings,
