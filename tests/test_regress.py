@@ -184,6 +184,8 @@ def test_baseline_from_one_machine_holds_on_another_and_a_slow_decoder_fails_alo
     data["hardware"] = {"cpu": "Intel Xeon Platinum 8480+", "key_flags": ["avx512f", "amx_tile"], "cpu_count": 112}
     base_path.write_text(json.dumps(data))
     assert _main("--baseline", str(base_path), "--run", str(run), "--report", str(report)) == 0
+    assert ("The baseline was recorded on Intel Xeon Platinum 8480+ (112 cores; flags avx512f, amx_tile): for "
+            "information only") in report.read_text()
 
     # The current code 1.3x slower in one decoder: that decoder's figures fail, and only those.
     fake_workers(monkeypatch, MACHINE_B, slower={"llada": 1.3})

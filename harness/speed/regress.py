@@ -140,9 +140,16 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def render(rows: list[dict], run_dir: Path, baseline_path: Path, speed: dict | None = None) -> str:
+def _machine_text(mach: dict) -> str:
+    return (f"{mach.get('cpu')} ({mach.get('cpu_count')} cores; flags "
+            f"{', '.join(mach.get('key_flags') or []) or '-'})")
+
+
+def render(rows: list[dict], run_dir: Path, baseline_path: Path, speed: dict | None = None,
+           recorded_on: dict | None = None) -> str:
     """The Markdown report: verdict, the speed A/B (machine, both versions' tokens/s, ratio and interval),
-    then every deterministic figure."""
+    then every deterministic figure. ``recorded_on``: the baseline's hardware, printed for information only
+    (speed is never compared with a figure from it)."""
     speed_rows = (speed or {}).get("rows") or []
     bad = [r for r in rows if not r["ok"]] + [r for r in speed_rows if not r["ok"]]
     total = len(rows) + len(speed_rows)
@@ -152,10 +159,12 @@ def render(rows: list[dict], run_dir: Path, baseline_path: Path, speed: dict | N
     if speed is not None:
         mach = speed.get("machine") or {}
         out.append("## Speed: current code against the baseline commit, same machine, same run\n")
-        out.append(f"Machine: {mach.get('cpu')} ({mach.get('cpu_count')} cores; flags "
-                   f"{', '.join(mach.get('key_flags') or []) or '-'}), {speed.get('threads')} thread(s) per worker. "
+        out.append(f"Machine: {_machine_text(mach)}, {speed.get('threads')} thread(s) per worker. "
                    f"Baseline commit `{speed.get('baseline_commit')}`; {speed.get('limit')} items per kind; "
                    f"{speed.get('seconds')} s.\n")
+        if recorded_on:
+            out.append(f"The baseline was recorded on {_machine_text(recorded_on)}: for information only, as "
+                       "both code versions were timed here.\n")
         if speed.get("unavailable"):
             out.append(f"**Speed not checked:** {speed['unavailable']}.\n")
         elif speed_rows:
@@ -388,7 +397,7 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
         _rewrite_baseline(baseline_path, cfg, base, now, ns.reason.strip())
         return 0
     rows = compare(base["figures"], now)
-    text = render(rows, run_dir, baseline_path, speed)
+    text = render(rows, run_dir, baseline_path, speed, base.get("hardware"))
     report = Path(ns.report)
     atomic_write_text(report, text)
     atomic_write_json(report.with_suffix(".json"), {"run": str(run_dir), "baseline": str(baseline_path),
