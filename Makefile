@@ -152,8 +152,12 @@ train-tiny: setup ## retrain the tiny models with the committed recipe (resumes 
 curves: setup ## learning curves from snapshots and checkpoints: make curves CURVES_ARGS='--root runs-exp/x --models refusion'
 	@set -f; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness curves $$CURVES_ARGS
 
-bench-decoders: setup ## benchmark every decoder on the embedded suite, JSON to results/
-	HF_HUB_OFFLINE=1 $(PY) -m harness bench-decoders
+BENCH_DECODERS_ARGS ?=
+override BENCH_DECODERS_ARGS := $(value BENCH_DECODERS_ARGS)
+export BENCH_DECODERS_ARGS
+
+bench-decoders: setup ## benchmark every decoder on the embedded suite, JSON to results/: make bench-decoders [BENCH_DECODERS_ARGS='--batch 4 --long-prompts 0']
+	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness bench-decoders $$BENCH_DECODERS_ARGS
 
 DEVICE ?= cpu
 BENCH_ARGS ?=
@@ -178,8 +182,12 @@ side-by-side: setup ## our ReFusion decoder vs the authors' loop, same tokens: m
 	@set -f; HF_HUB_OFFLINE=1 exec $(PY) scripts/side_by_side_authors.py $${AUTHORS_PY:+--theirs-python "$$AUTHORS_PY"} \
 		$${REFUSION_REPO:+--refusion-repo "$$REFUSION_REPO"} $$SBS_ARGS
 
-regress: setup ## CI regression check: default run at a fixed LIMIT vs results/baseline/embedded.json
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness regress
+REGRESS_ARGS ?=
+override REGRESS_ARGS := $(value REGRESS_ARGS)
+export REGRESS_ARGS
+
+regress: setup ## CI regression check: default run at a fixed LIMIT vs results/baseline/embedded.json [REGRESS_ARGS='--no-speed']
+	@set -f; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness regress $$REGRESS_ARGS
 
 regress-update: setup ## rewrite the regression baseline on purpose: make regress-update REASON="..."
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness regress-update --reason "$$REASON"
