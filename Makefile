@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
+.PHONY: help setup docs test test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -191,6 +191,19 @@ regress: setup ## CI regression check: default run at a fixed LIMIT vs results/b
 
 regress-update: setup ## rewrite the regression baseline on purpose: make regress-update REASON="..."
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness regress-update --reason "$$REASON"
+
+# The docs site (mkdocs.yml): the `docs` extra's pins go into .venv when missing (a stamp per pin list), the
+# pages are staged in build/docs/ and built strict into build/site/ (a broken link or anchor fails it).
+DOCS_PINS := $(shell sed -n '/^docs = \[/,/^\]/p' pyproject.toml | grep -oE '"[^"]+==[^"]+"' | tr -d '"')
+DOCS_STAMP := $(VENV)/.docs-$(shell printf '%s' '$(DOCS_PINS)' | cksum | cut -d' ' -f1)
+
+$(DOCS_STAMP): | $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile $(DOCS_PINS)
+	@rm -f $(VENV)/.docs-* && touch $@
+
+docs: $(DOCS_STAMP) ## build the docs site (README, docs/, the committed reports) into build/site/, strict
+	$(PY) scripts/docs_site.py --out build/docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --config-file mkdocs.yml
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache
