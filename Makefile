@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup test test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
+.PHONY: help setup docs test test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -152,8 +152,12 @@ train-tiny: setup ## retrain the tiny models with the committed recipe (resumes 
 curves: setup ## learning curves from snapshots and checkpoints: make curves CURVES_ARGS='--root runs-exp/x --models refusion'
 	@set -f; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness curves $$CURVES_ARGS
 
-bench-decoders: setup ## benchmark every decoder on the embedded suite, JSON to results/
-	HF_HUB_OFFLINE=1 $(PY) -m harness bench-decoders
+BENCH_DECODERS_ARGS ?=
+override BENCH_DECODERS_ARGS := $(value BENCH_DECODERS_ARGS)
+export BENCH_DECODERS_ARGS
+
+bench-decoders: setup ## benchmark every decoder on the embedded suite, JSON to results/: make bench-decoders [BENCH_DECODERS_ARGS='--batch 4 --long-prompts 0']
+	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness bench-decoders $$BENCH_DECODERS_ARGS
 
 DEVICE ?= cpu
 BENCH_ARGS ?=
@@ -178,11 +182,28 @@ side-by-side: setup ## our ReFusion decoder vs the authors' loop, same tokens: m
 	@set -f; HF_HUB_OFFLINE=1 exec $(PY) scripts/side_by_side_authors.py $${AUTHORS_PY:+--theirs-python "$$AUTHORS_PY"} \
 		$${REFUSION_REPO:+--refusion-repo "$$REFUSION_REPO"} $$SBS_ARGS
 
-regress: setup ## CI regression check: default run at a fixed LIMIT vs results/baseline/embedded.json
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness regress
+REGRESS_ARGS ?=
+override REGRESS_ARGS := $(value REGRESS_ARGS)
+export REGRESS_ARGS
+
+regress: setup ## CI regression check: default run at a fixed LIMIT vs results/baseline/embedded.json [REGRESS_ARGS='--no-speed']
+	@set -f; HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness regress $$REGRESS_ARGS
 
 regress-update: setup ## rewrite the regression baseline on purpose: make regress-update REASON="..."
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness regress-update --reason "$$REASON"
+
+# The docs site (mkdocs.yml): the `docs` extra's pins go into .venv when missing (a stamp per pin list), the
+# pages are staged in build/docs/ and built strict into build/site/ (a broken link or anchor fails it).
+DOCS_PINS := $(shell sed -n '/^docs = \[/,/^\]/p' pyproject.toml | grep -oE '"[^"]+==[^"]+"' | tr -d '"')
+DOCS_STAMP := $(VENV)/.docs-$(shell printf '%s' '$(DOCS_PINS)' | cksum | cut -d' ' -f1)
+
+$(DOCS_STAMP): | $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile $(DOCS_PINS)
+	@rm -f $(VENV)/.docs-* && touch $@
+
+docs: $(DOCS_STAMP) ## build the docs site (README, docs/, the committed reports) into build/site/, strict
+	$(PY) scripts/docs_site.py --out build/docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --config-file mkdocs.yml
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache

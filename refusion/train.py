@@ -51,7 +51,7 @@ MODEL_NAMES = ("ar", "refusion", "mdm", "dream", "d2f")  # training order (each 
 # decay, no restart). ar learns the tasks from scratch on the faithful data; the diffusion models adapt the
 # trained ar weights to their objective (as ReFusion fine-tunes Qwen3-8B and Dream starts from Qwen2.5) and
 # d2f the trained mdm ones (as D2F distils a trained LLaDA / Dream). Issue #37's recipe, fixed before its
-# first step (docs/design.md, "The #37 recipe", gives the reasons):
+# first step (docs/tiny-models.md, "Training runs", gives the reasons; docs/history.md how it was sized):
 # - the mixture of #21's curves for every diffusion model: 20% of the math items open-ended right after an
 #   intermediate result, 40% result items (the masked heads learn to compute a result instead of copying
 #   its restatement); the test split and the objectives are unchanged;

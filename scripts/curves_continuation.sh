@@ -6,7 +6,7 @@
 #
 # Every diffusion model continues its checkpoint in checkpoints/tiny for 1200 steps (peak lr 1e-3, 50
 # warm-up steps, cosine decay) on the result mixture: 20% of math items cut open-ended after an
-# intermediate result, 40% replaced by a result item (docs/design.md, Training runs), the rest as they
+# intermediate result, 40% replaced by a result item (docs/tiny-models.md, Training runs), the rest as they
 # are; ar, already at 95% on math, for 600 steps on the same mixture. Two models train at a time, one
 # thread each (about 25 min per 1200-step model on a 2-core CPU; llada's and dream's curve points take
 # 3-4 min each). The result-mixture refusion run is then continued at peak lr 5e-4 for 1200 and 1500

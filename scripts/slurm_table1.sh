@@ -23,7 +23,7 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-# ---- defaults (README "Spread Table 1 over a cluster")
+# ---- defaults (docs/reproduce-table1.md "Spread Table 1 over a cluster")
 SHARDS=32
 TASKS=mmlu_pro,arc_challenge_chat,gsm8k_cot,minerva_math,gpqa_main_generative_n_shot,humaneval_instruct,mbpp
 MODELS_FILE=$REPO/examples/table1_models.toml

@@ -22,7 +22,7 @@ from harness.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND_CALL = re.compile(r"-m harness\s+([a-z][a-z0-9-]*)")  # `python -m harness <command>`
-CALLERS = ["README.md", "docs/design.md", "Makefile", "scripts/*.sh", "scripts/*.py", ".ci/run"]
+CALLERS = ["README.md", "docs/*.md", "tasks/README.md", "Makefile", "scripts/*.sh", "scripts/*.py", ".ci/run"]
 
 
 def _callers() -> dict[str, str]:

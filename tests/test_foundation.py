@@ -38,11 +38,18 @@ def test_every_dependency_is_an_exact_pin():
 
 
 def test_installed_versions_match_pins():
-    from importlib.metadata import version
+    """Every pin is what is installed; the `docs` extra only where `make docs` installed it (make setup does not)."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    docs = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["docs"])
     for req in _requirements():
         name, pin = req.split("==")
-        assert version(name).split("+")[0] == pin, name
+        try:
+            installed = version(name)
+        except PackageNotFoundError:
+            assert req in docs, f"{name} is not installed"
+            continue
+        assert installed.split("+")[0] == pin, name
 
 
 def test_imports_are_offline():

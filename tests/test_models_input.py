@@ -212,3 +212,32 @@ def test_the_table1_models_file_runs_the_nine_rows_and_fills_every_claim(tmp_pat
         cells = [c.strip() for c in ln.strip("|").split("|")]
         assert re.fullmatch(r"\d+\.\d\d", cells[2]) and re.fullmatch(r"\d+\.\d\d", cells[4]), ln
         assert cells[6].startswith("refusion / "), ln
+
+
+def test_the_readme_one_gpu_command_passes_the_dry_run(tmp_path, monkeypatch, capsys):
+    """The README's ReFusion-vs-Qwen3-8B command on GSM8K, as written (its /ckpt folders standing for the
+    released layouts, one GSM8K item as the data), passes the dry run: both folders, the data and the knobs."""
+    import shlex
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## ReFusion against Qwen3-8B on GSM8K, on one GPU")[1].split("## Supported systems")[0]
+    command = re.sub(r"\\\n\s*", "", block.split("```bash")[-1].split("```")[0])
+    line = next(ln for ln in command.splitlines() if ln.strip().startswith("make eval"))
+    make_vars = dict(word.split("=", 1) for word in shlex.split(line)[2:])
+    assert set(make_vars) == {"TASK", "DTYPE", "OUT", "CHAT_TEMPLATE_ARGS", "MODELS", "EVAL_ARGS"}, make_vars
+    ckpt = _ckpt_folders(tmp_path)
+    data = tmp_path / "data" / "gsm8k"  # REFUSION_DATA_DIR with one GSM8K item
+    data.mkdir(parents=True)
+    (data / "test.jsonl").write_text(json.dumps({"question": "Tom has 3 apples and buys 4 more. How many?",
+                                                 "answer": "3 + 4 = 7\n#### 7"}) + "\n")
+    monkeypatch.setenv("REFUSION_DATA_DIR", str(tmp_path / "data"))
+    out = tmp_path / "out"
+    argv = ["--task", make_vars["TASK"], "--dtype", make_vars["DTYPE"], "--out", str(out),
+            "--chat-template-args", make_vars["CHAT_TEMPLATE_ARGS"],
+            "--models", make_vars["MODELS"].replace("=/ckpt/", f"={ckpt}/"), *shlex.split(make_vars["EVAL_ARGS"]),
+            "--limit", "1", "--dry-run"]
+    rc = runner.main(argv)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "qwen3: decoder ar on " in captured.out and "refusion: decoder refusion on " in captured.out, captured.out
+    assert "{'enable_thinking': False}" in captured.out and not out.exists()

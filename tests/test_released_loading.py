@@ -4,7 +4,7 @@ gives the authors' logits, the decoders give the authors' greedy tokens, and a r
 family writes its metrics.
 
 Which of the authors' generations have a decoder equivalent (the rest is listed in
-docs/design.md §4a and skipped here by name):
+docs/models.md and skipped here by name):
 - LLaDA `generate` -> `llada`; Fast-dLLM's `generate` / `generate_with_prefix_cache` /
   `generate_with_dual_cache` with a threshold -> `fast_dllm` cache none / prefix / dual (the
   threshold-free runs use a fixed step schedule that `fast_dllm` has no knob for);

@@ -577,8 +577,10 @@ def test_reports_are_ignored_by_git_and_world_readable(tmp_path):
     assert folder.stat().st_mode & 0o777 == 0o755
     assert all(p.stat().st_mode & 0o777 == 0o644 for p in folder.iterdir())
     # The committed examples stay tracked; every other report folder is ignored.
-    for path, ignored in (("reports/example/index.md", False), ("reports/sweep/sweep.json", False),
+    for path, ignored in (("reports/example/index.md", False), ("reports/tiny-frontier/index.md", False),
+                          ("reports/curves/curves.png", False), ("reports/example/trace/index.html", False),
                           ("reports/kernels.png", False), ("reports/trend.png", False),
+                          ("reports/sweep/sweep.json", True), ("reports/tiny-frontier/trace/embedded_math/ar.png", True),
                           ("reports/20260101-000000-abcdef/index.md", True),
                           ("reports/compare-a-vs-b/compare.md", True), ("reports/regress.md", True)):
         rc = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO).returncode

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -273,6 +274,12 @@ def test_report_links_the_trace_a_run_logged(tmp_path, tiny_checkpoint):
     text = trace_cmd.report_traces(rs, out)
     assert "## Decode traces" in text and "trace/embedded_code/index.html" in text and "trace/embedded_code/rf.png" in text
     assert {p.name for p in (out / "trace" / "embedded_code").iterdir()} == {"trace.json", "rf.png", "index.html"}
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    assert links and all((out / link).is_file() for link in links), links  # it links only what it wrote
+    # --no-traces (the committed reports): nothing drawn, no link, the command that draws the sample instead.
+    plain = trace_cmd.report_traces(rs, tmp_path / "plain", draw=False)
+    assert f"`make trace RUN={run} TASK=embedded_code INDEX=0`" in plain, plain
+    assert "](" not in plain and not (tmp_path / "plain").exists()
     logged = json.loads((out / "trace" / "embedded_code" / "trace.json").read_text())
     assert logged["models"][0]["commit_forward"] == rec["commit_forward"]
     assert logged["models"][0]["eos_at"] == (len(rec["tokens"]) - 1 if rec["tokens"][-1] in lm.eos else None)

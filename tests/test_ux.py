@@ -1,5 +1,5 @@
 """What a new user meets first: one-line errors, task aliases, overall progress, resumed runs marked,
-no library noise, and the README's lm-eval command working as written.
+no library noise, and the lm-eval command of docs/running.md working as written.
 
 Everything here but the last test is fast (no decoding): the runner's pieces are called directly.
 """
@@ -22,7 +22,10 @@ from harness import cli
 from harness.run import runner, summary
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+RUNNING = (REPO / "docs" / "running.md").read_text()  # the user guide's page on `make eval`
+TABLE1 = (REPO / "docs" / "reproduce-table1.md").read_text()
+# Every user page a command can be copied from: the README and the guide.
+USER_DOCS = {p.relative_to(REPO).as_posix(): p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
 
 
 def _one_error(capsys) -> str:
@@ -53,8 +56,8 @@ def test_bad_options_are_one_error_line(argv, words, capsys):
     assert argparse.ArgumentParser.error is not cli._one_line_error
 
 
-def test_readme_says_which_line_to_read_when_make_fails():
-    assert "make: *** [Makefile" in README and "`error:` line" in README
+def test_the_guide_says_which_line_to_read_when_make_fails():
+    assert "make: *** [Makefile" in RUNNING and "`error:` line" in RUNNING
 
 
 # ---------------------------------------------------------------- task names
@@ -98,11 +101,11 @@ def test_alias_is_resolved_before_anything_is_written(tmp_path, monkeypatch, cap
     assert "task 'humaneval' is 'humaneval_instruct'" in err and not (tmp_path / "out").exists()
 
 
-def test_readme_lists_the_task_names_and_aliases():
+def test_the_guide_lists_the_task_names_and_aliases():
     from tasks.info import BENCHMARK_TASKS, EMBEDDED_TASKS, TASK_ALIASES
 
     for name in (*BENCHMARK_TASKS, *EMBEDDED_TASKS, *TASK_ALIASES):
-        assert f"`{name}`" in README, name
+        assert f"`{name}`" in RUNNING, name
 
 
 # ---------------------------------------------------------------- overall progress
@@ -307,11 +310,11 @@ def test_loading_an_embedded_task_logs_no_metadata_hint():
     assert not any(METADATA_HINT in m for m in got), got
 
 
-# ---------------------------------------------------------------- the README's lm-eval command
+# ---------------------------------------------------------------- the guide's lm-eval command
 
 
 def _readme_lm_eval_command() -> list[str]:
-    cmds = re.findall(r"`(python -m harness\.lm_eval_cli run [^`]+)`", README)
+    cmds = re.findall(r"`(python -m harness\.lm_eval_cli run [^`]+)`", RUNNING)
     assert len(cmds) == 1, cmds
     return shlex.split(cmds[0])
 
@@ -339,8 +342,9 @@ def test_readme_lm_eval_command_runs_as_written(tmp_path):
 
 
 def test_readme_out_folders_are_ignored_by_git():
-    """Every OUT folder README tells a user to write into is ignored, so the run after it is not `(dirty)`."""
-    outs = sorted(set(re.findall(r"\bOUT=([\w./-]+)", README)))
+    """Every OUT folder the README or the guide tells a user to write into is ignored, so the run after it is
+    not `(dirty)`."""
+    outs = sorted({o for text in USER_DOCS.values() for o in re.findall(r"\bOUT=([\w./-]+)", text)})
     assert "results/table1" in outs, outs
     for out in outs:
         rc = subprocess.run(["git", "check-ignore", "-q", "--no-index", f"{out}/some-run/run.json"],
@@ -349,11 +353,11 @@ def test_readme_out_folders_are_ignored_by_git():
 
 
 def test_readme_table1_recipe_is_nine_rows_in_one_run():
-    """The recipe's models file (examples/table1_models.toml) holds the nine Table 1 rows, with
-    enable_thinking=false as Qwen3's and ReFusion's own setting; one `make eval` runs them."""
+    """The recipe's models file (examples/table1_models.toml, docs/reproduce-table1.md) holds the nine Table 1
+    rows, with enable_thinking=false as Qwen3's and ReFusion's own setting; one `make eval` runs them."""
     from harness.run.model_list import load_models_file
 
-    block = README.split("### Regenerate Table 1")[1].split("```bash")[1].split("```")[0]
+    block = TABLE1.split("## Regenerate Table 1")[1].split("```bash")[1].split("```")[0]
     joined = re.sub(r"\\\n\s*", "", block)
     evals = [ln for ln in joined.splitlines() if "make eval" in ln]
     assert len(evals) == 1, evals

@@ -37,7 +37,7 @@ from typing import Any
 
 from harness.report.aup import PLAN_FILE
 
-DEFAULT_LIMIT = 100  # items per kind on the tiny suite: 13 points x 300 items, about 14 CPU-minutes (README)
+DEFAULT_LIMIT = 100  # items per kind on the tiny suite: 13 points x 300 items, about 14 CPU-minutes (docs/reports.md)
 
 
 class InputError(Exception):
@@ -147,6 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="report folder name (default: the run id)")
     p.add_argument("--dry-run", action="store_true", help="print the points, each one's knobs per task and the "
                    "generated-token budget; run nothing, write nothing")
+    p.add_argument("--no-traces", dest="traces", action="store_false", help="the report draws no decode traces "
+                   "(as `harness report --no-traces`)")
     return p
 
 
@@ -203,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     from harness.report.paper_report import main as report
 
-    return report(["--run", str(run_dir), "--out", ns.reports, "--name", ns.name or run_id])
+    return report(["--run", str(run_dir), "--out", ns.reports, "--name", ns.name or run_id,
+                   *([] if ns.traces else ["--no-traces"])])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
     python -m harness report --run base=runA,new=runB         # the same, rows of a model that differs
                                                               # between the runs named model@base / @new
     python -m harness report --run R --allow-partial          # an unfinished run, missing cells marked
+    python -m harness report --run R --no-traces              # no decode traces drawn (the committed reports)
 
 Writes ``<out>/<name>/`` (default name: the run id, runs joined by ``+``):
 
@@ -14,6 +15,7 @@ Writes ``<out>/<name>/`` (default name: the run id, runs joined by ``+``):
     *.png                               Pareto views, speedup, TPF, latency, memory
     index.md                            links, the runs' settings and environment
     report.json                         every number above, machine-readable
+    trace/<task>/                       one logged decode trace per task (not with --no-traces)
 
 Merged runs keep every measurement apart that differs: a model with both prompt variants gets a
 second row ``model [paper prompts]`` (no average mixes the variants), a model run with other
@@ -676,8 +678,9 @@ def _json_ready(data: dict) -> dict:
 # ---------------------------------------------------------------- command
 
 
-def write_report(rs: RunSet, target: Path) -> Path:
-    """Build every file into a temp folder and swap it in as ``target``."""
+def write_report(rs: RunSet, target: Path, traces: bool = True) -> Path:
+    """Build every file into a temp folder and swap it in as ``target``; `traces`: draw one logged decode
+    trace per task under trace/ (else the index names the `make trace` command of each)."""
     from harness.report import figures
 
     from harness.run.store import atomic_write_json, atomic_write_text
@@ -697,7 +700,7 @@ def write_report(rs: RunSet, target: Path) -> Path:
         from harness.report import aup  # a frontier run (`make frontier`): its figures, aup.md, frontier.json
 
         made.update(aup.write(rs, tmp, _run_names(rs)))
-        atomic_write_text(tmp / "index.md", index_md(rs, data, made) + report_traces(rs, tmp))
+        atomic_write_text(tmp / "index.md", index_md(rs, data, made) + report_traces(rs, tmp, draw=traces))
         from harness.run.faults import pause_at
 
         pause_at("report")  # a test hook: a stop signal before the new report folder is swapped in
@@ -705,7 +708,11 @@ def write_report(rs: RunSet, target: Path) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    return run_parser("report", __doc__)
+    p = run_parser("report", __doc__)
+    p.add_argument("--no-traces", dest="traces", action="store_false",
+                   help="draw no decode traces: the index names the `make trace` command of each task's logged "
+                        "sample instead (the committed reports are made so: they keep no trace/ folder)")
+    return p
 
 
 def check_name(name: str) -> str:
@@ -725,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    target = write_report(rs, Path(ns.out) / name)
+    target = write_report(rs, Path(ns.out) / name, traces=ns.traces)
     print(f"wrote {target}/index.md ({len(rs.metrics)} (model, task) cells from {len(dirs)} run(s)"
           f"{f', {len(rs.missing)} missing' if rs.missing else ''})")
     return 0

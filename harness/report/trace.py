@@ -200,12 +200,9 @@ def _eos_of(folder: Path, tokenizer) -> set[int]:
     return ids
 
 
-def logged_trace(rs, unit: str) -> dict | None:
-    """The trace of the first sample of `unit` that the runs of a report logged with a commit order, for
-    every model that logged that sample; None when none did. `rs`: harness.report.paper_report.RunSet."""
-    from harness.models.checkpoints import inspect_checkpoint, load_tokenizer
-
-    doc, models, prompt = None, [], None
+def _logged_rows(rs, unit: str):
+    """Per model of the report that logged `unit`: (model entry, its logged rows that carry a commit order),
+    in the report's model order; the rows of a run from before decode traces are dropped."""
     for m in rs.models:
         cell = rs.metrics.get((m["name"], unit))
         if cell is None:
@@ -213,7 +210,25 @@ def logged_trace(rs, unit: str) -> dict | None:
         path = Path(cell["_run_dir"]) / "models" / m["name"] / "samples" / f"{unit}.jsonl"
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
                 if line.strip()] if path.is_file() else []
-        rows = [r for r in rows if r.get("commit_forward") is not None and r.get("tokens") is not None]
+        yield m, cell, [r for r in rows if r.get("commit_forward") is not None and r.get("tokens") is not None]
+
+
+def logged_sample(rs, unit: str) -> tuple[str, int, str] | None:
+    """(task, doc id, run folder) of the first sample of `unit` a run of the report logged with a commit order
+    (the sample `logged_trace` draws), without loading any checkpoint; None when no run logged one."""
+    for _, cell, rows in _logged_rows(rs, unit):
+        if rows:
+            return rows[0]["task"], rows[0]["doc_id"], cell["_run_dir"]
+    return None
+
+
+def logged_trace(rs, unit: str) -> dict | None:
+    """The trace of the first sample of `unit` that the runs of a report logged with a commit order, for
+    every model that logged that sample; None when none did. `rs`: harness.report.paper_report.RunSet."""
+    from harness.models.checkpoints import inspect_checkpoint, load_tokenizer
+
+    doc, models, prompt = None, [], None
+    for m, _, rows in _logged_rows(rs, unit):
         if doc is None and rows:
             doc = (rows[0]["task"], rows[0]["doc_id"])
         row = next((r for r in rows if (r["task"], r["doc_id"]) == doc), None)
@@ -229,9 +244,22 @@ def logged_trace(rs, unit: str) -> dict | None:
             "prompt": prompt or "", "models": models}
 
 
-def report_traces(rs, folder: Path) -> str:
-    """`make report`: per task whose samples carry a commit order, the trace of its first sample (figures
-    and the page, no GIFs) under folder/trace/<task>/, and the Markdown section linking them ('' if none)."""
+def trace_command(run_dir: str, task: str, index: int) -> str:
+    """The `make trace` command that draws one logged sample, with the models of its run (a run inside the
+    repository by its relative path, so a committed report names no machine's folders)."""
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        shown = Path(run_dir).resolve().relative_to(repo)
+    except ValueError:
+        shown = Path(run_dir)
+    return f"`make trace RUN={shown} TASK={task} INDEX={index}`"
+
+
+def report_traces(rs, folder: Path, draw: bool = True) -> str:
+    """`make report`: per task whose samples carry a commit order, the trace of its first sample, and the
+    Markdown section about them ('' if no task has one). With `draw`, the figures and the page (no GIFs) go
+    under folder/trace/<task>/ and the section links the files found there, and only those; without it
+    (`--no-traces`) nothing is drawn and the section names, per task, the `make trace` command that draws it."""
     from harness.report import trace_draw
     from harness.models.checkpoints import CheckpointError
 
@@ -239,22 +267,34 @@ def report_traces(rs, folder: Path) -> str:
     lines = []
     for unit in units:
         try:
+            sample = logged_sample(rs, unit)
+            if sample is None:
+                continue
+            task, index, run_dir = sample
+            draw_it = trace_command(run_dir, task, index)
+            if not draw:
+                lines.append(f"- {unit}, doc {index}: {draw_it}")
+                continue
             trace = logged_trace(rs, unit)
         except (CheckpointError, OSError, ValueError) as e:  # a checkpoint moved since the run: no trace
             lines.append(f"- {unit}: no trace ({' '.join(str(e).split())[:200]})")
             continue
-        if trace is None:
-            continue
         sub = folder / "trace" / unit
         atomic_write_json(sub / "trace.json", trace)
-        files = trace_draw.write_all(trace, sub, gifs=False)
+        files = [f for f in trace_draw.write_all(trace, sub, gifs=False) if (sub / f).is_file()]
         pngs = ", ".join(f"[{f.removesuffix('.png')}](trace/{unit}/{f})" for f in files if f.endswith(".png"))
-        lines.append(f"- {unit}, doc {trace['index']}: [step through it](trace/{unit}/index.html) (arrow keys); "
-                     f"figures {pngs}")
+        page = f"[step through it](trace/{unit}/index.html) (arrow keys)" if "index.html" in files else "no page"
+        lines.append(f"- {unit}, doc {index}: {page}; figures {pngs or 'none'} ({draw_it} draws it with animations)")
     if not lines:
         return ""
-    return ("\n## Decode traces\n\nWhich forward committed each token of one answer per task "
-            "(`make trace` draws any prompt, with animations):\n\n" + "\n".join(lines) + "\n")
+    if draw:
+        head = ("Which forward committed each token of one answer per task (`make trace` draws any prompt, "
+                "with animations):")
+    else:
+        head = ("Which forward committed each token: the runs logged it for every sample; this report was made "
+                "with `--no-traces`, so it draws none. Each command below draws one answer per task, for every "
+                "model of its run (`make trace` draws any prompt):")
+    return "\n## Decode traces\n\n" + head + "\n\n" + "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- command
