@@ -152,7 +152,7 @@ def fake_workers(monkeypatch, mach: dict, slower: dict[str, float] | None = None
             t = (1e-4 * len(it.ids) + 0.01) * mach["factors"][SHAPE[it.preset]] * jitter
             if self.side == "current":
                 t *= slower.get(it.preset, 1.0)
-            return {"ok": True, "seconds": t, "tokens": 20, "nfe": 5}
+            return {"ok": True, "seconds": t, "wall_seconds": t, "tokens": 20, "nfe": 5}
 
         def close(self):
             pass
@@ -264,7 +264,7 @@ def test_a_decoder_made_slower_fails_that_decoders_figures_only(tmp_path):
     The short kinds with five rounds per item keep it a few seconds long and steady on a busy machine."""
     cur = _slowed_copy(tmp_path / "cur", 1.3)
     res = ab.run(("ar", "refusion"), "local", limit=3, current=cur, baseline_tree=REPO, progress=False,
-                 min_block_s=0.2, min_rounds=5, kinds=("code", "choice"))
+                 min_block_s=0.2, rounds=5, kinds=("code", "choice"))
     assert "unavailable" not in res, res.get("unavailable")
     ar = {f"ar/embedded_{k} tokens/s" for k in ("choice", "code")}
     bad = {r["figure"] for r in res["rows"] if not r["ok"]}

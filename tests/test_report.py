@@ -486,8 +486,8 @@ def test_compare_writes_each_figure_side_by_side_with_ratios(tmp_path, capsys):
     assert tps_rows[("refusion", "embedded_math")] == ["300.00", "600.00", "2.00"]
     assert tps_rows[("ar", "embedded_math")] == ["100.00", "120.00", "1.20"]
     assert tps_rows[("refusion", "gsm8k_cot")] == ["50.00", "75.00", "1.50"]  # stock vs paper prompt of GSM8K
-    # These runs kept no per-item logs: no interval, no paired test, and no row said to differ.
-    assert _md_section(md, "## tokens/s (ratio of sums)")[0][5:] == ["-", "-", "not tested"]
+    # These runs kept no per-item logs and no timed rounds: no interval, no test, and no row said to differ.
+    assert _md_section(md, "## tokens/s (ratio of sums)")[0][5:] == ["-", "-", "not testable: one timed pass per run"]
     assert "None: no figure differs by more than chance" in md
     tasks = {(r[0], r[1]): r[2:4] for r in _md_section(md, "## Tasks and samples")}
     assert tasks[("refusion", "gsm8k_cot")] == ["gsm8k_cot", "gsm8k_cot_paper"]
@@ -855,13 +855,33 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
     better = RF_ITEMS[:2] + [(1, 10, 0.025, 5)] * 2 + RF_ITEMS[4:]
     item_run(runs, "b", {("ar", "embedded_math"): slow, ("refusion", "embedded_math"): better},
              extra={"created": "2026-03-01T00:00:00"})
+    # Single passes: the wall-clock figures are not testable between the runs, whatever their ratio.
     assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "differs: ar embedded_math tokens_per_s in b (p <0.001, paired bootstrap, 10 items)" in printed
+    assert "tokens_per_s" not in printed and "latency" not in printed
+    tps = {r[0]: r for r in _md_section((out / "compare-a-vs-b" / "compare.md").read_text(),
+                                        "## tokens/s (ratio of sums)")}
+    assert tps["ar"][4] == "0.50" and tps["ar"][5:] == ["-", "-", "not testable: one timed pass per run"]
+    # Timed rounds in both runs: judged by their per-round values (Mann-Whitney, p < 0.002 and beyond 1.1x).
+    jitter = [1 + 0.01 * ((j * 7) % 9 - 4) for j in range(9)]
+    for run_id, model, tps_, lat in (("a", "ar", 100.0, 0.1), ("b", "ar", 50.0, 0.2), ("a", "refusion", 400.0, 0.025),
+                                     ("b", "refusion", 400.0, 0.025)):
+        path = runs / run_id / "metrics" / f"{model}__embedded_math.json"
+        met = json.loads(path.read_text())
+        met["speed"]["timing"] = {"mode": "interleaved", "rounds": 9,
+                                  "per_round_tokens_per_s": [tps_ * j for j in jitter[::-1 if run_id == "b" else 1]],
+                                  "per_round_latency_p50_s": [lat / j for j in jitter],
+                                  "per_round_latency_p90_s": [lat / j for j in jitter]}
+        path.write_text(json.dumps(met))
+    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert ("differs: ar embedded_math tokens_per_s in b (p <0.001, Mann-Whitney U over rounds (9 vs 9), p < 0.002 "
+            "and beyond 1.1x, 9 vs 9 rounds items)") in printed
+    assert "refusion embedded_math tokens_per_s" not in printed  # the same rounds in another order
     md = (out / "compare-a-vs-b" / "compare.md").read_text()
     differ = _md_section(md, "## Rows that differ")
-    assert ["ar", "embedded_math", "tokens/s (ratio of sums)", "b", "x0.50", "paired bootstrap", "<0.001",
-            "10"] in differ
+    assert ["ar", "embedded_math", "tokens/s (ratio of sums)", "b", "x0.50",
+            "Mann-Whitney U over rounds (9 vs 9), p < 0.002 and beyond 1.1x", "<0.001", "9 vs 9 rounds"] in differ
     assert not any(r[0] == "refusion" and r[2].startswith("quality") for r in differ)  # 2 vs 0 discordant: p 0.5
     q = {r[0]: r for r in _md_section(md, "## quality (%, accuracy or pass@1)")}
     assert q["refusion"][2:] == ["20.00 [5.67, 50.98]", "40.00 [16.82, 68.73]", "2.00",

@@ -69,6 +69,12 @@ def test_reference_run_records_everything(reference):
     assert m["speed"]["nfe"]["total"] == m["speed"]["generated_tokens"]["total"]  # ar: one forward per token
     assert m["memory"]["peak_rss_bytes"] > 10 * 2**20 and m["memory"]["kv_peak_bytes"] > 0
     assert m["speedup"] == {"baseline": "a", "tokens_per_s": 1.0}
+    # Wall-clock figures from the timed rounds (the default), the decoding pass's own kept beside them.
+    t = m["speed"]["timing"]
+    assert t["mode"] == "interleaved" and t["rounds"] == 9 and len(t["per_round_tokens_per_s"]) == 9
+    assert m["speed"]["single_pass"]["tokens_per_s"] > 0 and m["intervals"]["tokens_per_s"]["lo"] > 0
+    timed = json.loads((reference / "timing.json").read_text())
+    assert timed["passes"][0]["sides"] == ["a"] and timed["memory"] == "all" and timed["passes"][0]["guard"]
     env = m["run"]["environment"]
     assert env["packages"]["lm-eval"] == "0.4.13" and env["seed"] == 1234 and env["threads_per_process"] == 1
     assert m["knobs"] == [{"gen_length": 24, "seed": 1234}]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from harness.run.rounds import is_timed, speed_interval
 from harness.run import stats
 
 ALPHA = 3.0  # W's penalty for accuracy below y_max (d3LLM)
@@ -112,7 +113,8 @@ def _point(g: dict, p: dict, met: dict, unit: str, it: stats.Items | None) -> di
             "tpf": (speed.get("tpf") or {}).get("ratio_of_sums"),
             "tpf_ci": _interval(stats.speed_dist(it, "tpf", unit)) if it is not None else None,
             "tokens_per_s": (speed.get("tokens_per_s") or {}).get("ratio_of_sums"),
-            "tokens_per_s_ci": _interval(stats.speed_dist(it, "tokens_per_s", unit)) if it is not None else None}
+            "tokens_per_s_ci": (speed_interval(met, "tokens_per_s") if is_timed(met) else
+                                _interval(stats.speed_dist(it, "tokens_per_s", unit)) if it is not None else None)}
 
 
 def _usable(pts: list[dict]) -> list[dict]:

@@ -39,6 +39,7 @@ from harness.report.paper_report import NOT_MEASURED, _show_path, check_name, qu
 from harness.report.runset import InputError, _read, device_text, resolve_runs, run_parser
 from harness.run.summary import resumed, sessions
 from harness.run.store import atomic_dir, atomic_write_json, atomic_write_text
+from harness.run.rounds import is_timed, speed_interval
 
 
 def _speed(met: dict, *path: str) -> Any:
@@ -150,10 +151,44 @@ def _value_interval(key: str, met: dict, it: stats.Items | None, stream: str) ->
         return None if iv is None else iv.scaled(100.0).to_dict()
     if key == "speedup":
         return (met.get("speedup") or {}).get("interval")
+    if key in WALL and is_timed(met):  # timed rounds: their interval (rounds and items)
+        return speed_interval(met, key)
     if key in stats.SPEED and it is not None:
         got = stats.percentile_interval(stats.speed_dist(it, key, stream))
         return None if got is None else {"lo": got[0], "hi": got[1], "method": "bootstrap"}
     return None
+
+
+# Wall-clock figures: judged between runs by their timed rounds (harness/run/timing.py ``between_runs``),
+# never by a paired test over items (the difference between two runs lies between the runs, not the items).
+WALL = {"tokens_per_s": "per_round_tokens_per_s", "latency_p50_s": "per_round_latency_p50_s",
+        "latency_p90_s": "per_round_latency_p90_s", "speedup": None}
+NOT_TESTABLE = "not testable: one timed pass per run"
+
+
+def _rounds_of(key: str, met: dict) -> list[float] | None:
+    """A run's per-round values of a wall-clock figure (None for a single pass)."""
+    if key == "speedup":
+        return (met.get("speedup") or {}).get("per_round")
+    t = (met.get("speed") or {}).get("timing") or {}
+    return t.get(WALL[key]) if t.get("mode") == "interleaved" else None
+
+
+def _between(key: str, ma: dict, mb: dict) -> dict | None:
+    """A wall-clock figure of two runs: the rounds test, or 'not testable' (printed with the ratio, no p)."""
+    a, b = _rounds_of(key, ma), _rounds_of(key, mb)
+    if a and b and len(a) > 1 and len(b) > 1:
+        from harness.run.timing import between_runs
+
+        got = between_runs(a, b)
+        docs = [((m.get("speed") or {}).get("timing") or {}).get("docs") for m in (ma, mb)]
+        if docs[0] is not None and docs[1] is not None and docs[0] != docs[1]:
+            got["note"] = "the runs timed different items"
+        return {**got, "items": f"{len(a)} vs {len(b)} rounds"}
+    if key == "speedup" and not ((ma.get("speedup") or {}).get("tokens_per_s") and
+                                 (mb.get("speedup") or {}).get("tokens_per_s")):
+        return None
+    return {"test": NOT_TESTABLE, "p": None, "differs": False, "items": "-", "not_testable": True}
 
 
 def _paired(key: str, a: stats.Items | None, b: stats.Items | None, stream: str) -> dict | None:
@@ -180,8 +215,9 @@ def figures_of(entries: list[dict], labels: list[str]) -> list[dict]:
             vals = {lab: (get(e["metrics"][lab]) if lab in e["metrics"] else None) for lab in labels}
             ivs = {lab: (_value_interval(key, e["metrics"][lab], items.get(lab), e["benchmark"])
                          if vals[lab] is not None else None) for lab in labels}
-            tests = {lab: (_paired(key, items.get(ref), items.get(lab), e["benchmark"])
-                           if vals[lab] is not None and vals[ref] is not None else None) for lab in labels[1:]}
+            tests = {lab: (None if vals[lab] is None or vals[ref] is None else
+                           _between(key, e["metrics"][ref], e["metrics"][lab]) if key in WALL else
+                           _paired(key, items.get(ref), items.get(lab), e["benchmark"])) for lab in labels[1:]}
             figs[key] = {"values": vals, "intervals": ivs, "ratios": {lab: speedup(vals[lab], vals[ref])
                                                                       for lab in labels[1:]}, "tests": tests}
         out.append({"model": e["model"], "benchmark": e["benchmark"], "tasks": e["tasks"],
@@ -207,6 +243,13 @@ def _test_cells(t: dict | None, key: str) -> list[str]:
     """The ratio's interval, the p-value and the verdict of one paired test, as table cells."""
     if t is None:
         return ["-", "-", "not tested" if key in ("quality", *PAIRED_SPEED) else "-"]
+    if t.get("not_testable"):
+        return ["-", "-", t["test"]]
+    if key in WALL:
+        note = f"; {t['note']}" if t.get("note") else ""
+        verdict = "differs" if t["differs"] else "no difference shown"
+        return [f"x{t['ratio']:.2f}" if t.get("ratio") else "-", stats.fmt_p(t.get("p")),
+                f"{verdict} ({t['items']}, Mann-Whitney{note})"]
     if key == "quality":
         iv = stats.fmt_interval(t.get("interval"), "+.2f", 100.0).strip() or "-"
         what = f"{100 * t['difference']:+.2f} pp {iv}"
@@ -297,8 +340,10 @@ def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: li
         if all(v is None for r in rows for v in r["figures"][key]["values"].values()):
             continue
         lines += ["", f"## {heading}", ""]
-        change = "difference [95% CI]" if key == "quality" else "ratio 95% CI"
-        test = "p (McNemar / paired bootstrap)" if key == "quality" else "p (paired bootstrap)"
+        change = ("difference [95% CI]" if key == "quality" else "ratio of medians over rounds" if key in WALL
+                  else "ratio 95% CI")
+        test = ("p (McNemar / paired bootstrap)" if key == "quality" else "p (Mann-Whitney over rounds)"
+                if key in WALL else "p (paired bootstrap)")
         head = ["model", "benchmark", *labels]
         for lab in labels[1:]:
             head += [f"{lab} / {ref}", f"{lab} vs {ref}: {change}", f"{lab} vs {ref}: {test}", f"{lab} vs {ref}"]
@@ -321,8 +366,11 @@ def differs_md(rows: list[dict], labels: list[str]) -> list[str]:
     lines = ["## Rows that differ", "",
              f"Paired tests against `{labels[0]}` on the items both runs measured (95%: p < {stats.ALPHA}): McNemar's "
              "exact test for quality (binary scores; else a paired bootstrap of the difference), a paired bootstrap "
-             "(2000 resamples, fixed seed) for each speed ratio. Only these rows differ by more than chance; every "
-             "other difference below is within it.", ""]
+             "(2000 resamples, fixed seed) for TPF and NFE. Wall-clock figures (tokens/s, latency, speedup) are judged "
+             "by the runs' timed rounds: a Mann-Whitney U test of their per-round values, a difference only at "
+             "p < 0.002 and beyond 1.1x (asv's rule); a run without rounds (a single pass) gets its ratio printed "
+             f"and \"{NOT_TESTABLE}\", never a p-value. Only these rows differ by more than chance; every other "
+             "difference below is within it.", ""]
     if not found:
         return lines + ["None: no figure differs by more than chance (or no two runs share per-item logs).", ""]
     body = [[d["model"], d["benchmark"], d["heading"], d["run"],

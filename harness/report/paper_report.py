@@ -93,12 +93,20 @@ def _cell(met: dict, task: str, it: stats.Items | None) -> tuple[dict, dict]:
     of its quality and tokens/s (for the row's Avg interval; empty without per-item logs)."""
     q, n = quality_pct(met), _items(met)
     qiv = stats.quality_interval(it, None if q is None else q / 100, n, (task, "quality"))
-    tps_dist = stats.speed_dist(it, "tokens_per_s", task) if it is not None else None
-    tiv = stats.percentile_interval(tps_dist) if tps_dist is not None else None
+    from harness.run import rounds
+
+    if rounds.is_timed(met):  # timed rounds (harness/run/timing.py): their interval, rounds resampled for Avg
+        tps_dist = rounds.rounds_dist(met, (task, met.get("model")))
+        got = rounds.speed_interval(met, "tokens_per_s")
+        tiv = None if got is None else (got["lo"], got["hi"])
+    else:
+        tps_dist = stats.speed_dist(it, "tokens_per_s", task) if it is not None else None
+        tiv = stats.percentile_interval(tps_dist) if tps_dist is not None else None
     cell = {"task": task, "quality": q, "tokens_per_s": tps(met),
             "tpf": ((met.get("speed") or {}).get("tpf") or {}).get("ratio_of_sums"),
             "quality_ci": None if qiv is None else qiv.scaled(100.0).to_dict(),
             "tokens_per_s_ci": None if tiv is None else {"lo": tiv[0], "hi": tiv[1], "method": "bootstrap"},
+            "timed": rounds.is_timed(met), "_run_dir": str(met["_run_dir"]) if met.get("_run_dir") else None,
             "quality_metric": met.get("quality_primary"), "run_id": met["_run_id"], "model_in_run": met.get("model"),
             "samples": _items(met), "failed": (met.get("failed") or {}).get("count", 0), "device": met.get("_device")}
     dists = {}
@@ -174,6 +182,7 @@ def speedup_summary(row: dict, ref: dict, keys: list[str], rs: RunSet | None = N
     tests: dict[str, dict | None] = {}
     quality: dict[str, dict | None] = {}
     pairs: dict[str, tuple] = {}
+    timed_pairs: dict[str, tuple] = {}
     refused: set[str] = set()
     for k in keys:
         a, b = row["cells"].get(k), ref["cells"].get(k)
@@ -189,7 +198,21 @@ def speedup_summary(row: dict, ref: dict, keys: list[str], rs: RunSet | None = N
             per[k] = None
             continue
         per[k] = speedup(a["tokens_per_s"], b["tokens_per_s"])
-        if mine_it is not None and ref_it is not None and per[k] is not None:
+        if a.get("timed") or b.get("timed"):
+            # Timed rounds: the ratio and its interval from the rounds both rows were timed in (same run, same
+            # pass); rows timed apart have a ratio and no interval. A single pass's item bootstrap would not
+            # mix with them.
+            same = a.get("_run_dir") and a.get("_run_dir") == b.get("_run_dir")
+            from harness.run.rounds import ratio_in_run
+
+            got = ratio_in_run(a["_run_dir"], a["model_in_run"], b["model_in_run"], [a["task"]]) if same else None
+            q = got and got["per_unit"][a["task"]]
+            if q:
+                per[k] = q["ratio"]
+                tests[k] = {"ratio": q["ratio"], "interval": q["interval"], "p": None, "differs": False,
+                            "test": "timed rounds", "items": None}
+            timed_pairs[k] = (a, b)
+        elif mine_it is not None and ref_it is not None and per[k] is not None:
             tests[k] = stats.paired_ratio(ref_it, mine_it, "tokens_per_s", a["task"])
             pairs[k] = (ref_it, mine_it)
     both = [k for k, v in per.items() if v is not None]
@@ -197,6 +220,15 @@ def speedup_summary(row: dict, ref: dict, keys: list[str], rs: RunSet | None = N
     theirs = _mean([ref["cells"][k]["tokens_per_s"] for k in both])
     mean_iv = (stats.mean_ratio_interval([pairs[k] for k in both], streams=[row["cells"][k]["task"] for k in both])
                if both and all(k in pairs for k in both) else None)
+    if both and all(k in timed_pairs for k in both):
+        dirs = {timed_pairs[k][0].get("_run_dir") for k in both} | {timed_pairs[k][1].get("_run_dir") for k in both}
+        if len(dirs) == 1:
+            from harness.run.rounds import ratio_in_run
+
+            a0, b0 = timed_pairs[both[0]]
+            got = ratio_in_run(a0["_run_dir"], a0["model_in_run"], b0["model_in_run"],
+                               [row["cells"][k]["task"] for k in both])
+            mean_iv = got and got["mean"] and got["mean"]["interval"]
     return {"per_task": per, "mean_of_ratios": _mean([per[k] for k in both]),
             "ratio_of_averages": speedup(mine, theirs), "tasks": len(both), "refused": sorted(refused),
             "per_task_test": tests, "mean_of_ratios_interval": mean_iv, "quality_tests": quality}

@@ -86,8 +86,11 @@ class DecoderCall:
             ids, mask = padded["input_ids"], padded["attention_mask"]
         return prompts, ids.to(self.device), mask.to(self.device) if mask is not None else None
 
-    def _timed_call(self, ids, mask, prompt_len: int, knobs) -> tuple[Any, dict, float, int | None]:
-        """(tokens, stats, wall seconds, GPU peak bytes) of the decoder call, warm-up excluded."""
+    def _timed_call(self, ids, mask, prompt_len: int, knobs) -> tuple[Any, dict, float, float, int | None]:
+        """(tokens, stats, wall seconds, CPU seconds of this process, GPU peak bytes) of the decoder call,
+        warm-up excluded (harness/run/timing.py's clock)."""
+        from harness.run.timing import clock
+
         special = {"eos_token_id": list(self.eos), "mask_token_id": self.mask}
         if not self._warm:
             # Warm-up: the first real call pays for allocator growth and lazy init; excluded from timing.
@@ -101,13 +104,9 @@ class DecoderCall:
             self._warm = True
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.sync()
-        t0 = time.perf_counter()
-        tokens, stats = self.decoder(self.model, ids, mask, knobs, **special)
-        self.sync()
-        wall = time.perf_counter() - t0
+        (tokens, stats), wall, cpu = clock(lambda: self.decoder(self.model, ids, mask, knobs, **special), self.sync)
         gpu_peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        return tokens, stats, wall, gpu_peak
+        return tokens, stats, wall, cpu, gpu_peak
 
     def run(self, items: list[dict], rank: int) -> list[dict]:
         """Decode one batch of prepared requests; their journal records, in order."""
@@ -115,7 +114,7 @@ class DecoderCall:
 
         prompts, ids, mask = self._encode(items)
         with injected_decode_faults(self.model, items):  # a test hook; nothing unless REFUSION_BENCH_FAULTS asks
-            tokens, stats, wall, gpu_peak = self._timed_call(ids, mask, len(prompts[0]),
+            tokens, stats, wall, cpu, gpu_peak = self._timed_call(ids, mask, len(prompts[0]),
                                                              self.knob_obj(items[0]["knobs"]))
         out = []
         # Forwards that compiled a new shape bucket (compile knob): timed apart, not decoding time.
@@ -131,6 +130,7 @@ class DecoderCall:
                 # In a batch every row shares the batch's forwards and wall time; split time evenly
                 # so that sums over samples stay equal to the real decode time.
                 "decode_s": wall / len(items), "batch_wall_s": wall, "batch_size": len(items),
+                "cpu_s": cpu / len(items),  # the process's CPU seconds in the call (all its threads)
                 "forward_s": stats["timings"]["forward_s"] / len(items),
                 "kv_peak_bytes": stats.get("kv_peak_bytes"), "gpu_peak_bytes": gpu_peak,
                 "knobs": it["knobs"], "response": self.cut(toks, it["until"]),

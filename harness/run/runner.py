@@ -53,6 +53,8 @@ from harness.run.model_list import (LOAD_OPTIONS, TEMPLATE_OPTION, InputError, K
                                     parse_models, template_args)
 from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS, ModelSpec, paper_knobs
 from harness.run.store import atomic_write_json, read_json
+from harness.run.timing import BUDGET_S as TIMING_BUDGET, BUSY_SHARE, DEFAULT_ITEMS as TIMING_ITEMS, \
+    DEFAULT_ROUNDS as TIMING_ROUNDS, parse_items
 from tasks.checks import target_problem
 from tasks.scoring import task_manager
 
@@ -521,7 +523,35 @@ def _parser() -> argparse.ArgumentParser:
                    "budget; docs/design.md \"Faults\"); without it they stay failed, counted as wrong")
     p.add_argument("--debug", action="store_true",
                    help="on an error, show the full traceback instead of the one-line message")
+    _timing_arguments(p)
     return p
+
+
+def _timing_arguments(p: argparse.ArgumentParser) -> None:
+    """The timing protocol's options (harness/run/timing.py)."""
+    t = p.add_argument_group("timing (docs/design.md \"Timing protocol\")")
+    t.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
+                   help="interleaved: tokens/s, latency and speedup from timed rounds after the decoding pass, every "
+                   "model decoding the same items in turn (default); sequential: from the decoding pass itself, one "
+                   "model after another (a single pass, marked as such beside every speed figure)")
+    t.add_argument("--timing-rounds", type=int, default=TIMING_ROUNDS,
+                   help="timed rounds (default: %(default)s); the figure is the median over rounds")
+    t.add_argument("--timing-items", default=TIMING_ITEMS,
+                   help="timed items per task: a sample drawn with the run's seed from the documents every model "
+                   "decoded (the first k of a seeded shuffle); a count, 'all', or 'auto': the largest power of two "
+                   "(at least 2) whose rounds take about --timing-budget seconds, by the decoding pass's own times "
+                   "(default: %(default)s)")
+    t.add_argument("--timing-budget", type=float, default=TIMING_BUDGET,
+                   help="seconds of timed decoding that --timing-items auto aims at (default: %(default)s)")
+    t.add_argument("--timing-order", choices=("abba", "random"), default="abba",
+                   help="the models' order within each round: ABBA (forward, then backward) or seeded random "
+                   "(default: %(default)s)")
+    t.add_argument("--timing-memory", choices=("auto", "all", "pairs"), default="auto",
+                   help="all: every model loaded for the rounds at once; pairs: each model timed against the "
+                   "speedup baseline, two loaded at a time; auto: all when the weights fit (default: %(default)s)")
+    t.add_argument("--busy-share", type=float, default=BUSY_SHARE,
+                   help="flag the speed figures when other processes (and the hypervisor's steal) took more than this "
+                   "share of the machine during the timed rounds (default: %(default)s)")
 
 
 def _may(path: Path, mode: int) -> bool:
@@ -621,6 +651,7 @@ def build_config(ns: argparse.Namespace) -> dict:
         raise InputError(str(e)) from None
     if int(launch.get("num_machines") or 1) > 1 and ns.run_id is None:
         raise InputError("--num-machines > 1 needs --run-id: every machine writes into that one run folder")
+    timing = timing_config(ns)
     per_machine = max(1, ns.num_processes // int(launch.get("num_machines") or 1))
     threads = ns.threads or max(1, (os.cpu_count() or 1) // per_machine)
     return {"shard": shard, "launch": launch,
@@ -630,8 +661,24 @@ def build_config(ns: argparse.Namespace) -> dict:
         "task_defaults": task_defaults, "baseline": baseline, "tasks_dir": str(REPO / "tasks"),
         "tasks_dirs": [str(d.resolve()) for d in tasks_dirs],
         "prompts": ns.prompts, "dtype": resolve_dtype(ns.dtype, device), "dtype_requested": ns.dtype,
-        "chat_template_args": run_template_args, "compile": compile_settings(model_cfgs),
+        "chat_template_args": run_template_args, "compile": compile_settings(model_cfgs), "timing": timing,
     }
+
+
+def timing_config(ns: argparse.Namespace) -> dict:
+    """run.json's ``timing``: the timing protocol's settings, validated (InputError)."""
+    if ns.timing_rounds < 1:
+        raise InputError(f"--timing-rounds must be >= 1, got {ns.timing_rounds}")
+    try:
+        items = parse_items(ns.timing_items)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if not ns.timing_budget > 0:
+        raise InputError(f"--timing-budget must be > 0 seconds, got {ns.timing_budget}")
+    if not 0 < ns.busy_share < 1:
+        raise InputError(f"--busy-share must lie between 0 and 1, got {ns.busy_share}")
+    return {"mode": ns.timing, "rounds": ns.timing_rounds, "items": items, "order": ns.timing_order,
+            "memory": ns.timing_memory, "busy_share": ns.busy_share, "budget_s": ns.timing_budget}
 
 
 def compile_settings(model_cfgs: list[dict]) -> dict[str, bool]:
@@ -837,9 +884,20 @@ def finalize(run_dir: Path) -> dict:
         b = base_tps.get(r["task"])
         r["speedup"] = {"baseline": base, "tokens_per_s": speedup(r["speed"]["tokens_per_s"]["ratio_of_sums"], b)}
     mean_intervals = summary.attach_intervals(run_dir, cfg, rows)  # 95% intervals from the per-sample logs
+    from harness.run.rounds import apply_timing, load_timing
+
+    # Wall-clock figures from the timed rounds (harness/run/timing.py), or marked as a single pass.
+    timed = apply_timing(load_timing(run_dir, cfg), cfg, rows)
+    if timed["mode"] == "interleaved":
+        mean_intervals = {**{k: None for k in mean_intervals}, **timed["mean_speedup_interval"]}
+    if timed.get("guard") is not None:  # run.json records what the guard saw (the figures' flag)
+        atomic_write_json(run_dir / "run.json", {**read_json(run_dir / "run.json"),
+                                                 "timing_result": {k: v for k, v in timed.items()
+                                                                   if k != "mean_speedup_interval"}})
     for r in rows:
         atomic_write_json(run_dir / "metrics" / f"{r['model']}__{r['task']}.json", r)
     result = summary.summary(cfg, rows, summary.warmup_compile(run_dir, cfg), mean_intervals)
+    result["timing"] = {k: v for k, v in timed.items() if k != "mean_speedup_interval"}
     atomic_write_json(run_dir / "summary.json", result)
     (run_dir / "summary.md").parent.mkdir(parents=True, exist_ok=True)
     from harness.run.store import atomic_write_text
@@ -943,6 +1001,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"machine rank {cfg['launch']['machine_rank']}: every model done; machine rank 0 writes the "
                   f"results in {run_dir}", file=sys.stderr)
             return 0
+        rc = _timed_rounds(run_dir, cfg)
+        if rc is not None:
+            return rc
         result = finalize(run_dir)
     except _Stopped as e:
         for sig in STOP_SIGNALS:  # a second signal (Slurm sends one to every process) changes nothing now
@@ -955,9 +1016,51 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
     print(summary.table(result))
     print(summary.one_line(result, run_dir))
+    flag = (result.get("timing") or {}).get("busy_text")
+    if flag:
+        print(f"warning: speed {flag}", file=sys.stderr)
+    elif summary.single_pass(result):
+        print("note: speed figures are a single pass (" + str((result.get("timing") or {}).get("why")) + ")",
+              file=sys.stderr)
     for line in summary.failed_lines(result, run_dir):
         print(line, file=sys.stderr)
     return 0
+
+
+def _timed_rounds(run_dir: Path, cfg: dict) -> int | None:
+    """The timed rounds of an interleaved run (harness/run/rounds.py, its own process), unless timing.json
+    holds them for these timing settings already (a resumed run); an exit status to stop with, or None."""
+    t = cfg.get("timing") or {}
+    old = read_json(run_dir / "run.json")
+    if old.get("timing") != t:  # a resumed run timed with other settings: run.json says what timing.json holds
+        atomic_write_json(run_dir / "run.json", {**old, "timing": t})
+    if t.get("mode", "interleaved") != "interleaved":
+        return None
+    done = run_dir / "timing.json"
+    if done.is_file():
+        try:
+            if read_json(done).get("settings") == t:
+                print("timed rounds: already measured, kept", file=sys.stderr)
+                return None
+        except (OSError, ValueError):
+            pass
+    print(f"timed rounds: {t['rounds']} rounds, {t['items']} item(s) per task, the models in turn "
+          f"({t['order']}), wall time", file=sys.stderr)
+    tmp = run_dir / ".tmp-timing"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(tmp)}
+    env.pop("REFUSION_BENCH_FAULTS", None)  # test hooks are for the decoding pass; the rounds re-decode good items
+    try:
+        rc = _run_worker([sys.executable, "-m", "harness.run.rounds", "--run-dir", str(run_dir)], env)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if rc != 0:
+        print(f"error: the timed rounds failed (exit {rc}); quality and counts are kept: rerun with --run-id "
+              f"{run_dir.name} to time again, or --timing sequential for single-pass figures", file=sys.stderr)
+        return 1
+    return None
 
 
 def _worker_port(launch: dict) -> int:

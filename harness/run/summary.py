@@ -206,14 +206,45 @@ COLUMNS = [("model", "model", None), ("task", "task", None), ("n", "samples", No
            ("NFE/sample [95% CI]", "nfe_mean", ".1f"), ("lat p50 s [95% CI]", "latency_p50_s", ".3f"),
            ("lat p90 s [95% CI]", "latency_p90_s", ".3f"), ("RSS MiB", "peak_rss_bytes", None),
            ("KV KiB", "kv_peak_bytes", None)]
-def intervals_note(baseline: str | None) -> str:
+def intervals_note(baseline: str | None, single: bool = True) -> str:
     """The summary's line on its intervals (the speedup's only when the run has a baseline)."""
-    sp = (f"speedup by a paired bootstrap over the items both it and {baseline} decoded ({baseline}'s own is 1 by "
-          "definition), " if baseline else "")
+    if single:
+        sp = (f"speedup by a paired bootstrap over the items both it and {baseline} decoded ({baseline}'s own is 1 by "
+              "definition), " if baseline else "")
+        speed = "tokens/s, TPF, NFE and latency by a bootstrap over items (2000 resamples, fixed seed), " + sp
+    else:
+        sp = (f"speedup (the median over rounds of its ratio to {baseline} in the same round) " if baseline else "")
+        speed = ("TPF and NFE by a bootstrap over items (2000 resamples, fixed seed), tokens/s, latency and " + sp +
+                 "by a bootstrap over rounds and items together (harness/run/timing.py), ")
     return ("Intervals: 95%; quality by Wilson's score interval (every item scored 0 or 1; else a bootstrap over items), "
-            "tokens/s, TPF, NFE and latency by a bootstrap over items (2000 resamples, fixed seed), " + sp +
-            "harness/run/stats.py. Peak memory is a maximum, not a mean over items: no interval. Any other figure "
-            "without one: the run kept no per-item logs for it.")
+            + speed + "harness/run/stats.py. Peak memory is a maximum, not a mean over items: no interval. Any other "
+            "figure without one: the run kept no per-item logs for it.")
+
+
+SPEED_KEYS = ("tokens_per_s", "speedup", "latency_p50_s", "latency_p90_s")
+
+
+def single_pass(s: dict) -> bool:
+    """Whether the run's wall-clock figures come from its one decoding pass (no timed rounds)."""
+    return (s.get("timing") or {}).get("mode", "single pass") != "interleaved"
+
+
+def timing_note(s: dict) -> str | None:
+    """The summary's sentence on how its speed figures were timed, with the busy-machine flag."""
+    t = s.get("timing")
+    if not t:
+        return None
+    if t.get("mode") != "interleaved":
+        return ("Speed: a single pass (" + str(t.get("why")) + "): tokens/s, latency and speedup come from the "
+                "decoding pass, one model after another, so a change in the machine between models moves them and "
+                "their intervals (over items) do not show it.")
+    items = t.get("items") or "all"
+    text = (f"Speed: {t['rounds']} timed rounds of {items} item(s) per task, the models in turn ({t.get('order')}, "
+            f"{'all loaded' if t.get('memory') == 'all' else 'two at a time against ' + str(s.get('baseline'))}); "
+            "each figure is the median over rounds, its interval a bootstrap over rounds and items.")
+    if t.get("busy_text"):
+        text += " **Flag: " + t["busy_text"] + ".**"
+    return text
 
 
 def _cells(r: dict) -> list[str]:
@@ -240,9 +271,15 @@ def _columns(s: dict) -> list[int]:
     return [i for i, c in enumerate(COLUMNS) if c[1] != "speedup" or s.get("baseline")]
 
 
+def _head(s: dict, keep: list[int]) -> list[str]:
+    """Column headings; a single pass says so beside every wall-clock figure."""
+    mark = " (single pass)" if single_pass(s) else ""
+    return [COLUMNS[i][0] + (mark if COLUMNS[i][1] in SPEED_KEYS else "") for i in keep]
+
+
 def markdown(s: dict) -> str:
     keep = _columns(s)
-    head = [COLUMNS[i][0] for i in keep]
+    head = _head(s, keep)
     vs = f", speedup vs {s['baseline']}" if s.get("baseline") else ""
     lines = [f"# Run {s['run_id']}: {s['task']} (limit {s['limit']}{vs})", ""]
     note = session_note(s.get("sessions") or [])
@@ -261,7 +298,9 @@ def markdown(s: dict) -> str:
         ivs = s.get("mean_speedup_interval") or {}
         lines += ["", "Mean per-task speedup [95% CI]: " + ", ".join(f"{k} {v:.2f}x{fmt_interval(ivs.get(k), '.2f')}"
                                                                      for k, v in s["mean_speedup"].items())]
-    lines += ["", intervals_note(s.get("baseline"))]
+    lines += ["", intervals_note(s.get("baseline"), single_pass(s))]
+    if timing_note(s):
+        lines += ["", timing_note(s)]
     if compile_note(s):
         lines += ["", compile_note(s)]
     env = s.get("environment") or {}
@@ -276,7 +315,7 @@ def markdown(s: dict) -> str:
 
 def table(s: dict) -> str:
     keep = _columns(s)
-    head = [COLUMNS[i][0] for i in keep]
+    head = _head(s, keep)
     body = [[c[i] for i in keep] for c in map(_cells, s["rows"])]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

@@ -12,18 +12,19 @@ workload with both code versions in one run:
 2. Two persistent worker processes (harness/speed/ab_worker.py), one per tree, one torch thread each,
    load the *current* checkpoints (the weights are the same data for both; the code is what is
    compared) and decode on request. Only one decodes at a time.
-3. The workload: the first ``--ab-limit`` test items of each embedded kind for every preset, chat-templated
-   by the current tokenizer (both sides get the same token ids and knobs), batch 1. Each item is decoded
-   in rounds, each round once by each side in alternating order (ABBA), after an untimed warm-up per
-   (preset, kind); an item that takes less than ``MIN_BLOCK_S`` gets more rounds, so each side's timed
-   block lasts about that long. Time is the worker's CPU time in the decoder call (one thread), not the
-   wall clock: while another process holds the core, neither side's clock runs, so a busy machine (a
-   sandbox user, busy loops, a trainer) does not blur the ratio; a slower step is more work and counts.
-4. Per (preset, kind): the paired ratio per item, current tokens/s over baseline tokens/s (each side's
-   best round: the one least disturbed by whatever else the machine does), and the
-   geometric mean of those ratios with a 95% bootstrap interval over items (``BOOT`` resamples, fixed
-   seed). A figure fails only when its whole interval lies below ``1 - tolerance``; such a figure is
-   measured once more and fails only if it is below the line again. A faster figure always passes.
+3. The workload: of the first ``--ab-limit`` test items of each embedded kind for every preset (chat-templated
+   by the current tokenizer: both sides get the same token ids and knobs; batch 1), as many as fill about
+   ``TARGET_BLOCK_S`` by the first item's time, at least one (a slow decoder's block is one item). It is timed by the
+   harness's timing protocol (harness/run/timing.py): per (preset, kind) one block of its items, decoded by
+   each side in turn in each of ``ROUNDS`` rounds (ABBA), after an untimed warm-up; a block shorter than
+   ``MIN_BLOCK_S`` is repeated within its round. Time is wall time, so a slowdown that waits (a sleep, a
+   lock, a blocking read) counts like one that works; the worker's CPU time is recorded beside it as the
+   second signal (a slowdown in wall time alone is a wait).
+4. Per (preset, kind): the current/baseline ratio of tokens/s, the median over rounds of the per-round
+   ratio (both sides measured moments apart), with a 95% bootstrap interval over rounds and items. A figure
+   fails only when the ratio is below ``1 - tolerance`` *and* its whole interval lies below 1 (significantly
+   slower); such a figure is measured once more (the order flipped) and fails only if it fails again. A
+   faster figure always passes. The busy-machine guard's view of the rounds goes into the report.
 
 Both versions' absolute tokens/s, the interval and the machine (CPU model and flags) go into the
 report; absolute figures are never compared with another run.
@@ -32,10 +33,8 @@ report; absolute figures are never compared with another run.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
-import random
 import shutil
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.run import timing
 from tasks.embedded import KINDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,9 +53,8 @@ CODE_DIRS = ("refusion", "harness", "tasks")
 AB_LIMIT = 4
 TOLERANCE = 0.10
 MIN_BLOCK_S = 0.1
-MIN_ROUNDS = 2
-MAX_ROUNDS = 16
-BOOT = 2000
+TARGET_BLOCK_S = 0.15  # items per (preset, kind): as many as fill this, at least one
+ROUNDS = timing.DEFAULT_ROUNDS
 # CPU flags that decide how fast a kernel runs (vector and matrix units); the report lists these.
 KEY_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
@@ -203,106 +202,119 @@ class Worker:
                     pass
 
 
-def measure(items: list[Item], cur: Worker, base: Worker, progress: bool = True, flip: bool = False,
-            min_block_s: float = MIN_BLOCK_S, min_rounds: int = MIN_ROUNDS) -> list[dict]:
-    """Per item and side: the summed and the best (shortest) seconds of its rounds, tokens and NFE. An item
-    is decoded in rounds, each round once by each side in alternating order (ABBA...), so a burst of load
-    falls on both sides alike. The first item of each (preset, kind) is decoded once by both sides untimed
-    first (model load, first-call allocations); its time on the current side sets the rounds of the
-    group's items: at least ``min_rounds``, and enough for each side's timed block to last about
-    ``min_block_s``."""
-    from tqdm import tqdm
+class ABSide:
+    """One code version as a timing side (harness/run/timing.py): its worker decodes a group's items (one
+    preset on one kind) one after another; the tokens of every decode must equal its first decode's."""
 
-    rounds_of: dict[tuple[str, str], int] = {}
-    out = []
-    for n, it in enumerate(tqdm(items, desc="speed A/B", disable=not progress, file=sys.stderr)):
-        group = (it.preset, it.kind)
-        if group not in rounds_of:
-            warm = cur.decode(it)["seconds"]
-            base.decode(it)
-            rounds_of[group] = max(min_rounds, min(MAX_ROUNDS, math.ceil(min_block_s / max(warm, 1e-6))))
-        rounds = rounds_of[group]
-        rec = {"preset": it.preset, "kind": it.kind, "index": it.index, "rounds": rounds,
-               "cur": {"seconds": 0.0, "best": math.inf}, "base": {"seconds": 0.0, "best": math.inf}}
-        for r in range(rounds):
-            first_cur = ((n + r) % 2 == 0) != flip
-            for key, w in ((("cur", cur), ("base", base)) if first_cur else (("base", base), ("cur", cur))):
-                ans = w.decode(it)
-                side = rec[key]
-                side["seconds"] += ans["seconds"]
-                side["best"] = min(side["best"], ans["seconds"])
-                side["tokens"], side["nfe"] = ans["tokens"], ans["nfe"]  # per decode: the same every round
-        out.append(rec)
+    def __init__(self, name: str, worker: Worker, groups: dict[str, list[Item]]) -> None:
+        self.name, self.worker, self.groups = name, worker, groups
+        self.tokens: dict[tuple[str, int], int] = {}
+
+    def block(self, group: str, repeat: int) -> list[dict]:
+        calls = []
+        for i, it in enumerate(self.groups[group]):
+            wall = cpu = 0.0
+            for _ in range(repeat):
+                ans = self.worker.decode(it)
+                wall += float(ans.get("wall_seconds", ans["seconds"]))
+                cpu += float(ans["seconds"])
+                first = self.tokens.setdefault((group, i), int(ans["tokens"]))
+                if int(ans["tokens"]) != first:
+                    raise timing.TimingMismatch(f"{self.name} code: {it.preset}/{it.kind} item {it.index} gave "
+                                                f"{ans['tokens']} tokens, {first} before")
+            calls.append({"wall_s": wall, "cpu_s": cpu, "tokens": int(ans["tokens"]), "nfe": int(ans["nfe"])})
+        return calls
+
+
+def groups_of(items: list[Item]) -> dict[str, list[Item]]:
+    out: dict[str, list[Item]] = {}
+    for it in items:
+        out.setdefault(f"{it.preset}/{it.kind}", []).append(it)
     return out
 
 
-def _interval(logs: list[float], seed: int) -> tuple[float, float]:
-    rng = random.Random(seed)
-    n = len(logs)
-    means = sorted(sum(logs[rng.randrange(n)] for _ in range(n)) / n for _ in range(BOOT))
-    return math.exp(means[int(0.025 * BOOT)]), math.exp(means[min(BOOT - 1, int(0.975 * BOOT))])
+def measure(items: list[Item], cur: Worker, base: Worker, progress: bool = True, flip: bool = False,
+            min_block_s: float = MIN_BLOCK_S, rounds: int = ROUNDS, guard: timing.Guard | None = None) -> dict:
+    """The timing protocol over the two code versions: per (preset, kind) a block of its items, decoded by
+    each side in turn in every round (ABBA; ``flip`` starts with the other side), after an untimed warm-up
+    (harness/run/timing.py ``run_rounds``). Returns run_rounds' result plus both sides' tokens."""
+    groups = groups_of(items)
+    for g, its in groups.items():
+        # Items per group: as many of the first --ab-limit as fill about TARGET_BLOCK_S, at least one (a slow
+        # decoder's block is one item long: its rounds, not its items, are what the ratio needs).
+        t = min(float(w.decode(its[0]).get("wall_seconds") or 0.0) for w in (cur, base))
+        groups[g] = its[:max(1, min(len(its), int(TARGET_BLOCK_S / max(t, 1e-6))))]
+    sides = [ABSide("current", cur, groups), ABSide("baseline", base, groups)]
+    got = timing.run_rounds(sides, list(groups), rounds=rounds, order="abba", min_block_s=min_block_s, guard=guard,
+                            progress=progress, desc="speed A/B", flip=flip)
+    got["same_tokens"] = {g: all(sides[0].tokens.get((g, i)) == sides[1].tokens.get((g, i))
+                                 for i in range(len(its))) for g, its in groups.items()}
+    got["items"] = {g: len(its) for g, its in groups.items()}
+    return got
 
 
-def summarize(records: list[dict], tolerance: float = TOLERANCE) -> list[dict]:
-    """One row per (preset, kind): both sides' tokens/s (ratio of sums), the geometric mean of the
-    per-item ratios current/baseline, its bootstrap interval, and the verdict."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in records:
-        groups.setdefault((r["preset"], r["kind"]), []).append(r)
+def summarize(res: dict, tolerance: float = TOLERANCE) -> list[dict]:
+    """One row per (preset, kind): both sides' tokens/s (median over rounds), the current/baseline ratio of
+    wall-time tokens/s (median over rounds of the per-round ratio) with its interval over rounds and items, the
+    same ratio in CPU time (the second signal: a slowdown in wall time but not in CPU time is a wait), and the
+    verdict: a figure fails when its ratio is below ``1 - tolerance`` and its whole interval lies below 1."""
     rows = []
-    for gi, ((preset, kind), recs) in enumerate(sorted(groups.items())):
-        logs = []
-        for r in recs:  # per item: tokens/s of each side's best round (the one least disturbed by the machine)
-            a, b = r["cur"], r["base"]
-            if a["tokens"] and b["tokens"] and a["best"] > 0 and b["best"] > 0:
-                logs.append(math.log((a["tokens"] / a["best"]) / (b["tokens"] / b["best"])))
-        tps = {k: sum(r[k]["tokens"] * r["rounds"] for r in recs) / max(1e-12, sum(r[k]["seconds"] for r in recs))
-               for k in ("cur", "base")}
-        if logs:
-            ratio = math.exp(sum(logs) / len(logs))
-            lo, hi = _interval(logs, seed=gi)
-        else:
-            ratio = lo = hi = None
-        ok = hi is None or hi >= 1 - tolerance
-        rows.append({"figure": f"{preset}/embedded_{kind} tokens/s", "preset": preset, "kind": kind,
-                     "items": len(recs), "current_tps": tps["cur"], "baseline_tps": tps["base"], "ratio": ratio,
-                     "lo": lo, "hi": hi, "rule": f"95% interval not wholly below {1 - tolerance:.2f}x", "ok": ok,
-                     "same_tokens": all(r["cur"]["tokens"] == r["base"]["tokens"] for r in recs)})
+    recs = res["records"]
+    for g in res["items"]:
+        preset, kind = g.split("/", 1)
+        a, b = timing.figure(recs, "current", g), timing.figure(recs, "baseline", g)
+        w, c = timing.ratio(recs, "current", "baseline", g), timing.ratio(recs, "current", "baseline", g,
+                                                                           clock_="cpu")
+        lo, hi = ((w or {}).get("interval") or {}).get("lo"), ((w or {}).get("interval") or {}).get("hi")
+        ok = w is None or hi is None or not (w["ratio"] < 1 - tolerance and hi < 1)
+        row = {"figure": f"{preset}/embedded_{kind} tokens/s", "preset": preset, "kind": kind, "items": res["items"][g],
+               "rounds": res["rounds"], "current_tps": a and a["tokens_per_s"], "baseline_tps": b and b["tokens_per_s"],
+               "ratio": w and w["ratio"], "lo": lo, "hi": hi, "per_round": w and w["per_round"],
+               "cpu_ratio": c and c["ratio"], "cpu_lo": c and (c["interval"] or {}).get("lo"),
+               "cpu_hi": c and (c["interval"] or {}).get("hi"),
+               "rule": f"fails when the median ratio < {1 - tolerance:.2f} and its 95% interval lies below 1, twice",
+               "ok": ok, "same_tokens": res["same_tokens"][g]}
+        if not ok:
+            row["slowdown"] = "work (CPU time too)" if c and c["ratio"] < 1 - tolerance else "a wait (wall time only)"
+        rows.append(row)
     return rows
 
 
 def run(models: tuple[str, ...], commit: str | None, limit: int = AB_LIMIT, threads: int = 1,
         tolerance: float = TOLERANCE, current: Path = REPO, progress: bool = True, confirm: bool = True,
-        baseline_tree: Path | None = None, min_block_s: float = MIN_BLOCK_S, min_rounds: int = MIN_ROUNDS,
+        baseline_tree: Path | None = None, min_block_s: float = MIN_BLOCK_S, rounds: int = ROUNDS,
         kinds: tuple[str, ...] = KINDS) -> dict:
-    """The whole A/B: ``{"rows": [...], "machine": {...}, "baseline_commit": ..., "seconds": ...}``, or
-    ``{..., "unavailable": "<one line>"}`` when the baseline code cannot be run. ``current`` is the tree of
+    """The whole A/B: ``{"rows": [...], "machine": {...}, "baseline_commit": ..., "guard": ..., "seconds": ...}``,
+    or ``{..., "unavailable": "<one line>"}`` when the baseline code cannot be run. ``current`` is the tree of
     the code under test (this checkout); ``baseline_tree`` replaces the commit's extracted code (tests)."""
     t0 = time.time()
-    info = {"machine": machine(), "baseline_commit": commit, "limit": limit, "threads": threads,
-            "tolerance": tolerance, "current_tree": str(current)}
+    info = {"machine": machine(), "baseline_commit": commit, "limit": limit, "threads": threads, "rounds": rounds,
+            "tolerance": tolerance, "current_tree": str(current), "clock": "wall time; CPU time beside it"}
     workers: list[Worker] = []
     try:
         tree = baseline_tree or base_tree(commit)
         items = workload(models, limit, kinds)
         workers = [Worker(current, threads, "current"), Worker(tree, threads, f"baseline ({str(commit)[:12]})")]
-        timing = {"min_block_s": min_block_s, "min_rounds": min_rounds}
-        records = measure(items, *workers, progress=progress, **timing)
-        rows = summarize(records, tolerance)
+        pids = {w.proc.pid for w in workers if getattr(w, "proc", None) is not None}
+        # The guard counts the two workers as ours: the evaluation `make regress` runs beside them is a neighbour.
+        guard = timing.Guard(roots=pids or {os.getpid()}) if pids else None
+        first = measure(items, *workers, progress=progress, min_block_s=min_block_s, rounds=rounds, guard=guard)
+        rows = summarize(first, tolerance)
         bad = [r for r in rows if not r["ok"]]
         if bad and confirm:
             # A disturbance that hit one side more than the other must show twice to count.
             again_items = [it for it in items if (it.preset, it.kind) in {(r["preset"], r["kind"]) for r in bad}]
             again = {(r["preset"], r["kind"]): r for r in summarize(measure(again_items, *workers, progress=progress,
-                                                                          flip=True, **timing),
-                                                                  tolerance)}
+                                                                            flip=True, min_block_s=min_block_s,
+                                                                            rounds=rounds), tolerance)}
             for r in rows:
                 if not r["ok"]:
                     a = again[(r["preset"], r["kind"])]
-                    r["confirm"] = {k: a[k] for k in ("ratio", "lo", "hi", "current_tps", "baseline_tps")}
+                    r["confirm"] = {k: a[k] for k in ("ratio", "lo", "hi", "cpu_ratio", "current_tps", "baseline_tps")}
                     r["ok"] = a["ok"]
-        return {**info, "rows": rows, "records": records, "seconds": round(time.time() - t0, 1)}
-    except ABUnavailable as e:
+        return {**info, "rows": rows, "records": first["records"], "guard": first.get("guard"),
+                "seconds": round(time.time() - t0, 1)}
+    except (ABUnavailable, timing.TimingMismatch) as e:
         return {**info, "unavailable": str(e), "seconds": round(time.time() - t0, 1)}
     finally:
         for w in workers:

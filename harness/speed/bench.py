@@ -17,9 +17,12 @@ the same path as `make eval`, plus the target checks.
    together, no EOS), decoder called directly.
 
 4. Eager vs compiled (``run_compiled``): one preset per decoder on ``--compiled`` items per kind, called
-   directly with the knob ``compile`` off and on; tokens/s of each (compile time excluded by an untimed
-   first pass), their ratio, and whether tokens and NFE are identical.
+   directly with the knob ``compile`` off and on; tokens/s of each and their ratio (compile time excluded by
+   the untimed warm-up), and whether tokens and NFE are identical.
 
+Every speed figure comes from the timing protocol (harness/run/timing.py): the two eval runs time their
+models in interleaved rounds after their decoding pass, and the direct comparisons (3 and 4) run as two
+sides in ``--rounds`` ABBA rounds after a warm-up, each figure the median over rounds with its interval.
 Both runs live under ``--runs-root`` with ids derived from the settings, so an interrupted bench
 resumes where it stopped. Wall-clock figures are only compared as ratios inside one bench. The
 environment is the run's own (run.json). Results are written atomically as JSON.
@@ -32,7 +35,6 @@ import hashlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from harness.run.presets import BENCH_MODELS
@@ -101,39 +103,47 @@ def long_prompts(tokenizer, n: int, shots: int = LONG_SHOTS) -> list[list[int]]:
     return out
 
 
-def run_long_prompt(model, tokenizer, n: int) -> dict:
-    """Packed vs replicated KV layout on ``n`` long prompts, batch 1, same knobs otherwise."""
+def run_long_prompt(model, tokenizer, n: int, rounds: int = 9) -> dict:
+    """Packed vs replicated KV layout on ``n`` long prompts, batch 1, same knobs otherwise, timed by the timing
+    protocol (harness/run/timing.py: an untimed warm-up, then ``rounds`` ABBA rounds; medians over rounds)."""
     import torch
 
+    from harness.run import timing
     from refusion.decoding import get_decoder
 
     decoder = get_decoder("refusion")
     prompts = [torch.tensor([p]) for p in long_prompts(tokenizer, n)]
-    res = {}
-    for layout in ("packed", "replicated"):
-        knobs = {**LONG_KNOBS, "kv_layout": layout}
-        decoder(model, prompts[0], None, knobs, eos_token_id=NO_EOS)  # warm-up, not timed
-        secs, toks, fwd, kv, slots, commits, outs = 0.0, 0, 0.0, [], 0, 0, []
-        for ids in prompts:
-            t0 = time.perf_counter()
-            out, stats = decoder(model, ids, None, knobs, eos_token_id=NO_EOS)
-            secs += time.perf_counter() - t0
-            toks += stats["generated_tokens"]
-            fwd += stats["timings"]["forward_s"]
-            kv.append(stats["kv_peak_bytes"])
-            slots += stats["infill_slots"]
-            commits += stats["infill_commits"]
-            outs.append(out[0].tolist())
-        res[layout] = {"knobs": knobs, "tps": toks / secs, "generated_tokens": toks, "decode_seconds": secs,
-                       "outside_forward_share": 1 - fwd / secs, "kv_peak_bytes_max": max(kv),
-                       "kv_peak_bytes_mean": statistics.mean(kv),
-                       "slots_infilled_together_mean": slots / commits if commits else 0.0, "_outputs": outs}
+
+    def call(ids, knobs):
+        def fn():
+            out, st = decoder(model, ids, None, knobs, eos_token_id=NO_EOS)
+            return out[0].tolist(), st["generated_tokens"], st
+        return fn
+
+    sides = [timing.FnSide(layout, {"long": [call(ids, {**LONG_KNOBS, "kv_layout": layout}) for ids in prompts]})
+             for layout in ("packed", "replicated")]
+    got = timing.run_rounds(sides, ["long"], rounds=rounds, progress=False, guard=timing.Guard())
+    res = {"timing": {"rounds": rounds, "order": "abba", "guard": got["guard"]}}
+    for side in sides:
+        fig = timing.figure(got["records"], side.name, "long")
+        st = [side.extra[("long", i)][0] for i in range(len(prompts))]
+        secs = fig["tokens"] / fig["tokens_per_s"]
+        kv = [x["kv_peak_bytes"] for x in st]
+        slots, commits = sum(x["infill_slots"] for x in st), sum(x["infill_commits"] for x in st)
+        res[side.name] = {"knobs": {**LONG_KNOBS, "kv_layout": side.name}, "tps": fig["tokens_per_s"],
+                          "tps_interval": fig["interval"], "generated_tokens": fig["tokens"],
+                          "decode_seconds": secs,
+                          "outside_forward_share": 1 - sum(x["timings"]["forward_s"] for x in st) / secs,
+                          "kv_peak_bytes_max": max(kv), "kv_peak_bytes_mean": statistics.mean(kv),
+                          "slots_infilled_together_mean": slots / commits if commits else 0.0,
+                          "_outputs": [side.outputs[("long", i)] for i in range(len(prompts))]}
     p, r = res["packed"], res["replicated"]
     k = p["slots_infilled_together_mean"]
+    speed = timing.ratio(got["records"], "packed", "replicated", "long")
     res["summary"] = {
         "prompts": n, "prompt_tokens_mean": statistics.mean(x.shape[1] for x in prompts),
         "same_tokens": p["_outputs"] == r["_outputs"],
-        "packed_speedup": p["tps"] / r["tps"],
+        "packed_speedup": speed["ratio"], "packed_speedup_interval": speed["interval"],
         "kv_peak_ratio": p["kv_peak_bytes_max"] / r["kv_peak_bytes_max"],
         "slots_infilled_together_mean": k,
         # The packed cache still holds the k * L query tokens' KV after a call, the replicated one k * (T + L):
@@ -149,16 +159,18 @@ def run_long_prompt(model, tokenizer, n: int) -> dict:
 COMPILED_PRESETS = ("ar", "refusion", "llada", "fast_dllm", "dream", "d2f")
 
 
-def run_compiled(n: int, threads: int) -> dict:
+def run_compiled(n: int, threads: int, rounds: int = 9) -> dict:
     """Per decoder preset: the first ``n`` test items of each embedded kind (chat-templated, the kind's
-    gen_length, the preset's knobs), decoded eagerly and with ``compile=True``, batch 1. One untimed pass of
-    each first (the compiled one compiles every query bucket these prompts meet); then every prompt eager and
-    compiled in turn (ABBA by prompt), timed around the decoder call. Tokens/s = tokens / seconds of the timed
-    pass, compile seconds and compilations from the warm-up pass's stats, and whether every prompt gave the
-    same tokens and NFE both ways."""
+    gen_length, the preset's knobs), decoded eagerly and with ``compile=True``, batch 1, timed by the timing
+    protocol (harness/run/timing.py): an untimed warm-up block of each (the compiled one compiles every query
+    bucket these prompts meet), then ``rounds`` ABBA rounds of eager and compiled; tokens/s is the median over
+    rounds, the ratio the median over adjacent-round pairs with its interval. Compile seconds and compilations
+    from the warm-up's stats; every timed decode must repeat its first tokens, and eager and compiled must agree
+    on tokens and NFE."""
     import torch
 
     from harness.models.checkpoints import load_model
+    from harness.run import timing
     from harness.run.presets import PRESETS
     from refusion.decoding import DECODERS
     from tasks.embedded import load_split
@@ -180,23 +192,27 @@ def run_compiled(n: int, threads: int) -> dict:
                 ids = torch.tensor([lm.tokenizer(text, add_special_tokens=False)["input_ids"]])
                 items.append((ids, {**spec.knobs, "gen_length": TASKS[f"embedded_{kind}"].gen_length}))
         dec = DECODERS[spec.decoder]
-        warm = {c: [dec(lm.model, ids, None, {**kn, "compile": c}, **special) for ids, kn in items]
-                for c in (False, True)}
-        secs, toks, same = {False: 0.0, True: 0.0}, {False: 0, True: 0}, True
-        for i, (ids, kn) in enumerate(items):
-            results = {}
-            for c in ((False, True) if i % 2 == 0 else (True, False)):
-                t0 = time.perf_counter()
-                results[c] = dec(lm.model, ids, None, {**kn, "compile": c}, **special)
-                secs[c] += time.perf_counter() - t0
-                toks[c] += results[c][1]["generated_tokens"]
-            (te, se), (tc, sc) = results[False], results[True]
-            same = same and all(torch.equal(a, b) for a, b in zip(te, tc)) and se["nfe"] == sc["nfe"]
-        stats = [s for _, s in warm[True]]
-        out[name] = {"prompts": len(items), "eager_tps": toks[False] / secs[False], "compiled_tps": toks[True] / secs[True],
-                     "compiled_over_eager": (toks[True] / secs[True]) / (toks[False] / secs[False]),
-                     "same_tokens": same, "compilations": sum(s.get("compilations", 0) for s in stats),
-                     "compile_s": sum(s["timings"].get("compile_s", 0.0) for s in stats)}
+
+        def call(ids, kn, c):
+            def fn():
+                toks, st = dec(lm.model, ids, None, {**kn, "compile": c}, **special)
+                return [t.tolist() for t in toks], st["generated_tokens"], st
+            return fn
+
+        sides = [timing.FnSide(label, {name: [call(ids, kn, c) for ids, kn in items]})
+                 for label, c in (("eager", False), ("compiled", True))]
+        got = timing.run_rounds(sides, [name], rounds=rounds, progress=False)
+        eager, comp = (timing.figure(got["records"], s_.name, name) for s_ in sides)
+        speed = timing.ratio(got["records"], "compiled", "eager", name)
+        keys = list(sides[0].outputs)
+        same = all(sides[0].outputs[k] == sides[1].outputs[k] and
+                   sides[0].extra[k][0]["nfe"] == sides[1].extra[k][0]["nfe"] for k in keys)
+        stats = [sides[1].extra[k][0] for k in keys]
+        out[name] = {"prompts": len(items), "rounds": rounds, "eager_tps": eager["tokens_per_s"],
+                     "compiled_tps": comp["tokens_per_s"], "compiled_over_eager": speed["ratio"],
+                     "compiled_over_eager_interval": speed["interval"],
+                     "same_tokens": same, "compilations": sum(s_.get("compilations", 0) for s_ in stats),
+                     "compile_s": sum(s_["timings"].get("compile_s", 0.0) for s_ in stats)}
         r = out[name]
         print(f"compile {name:<10} eager {r['eager_tps']:8.1f} tok/s  compiled {r['compiled_tps']:8.1f} tok/s  "
               f"x{r['compiled_over_eager']:.2f}  same={same}  graphs={r['compilations']} ({r['compile_s']:.1f} s)",
@@ -282,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch", type=int, default=8,
                    help="also decode refusion in batches of this size (same items; 1 = skip)")
+    p.add_argument("--rounds", type=int, default=9,
+                   help="timed rounds of the direct comparisons (long prompts, eager vs compiled; default: %(default)s)")
     p.add_argument("--long-prompts", type=int, default=8,
                    help="long-prompt packed vs replicated case: this many prompts (0 = skip)")
     p.add_argument("--compiled", type=int, default=2,
@@ -313,12 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
         path = REPO / PRESETS["refusion"].checkpoint
         model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-        long = run_long_prompt(model, tok, a.long_prompts)
+        long = run_long_prompt(model, tok, a.long_prompts, a.rounds)
         s = long["summary"]
         print(f"long    packed/replicated tps x{s['packed_speedup']:.2f}  kv x{s['kv_peak_ratio']:.3f}  "
               f"k={s['slots_infilled_together_mean']:.2f}  same={s['same_tokens']}", file=sys.stderr)
 
-    compiled = run_compiled(a.compiled, a.threads) if a.compiled > 0 else None
+    compiled = run_compiled(a.compiled, a.threads, a.rounds) if a.compiled > 0 else None
 
     env = json.loads((run / "run.json").read_text()).get("environment")
     report = {

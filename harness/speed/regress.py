@@ -16,14 +16,15 @@ What is compared:
   fixed thread count gives the same tokens every run, on any machine, so any change
   here is a behaviour change, not noise;
 - **speed, against the baseline commit's code on this machine, now**
-  (harness/speed/ab.py): the baseline records the commit it was made at, and the
-  check decodes the same items with that commit's code and with the current code in
-  two persistent workers, alternating, and compares tokens/s as a paired ratio per
-  item with a bootstrap interval. A figure fails only when its whole interval lies
-  below ``1 - --tolerance`` (10%) twice. Nothing recorded on another machine is ever
-  compared, so a baseline recorded on one CPU type holds on any other. When the
-  baseline commit is not in the clone (a shallow clone), the speed part says so in
-  one line and the deterministic part still decides.
+  (harness/speed/ab.py, timed by harness/run/timing.py): the baseline records the commit
+  it was made at, and the check decodes the same items with that commit's code and with the
+  current code in two persistent workers, in interleaved rounds (ABBA), and compares wall-time
+  tokens/s as the median over rounds of the per-round ratio, with a bootstrap interval over
+  rounds and items; CPU time is the second signal (wall slower, CPU not: a wait). A figure fails
+  when its ratio is below ``1 - --tolerance`` (0.90) *and* its whole interval lies below 1, twice.
+  Nothing recorded on another machine is ever compared, so a baseline recorded on one CPU type
+  holds on any other. When the baseline commit is not in the clone (a shallow clone), the speed
+  part says so in one line and the deterministic part still decides.
 
 A baseline recorded with other settings (models, knobs, LIMIT, seed, threads or
 checkpoint hashes) is never compared: exit 2, naming the setting. Exit codes: 0
@@ -160,23 +161,33 @@ def render(rows: list[dict], run_dir: Path, baseline_path: Path, speed: dict | N
         mach = speed.get("machine") or {}
         out.append("## Speed: current code against the baseline commit, same machine, same run\n")
         out.append(f"Machine: {_machine_text(mach)}, {speed.get('threads')} thread(s) per worker. "
-                   f"Baseline commit `{speed.get('baseline_commit')}`; {speed.get('limit')} items per kind; "
+                   f"Baseline commit `{speed.get('baseline_commit')}`; {speed.get('limit')} items per kind, "
+                   f"{speed.get('rounds')} interleaved rounds (ABBA), wall time with CPU time beside it; "
                    f"{speed.get('seconds')} s.\n")
+        from harness.run.timing import busy_text
+
+        g = speed.get("guard") or {}
+        if g.get("available"):
+            out.append(f"Machine load during the rounds: other processes {100 * g.get('others_cpu_share', 0):.0f}% of "
+                       f"the CPU, steal {100 * g.get('steal_share', 0):.0f}%"
+                       + (f" ({busy_text(g)}; the A/B's ratios pair the two sides round by round)" if g.get("busy")
+                          else "") + ".\n")
         if recorded_on:
             out.append(f"The baseline was recorded on {_machine_text(recorded_on)}: for information only, as "
                        "both code versions were timed here.\n")
         if speed.get("unavailable"):
             out.append(f"**Speed not checked:** {speed['unavailable']}.\n")
         elif speed_rows:
-            out.append("| status | figure | baseline tok/s | current tok/s | current / baseline (geometric mean "
-                       "of per-item ratios) | 95% interval | rule |")
-            out.append("|---|---|---|---|---|---|---|")
+            out.append("| status | figure | baseline tok/s | current tok/s | current / baseline, wall (median over "
+                       "rounds) | 95% interval | CPU-time ratio | rule |")
+            out.append("|---|---|---|---|---|---|---|---|")
             for r in sorted(speed_rows, key=lambda r: r["ok"]):
                 conf = r.get("confirm")
                 again = (f"; again: {_fmt(conf['ratio'])} [{_fmt(conf['lo'])}, {_fmt(conf['hi'])}]" if conf else "")
+                what = f" ({r['slowdown']})" if r.get("slowdown") else ""
                 out.append(f"| {'ok' if r['ok'] else 'FAIL'} | {r['figure']} | {_fmt(r['baseline_tps'])} | "
-                           f"{_fmt(r['current_tps'])} | {_fmt(r['ratio'])} | [{_fmt(r['lo'])}, {_fmt(r['hi'])}]"
-                           f"{again} | {r['rule']} |")
+                           f"{_fmt(r['current_tps'])} | {_fmt(r['ratio'])}{what} | [{_fmt(r['lo'])}, {_fmt(r['hi'])}]"
+                           f"{again} | {_fmt(r.get('cpu_ratio'))} | {r['rule']} |")
             out.append("")
     out.append("## Deterministic figures\n")
     lines = ["| status | figure | baseline | now | rule |", "|---|---|---|---|---|"]
@@ -283,8 +294,10 @@ def _parser(update: bool) -> argparse.ArgumentParser:
         p.add_argument("--reason", required=True, help="why the baseline changes (kept in history.jsonl)")
     else:
         p.add_argument("--tolerance", type=float, default=TOLERANCE,
-                       help="a speed figure fails when its whole 95%% interval of current / baseline tokens/s lies "
-                       "below 1 - this, twice (default: %(default)s)")
+                       help="a speed figure fails when its current / baseline tokens/s ratio is below 1 - this and "
+                       "its whole 95%% interval below 1, twice (default: %(default)s)")
+        p.add_argument("--rounds", type=int, default=ab.ROUNDS,
+                       help="timed rounds of the speed A/B (default: %(default)s)")
         p.add_argument("--ab-limit", type=int, default=ab.AB_LIMIT,
                        help="test items per embedded kind and preset in the speed A/B (default: %(default)s)")
         p.add_argument("--no-speed", dest="speed", action="store_false",
@@ -350,6 +363,8 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
             raise RegressError(f"--limit must be >= 1, got {ns.limit}")
         if not update and ns.ab_limit < 1:
             raise RegressError(f"--ab-limit must be >= 1, got {ns.ab_limit}")
+        if not update and ns.rounds < 2:
+            raise RegressError(f"--rounds must be >= 2, got {ns.rounds}")
         if update and not ns.reason.strip():
             raise RegressError("--reason must say why the baseline changes")
         cfg = settings(models, ns.limit)
@@ -383,7 +398,7 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
             pending = pool.submit(run_eval, cfg, Path(ns.out), run_id)
         if run_speed:
             speed = ab.run(models, base.get("commit"), limit=ns.ab_limit, threads=THREADS, tolerance=ns.tolerance,
-                           confirm=ns.confirm, progress=ns.run is not None)
+                           confirm=ns.confirm, progress=ns.run is not None, rounds=ns.rounds)
             print("speed not checked: " + speed["unavailable"] if speed.get("unavailable") else
                   f"speed A/B done in {speed['seconds']} s", file=sys.stderr, flush=True)
         if pending is not None:

@@ -1,0 +1,381 @@
+"""The timed rounds of a run (`harness eval`, docs/design.md "Timing protocol"), in their own process:
+
+    python -m harness.run.rounds --run-dir D
+
+Started by the runner once every model's decoding pass is done. It reads the run's settings (run.json
+``timing``) and each model's per-sample logs, draws the timed items of every task (harness/run/timing.py
+``sample_docs``: the same documents for every model), loads the models with the quality pass's own
+settings (checkpoint, decoder, knobs, dtype, threads, batch size, chat template) and times them in
+interleaved rounds (``timing.run_rounds``). Every timed decode must give the quality pass's tokens: a
+mismatch stops with one ``error:`` line naming the model and the document.
+
+Memory: with ``--timing-memory all`` every model of the run is loaded at once and each round visits them
+all; with ``pairs`` the reference row (the run's speedup baseline) stays loaded and every other row is timed
+against it, two models at a time, in a pass of its own (nine 8B rows do not fit one GPU together).
+``auto`` (the default) picks ``all`` when the weights, with room to spare, fit the free memory of the
+device. The choice is written to timing.json and run.json.
+
+Writes ``timing.json`` (atomically) in the run folder: the settings, the timed documents, every block's
+wall and CPU seconds and tokens, the guard's view of the machine. Nothing else of the run changes here;
+the runner's ``finalize`` turns it into figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from harness.run.store import atomic_write_json, read_json
+from harness.run import timing
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def settings_of(cfg: dict) -> dict:
+    """The run's timing settings (run.json ``timing``), with the defaults of an older run.json."""
+    t = dict(cfg.get("timing") or {})
+    t.setdefault("mode", "interleaved")
+    t.setdefault("rounds", timing.DEFAULT_ROUNDS)
+    t.setdefault("items", timing.DEFAULT_ITEMS)
+    t.setdefault("order", "abba")
+    t.setdefault("memory", "auto")
+    t.setdefault("busy_share", timing.BUSY_SHARE)
+    t.setdefault("budget_s", timing.BUDGET_S)
+    return t
+
+
+def _rows(run_dir: Path, model: str, unit: str) -> dict[tuple[str, object], dict]:
+    """The decoded (not failed) generation rows of one (model, unit) by (leaf task, document)."""
+    p = run_dir / "models" / model / "samples" / f"{unit}.jsonl"
+    out: dict[tuple[str, object], dict] = {}
+    if not p.is_file():
+        return out
+    with open(p, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r.get("failed") or r.get("tokens") is None or r.get("prompt") is None:
+                continue
+            out.setdefault((r["task"], r["doc_id"]), r)  # one row per filter: the decode is the same
+    return out
+
+
+def timed_docs(run_dir: Path, cfg: dict, t: dict) -> dict[str, list[tuple[str, object]]]:
+    """Per unit with generation requests, the timed (leaf, document) pairs: a seeded sample of the documents
+    every model decoded (module doc)."""
+    common_of, cost = {}, []
+    for u in cfg["units"]:
+        common, secs = None, 0.0
+        for m in cfg["models"]:
+            rows = _rows(run_dir, m["name"], u["name"])
+            common = set(rows) if common is None else common & set(rows)
+            if rows:
+                secs += sum(float(r.get("decode_s") or 0.0) for r in rows.values()) / len(rows)
+        if common:
+            common_of[u["name"]] = sorted(common, key=lambda k: (k[0], f"{k[1]:012d}" if isinstance(k[1], int)
+                                                                 else str(k[1])))
+            cost.append(secs)
+    items = t["items"]
+    k = (None if items == "all" else int(items) if items != "auto"
+         else timing.items_for_budget(cost, int(t["rounds"]), float(t["budget_s"])))
+    return {u: timing.sample_docs(docs, k, int(cfg["seed"]), u) for u, docs in common_of.items()}
+
+
+def _weight_bytes(m: dict) -> int:
+    total = 0
+    for folder in (m["checkpoint"], m.get("base")):
+        if folder and Path(folder).is_dir():
+            total += sum(p.stat().st_size for p in Path(folder).iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    return total
+
+
+def _free_bytes(device: str) -> int | None:
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def memory_mode(cfg: dict, t: dict) -> str:
+    """all or pairs (module doc): ``auto`` is ``all`` when the weights take at most half the free memory."""
+    if t["memory"] in ("all", "pairs"):
+        return t["memory"]
+    free = _free_bytes(cfg["device"])
+    need = sum(_weight_bytes(m) for m in cfg["models"])
+    return "all" if free is None or 2 * need <= free else "pairs"
+
+
+class ModelSide:
+    """One model of the run as a timing side: its prepared requests per unit, in batches of the run's batch
+    size, and the quality pass's tokens to check every timed decode against."""
+
+    def __init__(self, spec: dict, cfg: dict, rows: dict[str, list[dict]]) -> None:
+        from harness.run.lm_adapter import RefusionBenchLM
+
+        self.name = spec["name"]
+        self.lm = RefusionBenchLM(
+            pretrained=spec["checkpoint"], decoder=spec["decoder"], batch_size=cfg["batch_size"],
+            device=cfg["device"], seed=cfg["seed"], threads=cfg["threads"], journal_dir=None,
+            task_knobs=spec["task_knobs"], dtype=cfg.get("dtype", "float32"), base=spec.get("base"),
+            chat_template_args=spec.get("chat_template_args", cfg.get("chat_template_args")) or None,
+            response_extract="python_fence" if cfg.get("prompts") == "paper" else None, **spec["knobs"])
+        self.expected: dict[tuple[str, object], list[int]] = {}
+        self.batches: dict[str, list[list[dict]]] = {}
+        bs = max(1, int(cfg["batch_size"]))
+        for unit, rs in rows.items():
+            items = []
+            for i, r in enumerate(rs):
+                self.expected[(r["task"], r["doc_id"])] = [int(x) for x in r["tokens"]]
+                items.append({"key": f"timed/{r['task']}/{r['doc_id']}", "context": r["prompt"], "until": [],
+                              "knobs": r["knobs"], "task": r["task"], "doc_id": r["doc_id"], "idx": i})
+            self.batches[unit] = [items[j:j + bs] for j in range(0, len(items), bs)]
+
+    def block(self, group: str, repeat: int) -> list[dict]:
+        calls: list[dict] = []
+        for rep in range(repeat):
+            for ci, batch in enumerate(self.batches[group]):
+                recs = self.lm.call.run(batch, rank=0)
+                for rec in recs:
+                    want = self.expected[(rec["task"], rec["doc_id"])]
+                    if rec["tokens"] != want:
+                        at = next((i for i, (a, b) in enumerate(zip(rec["tokens"], want)) if a != b),
+                                  min(len(rec["tokens"]), len(want)))
+                        raise timing.TimingMismatch(
+                            f"model {self.name!r}: the timed decode of {rec['task']} document {rec['doc_id']} gave "
+                            f"other tokens than its decoding pass (first difference at token {at}: "
+                            f"{len(rec['tokens'])} vs {len(want)} tokens); speed figures of other tokens would "
+                            "not be this run's")
+                call = {"wall_s": recs[0]["batch_wall_s"], "cpu_s": sum(r["cpu_s"] for r in recs),
+                        "tokens": sum(r["generated_tokens"] for r in recs)}
+                if rep == 0:
+                    calls.append(call)
+                else:
+                    calls[ci]["wall_s"] += call["wall_s"]
+                    calls[ci]["cpu_s"] += call["cpu_s"]
+        return calls
+
+    def close(self) -> None:
+        del self.lm
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
+
+
+def load_timing(run_dir: Path, cfg: dict) -> dict | None:
+    """The run's timing.json when the run is interleaved and it holds rounds for the run's timing settings."""
+    t = settings_of(cfg)
+    p = run_dir / "timing.json"
+    if t["mode"] != "interleaved" or not p.is_file():
+        return None
+    try:
+        got = read_json(p)
+    except (OSError, ValueError):
+        return None
+    return got if got.get("settings") == t and got.get("passes") else None
+
+
+def _pass_of(timed: dict, model: str) -> dict | None:
+    """The pass that timed ``model`` (in pairs mode the reference is in every pass: its first)."""
+    return next((p for p in timed["passes"] if model in p["sides"]), None)
+
+
+def apply_timing(timed: dict | None, cfg: dict, rows: list[dict]) -> dict:
+    """Put the timed rounds' figures into the metrics rows (tokens/s, latency, speedup and their intervals;
+    the decoding pass's own figures kept under ``speed.single_pass``), or mark every row as a single pass.
+    Returns the run's timing summary: mode, rounds, items, memory, the guard, the busy flag, and per model the
+    mean speedup's interval from the rounds."""
+    t = settings_of(cfg)
+    if timed is None:
+        for r in rows:
+            r["speed"]["timing"] = {"mode": "sequential" if t["mode"] == "sequential" else "single pass",
+                                    "rounds": 1}
+        why = ("--timing sequential" if t["mode"] == "sequential" else
+               "no timed rounds in this run folder (merged shards, or an older run)")
+        return {"mode": "single pass", "why": why, "busy": False, "mean_speedup_interval": {}}
+    base = cfg.get("baseline")
+    guards = [p.get("guard") for p in timed["passes"] if p.get("guard")]
+    busy = any(g.get("busy") for g in guards)
+    guard = max(guards, key=lambda g: g.get("others_share") or 0.0) if guards else None
+    for r in rows:
+        ps = _pass_of(timed, r["model"])
+        fig = timing.figure(ps["records"], r["model"], r["task"]) if ps else None
+        if fig is None:  # a task without timed items (no generation), or a model the rounds did not see
+            r["speed"]["timing"] = {"mode": "single pass", "rounds": 1, "why": "no timed items for this task"}
+            continue
+        s = r["speed"]
+        s["single_pass"] = {"tokens_per_s": s["tokens_per_s"]["ratio_of_sums"], "latency_s": s["latency_s"]}
+        s["tokens_per_s"] = {"ratio_of_sums": fig["tokens_per_s"], "mean_of_ratios": fig["mean_of_ratios"],
+                             "cpu_time": fig["cpu_tokens_per_s"]}
+        s["latency_s"] = {"mean": fig["latency_s"], "p50": fig["latency_p50_s"], "p90": fig["latency_p90_s"],
+                          "total": None}
+        s["timing"] = {"mode": "interleaved", "rounds": fig["rounds"], "items": fig["calls"],
+                       "timed_tokens": fig["tokens"], "per_round_tokens_per_s": fig["per_round"],
+                       "per_round_latency_p50_s": fig["per_round_latency_p50_s"],
+                       "per_round_latency_p90_s": fig["per_round_latency_p90_s"],
+                       "docs": [list(k) for k in timed["docs"].get(r["task"], [])],
+                       "memory": timed.get("memory"), "busy": bool((ps.get("guard") or {}).get("busy"))}
+        iv = r.setdefault("intervals", {})
+        iv["tokens_per_s"] = fig["interval"]
+        iv["latency_mean_s"] = fig["latency_interval"]
+        iv["latency_p50_s"] = fig["latency_p50_interval"]
+        iv["latency_p90_s"] = fig["latency_p90_interval"]
+        if base and r["model"] != base and (r.get("speedup") or {}).get("baseline") == base:
+            q = timing.ratio(ps["records"], r["model"], base, r["task"])
+            if q is not None:
+                r["speedup"] = {"baseline": base, "tokens_per_s": q["ratio"], "interval": q["interval"], "p": None,
+                                "items": fig["calls"], "method": "timed rounds", "per_round": q["per_round"]}
+    means = {}
+    if base:
+        for m in cfg["models"]:
+            ps = _pass_of(timed, m["name"])
+            units = [r["task"] for r in rows if r["model"] == m["name"] and
+                     (r["speed"].get("timing") or {}).get("mode") == "interleaved"]
+            if m["name"] != base and ps and base in ps["sides"] and units:
+                got = timing.mean_ratio(ps["records"], m["name"], base, units)
+                means[m["name"]] = got and got["interval"]
+    counts = sorted({len(v) for v in (timed.get("docs") or {}).values()})
+    return {"mode": "interleaved", "rounds": t["rounds"], "order": t["order"], "items_setting": t["items"],
+            "items": counts[0] if len(counts) == 1 else "-".join(map(str, (counts[0], counts[-1]))),
+            "memory": timed.get("memory"), "busy": busy, "guard": guard, "busy_text": timing.busy_text(guard),
+            "clock": timed.get("clock"), "seconds": timed.get("seconds"), "mean_speedup_interval": means}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.run.rounds", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--no-progress", action="store_true")
+    ns = p.parse_args(argv)
+    run_dir = Path(ns.run_dir)
+    cfg = read_json(run_dir / "run.json")
+    t = settings_of(cfg)
+    from harness.run.lm_adapter import set_seed
+    from harness.run.quiet import quiet_libraries
+
+    quiet_libraries()
+    set_seed(cfg["seed"])
+    t0 = time.monotonic()
+    docs = timed_docs(run_dir, cfg, t)
+    groups = list(docs)
+    if not groups:
+        atomic_write_json(run_dir / "timing.json", {"settings": t, "docs": {}, "passes": [], "memory": None,
+                                                    "why": "no task of the run generates text: nothing to time"})
+        return 0
+    rows = {m["name"]: {u: [_rows(run_dir, m["name"], u)[k] for k in ks] for u, ks in docs.items()}
+            for m in cfg["models"]}
+    names = [m["name"] for m in cfg["models"]]
+    ref = cfg.get("baseline") if cfg.get("baseline") in names else names[0]
+    mode = memory_mode(cfg, t)
+    specs = {m["name"]: m for m in cfg["models"]}
+    gpu = None
+    if str(cfg["device"]).startswith("cuda"):
+        gpu = int(str(cfg["device"]).split(":")[1]) if ":" in str(cfg["device"]) else 0
+    plan = [names] if mode == "all" or len(names) < 2 else [[ref, n] for n in names if n != ref]
+    passes = []
+    loaded: dict[str, ModelSide] = {}
+    try:
+        for i, members in enumerate(plan):
+            for n in list(loaded):
+                if n not in members:
+                    loaded.pop(n).close()
+            for n in members:
+                if n not in loaded:
+                    loaded[n] = ModelSide(specs[n], cfg, rows[n])
+            guard = timing.Guard(busy_share=float(t["busy_share"]), gpu_index=gpu)
+            desc = "timed rounds" + (f" ({n} vs {ref})" if len(plan) > 1 else "")
+            got = timing.run_rounds([loaded[n] for n in members], groups, rounds=int(t["rounds"]), order=t["order"],
+                                    seed=int(cfg["seed"]), guard=guard, progress=not ns.no_progress, desc=desc)
+            passes.append({"sides": members, **got})
+    except timing.TimingMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    device = str(cfg["device"])
+    atomic_write_json(run_dir / "timing.json", {
+        "settings": t, "docs": {u: [list(k) for k in ks] for u, ks in docs.items()}, "reference": ref,
+        "memory": mode, "passes": passes, "seconds": round(time.monotonic() - t0, 1),
+        "clock": ("wall time, the device synchronised at the edges of every call; CPU time beside it"
+                  if device.startswith("cuda") else "wall time; the process's CPU time beside it")})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+# ---------------------------------------------------------------- readers for the reports
+
+
+def is_timed(met: dict) -> bool:
+    """Whether a metrics file's wall-clock figures come from timed rounds."""
+    return ((met.get("speed") or {}).get("timing") or {}).get("mode") == "interleaved"
+
+
+def speed_interval(met: dict, figure: str) -> dict | None:
+    """The timed interval of a wall-clock figure of a metrics file (None for a single pass)."""
+    return (met.get("intervals") or {}).get(figure) if is_timed(met) else None
+
+
+def rounds_dist(met: dict, stream: object) -> "object | None":
+    """A bootstrap distribution of a timed tokens/s figure over its rounds (the median of resampled rounds;
+    for a row's average over tasks, resampled per task): None for a single pass."""
+    if not is_timed(met):
+        return None
+    import numpy as np
+
+    vals = np.asarray(met["speed"]["timing"].get("per_round_tokens_per_s") or [], dtype=float)
+    if vals.size < 2:
+        return None
+    g = timing._rng("rounds_dist", stream, vals.size)
+    return np.median(vals[g.integers(0, vals.size, size=(timing.BOOT, vals.size))], axis=1)
+
+
+_TIMED: dict[str, tuple[float, dict | None]] = {}
+
+
+def _timing_of(run_dir: str | Path) -> dict | None:
+    """timing.json of a run folder, read once per change (the reports ask for many pairs)."""
+    p = Path(run_dir) / "timing.json"
+    try:
+        mtime = p.stat().st_mtime
+    except OSError:
+        return None
+    key = str(p.resolve())
+    if key not in _TIMED or _TIMED[key][0] != mtime:
+        try:
+            _TIMED[key] = (mtime, read_json(p))
+        except (OSError, ValueError):
+            _TIMED[key] = (mtime, None)
+    return _TIMED[key][1]
+
+
+def ratio_in_run(run_dir: str | Path, model: str, ref: str, units: list[str]) -> dict | None:
+    """``model``'s tokens/s over ``ref``'s from one run's timed rounds, when one pass timed both: per unit
+    (``timing.ratio``) and their mean (``timing.mean_ratio``). None when the run has no such rounds."""
+    timed = _timing_of(run_dir)
+    if not timed or not timed.get("passes"):
+        return None
+    ps = next((p for p in timed["passes"] if model in p["sides"] and ref in p["sides"]), None)
+    if ps is None:
+        return None
+    per = {u: timing.ratio(ps["records"], model, ref, u) for u in units}
+    mean = timing.mean_ratio(ps["records"], model, ref, units) if units and all(per.values()) else None
+    return {"per_unit": per, "mean": mean}
