@@ -287,7 +287,7 @@ def package_environment(as_other_uid: bool, namespaces: bool = False, dirs: list
     given: list[str] = []
     problems: list[str] = []
     fixes: list[str] = []
-    theirs = _python_version(python) if dirs and python != _own_interpreter() else mine
+    theirs = _python_version(python) if dirs else mine
     withheld: list[str] = []
     if theirs != mine:
         problems.append(f"the only Python the sandbox uids can run is {python} ({theirs or 'does not start'}), "

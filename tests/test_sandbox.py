@@ -712,6 +712,8 @@ def test_package_environment_names_cause_and_fix(public_dir):
     (tmp_path / "venv").chmod(0o700)
     env = sandbox.package_environment(as_other_uid=True, namespaces=True, dirs=[str(site)])
     assert env["site"] == [str(site)] and env["withheld"] == [] and env["warning"] is None, env
+    if sandbox._stdlib_reason() is None:  # root starts the evaluation's own interpreter, wherever it lives
+        assert env["python"] == sandbox._own_interpreter(), env
     (site / "pkg").chmod(0o700)
     env = sandbox.package_environment(as_other_uid=True, namespaces=True, dirs=[str(site)])
     assert env["site"] == [] and env["withheld"] == [str(site)], env
