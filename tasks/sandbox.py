@@ -43,7 +43,10 @@ Isolation of the candidate (as root, when the kernel allows it; see capabilities
   touch) kills every process of the program;
 * a cgroup with a memory and a process limit for the whole program (v2, else
   v1), on top of per-process rlimits (CPU, address space, processes, file
-  size, open files, no core dumps) and ``no_new_privs``.
+  size, open files, no core dumps) and ``no_new_privs``;
+* the judge in a mount namespace of its own with the same kind of root. In both
+  the package folders and the interpreter are bound from descriptors root opened
+  first, so they are shown wherever they live (a private home, /tmp).
 
 When a mechanism is missing, the run falls back (uid switch and a root kill
 loop, scratch-file sweep) and ``capabilities()["warning"]`` says what is lost;
@@ -169,10 +172,20 @@ def _world_executable(path: str) -> bool:
     return all(d.stat().st_mode & stat.S_IXOTH for d in p.parents)
 
 
-def _interpreter(as_other_uid: bool) -> str:
-    """The Python the sandbox runs: the evaluation's own interpreter when the sandbox uids can execute
-    it, else a world-executable one of the same version (same ABI: the venv's compiled packages load in
-    it), else any world-executable python3 (environment() then says the packages are not given)."""
+def _own_interpreter() -> str:
+    """The evaluation's own interpreter (the venv's base), real path."""
+    return str(Path(getattr(sys, "_base_executable", None) or sys.executable).resolve())
+
+
+def _interpreter(as_other_uid: bool, namespaces: bool = False) -> str:
+    """The Python the sandbox runs. With namespaces: the evaluation's own interpreter, wherever it lives
+    (root starts it and binds its prefix into the namespace), when its standard library is readable by
+    other users. Else the evaluation's own when the sandbox uids can execute it, else a world-executable
+    one of the same version (same ABI: the venv's compiled packages load in it), else any world-executable
+    python3 (package_environment() then says the packages are not given)."""
+    own = _own_interpreter()
+    if namespaces and os.path.isfile(own) and _stdlib_reason() is None:
+        return own
     ver = f"python{sys.version_info[0]}.{sys.version_info[1]}"
     candidates = [getattr(sys, "_base_executable", None), sys.executable, f"/usr/bin/{ver}",
                   f"/usr/local/bin/{ver}", shutil.which(ver), "/usr/bin/python3", shutil.which("python3")]
@@ -180,6 +193,18 @@ def _interpreter(as_other_uid: bool) -> str:
         if c and os.path.isfile(c) and (not as_other_uid or _world_executable(c)):
             return str(Path(c).resolve())
     raise RuntimeError("sandbox: no Python interpreter executable by an unprivileged user was found")
+
+
+def _stdlib_reason() -> str | None:
+    """Why a sandbox uid could not import the evaluation interpreter's standard library once its folders
+    are bound into the namespace (only their own modes count there), or None."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    for d in dict.fromkeys((paths["stdlib"], paths["platstdlib"], os.path.join(paths["platstdlib"], "lib-dynload"))):
+        if os.path.isdir(d) and (why := unreadable_reason(d, parents=False)):
+            return why
+    return None
 
 
 def _package_dirs() -> list[str]:
@@ -202,19 +227,27 @@ def _mode(p: Path) -> str:
     return oct(stat.S_IMODE(p.stat().st_mode))[2:]
 
 
-def unreadable_reason(folder: str) -> str | None:
+def unreadable_reason(folder: str, parents: bool = True) -> str | None:
     """Why a sandbox uid (another user, no supplementary groups) cannot read the package folder
-    `folder`, or None when it can: every folder above it world-traversable, the folder and each entry
-    in it world-readable (folders also traversable)."""
+    `folder`, or None when it can: every folder above it world-traversable (only with ``parents``: not
+    inside the namespace, where the folder is bound below folders of the sandbox's own), the folder and
+    each entry in it world-readable (folders also traversable). Without ``parents`` an entry that links
+    outside the folder counts too: the namespace shows the folder alone, so such a link leads nowhere."""
     p = Path(folder)
     try:
-        for d in reversed(p.parents):
-            if not d.stat().st_mode & stat.S_IXOTH:
-                return f"{d} is not traversable by other users (mode {_mode(d)})"
+        if parents:
+            for d in reversed(p.parents):
+                if not d.stat().st_mode & stat.S_IXOTH:
+                    return f"{d} is not traversable by other users (mode {_mode(d)})"
         need = stat.S_IROTH | stat.S_IXOTH
         if p.stat().st_mode & need != need:
             return f"{p} is not readable by other users (mode {_mode(p)})"
+        real = os.path.realpath(p)
         for e in os.scandir(p):
+            if not parents and e.is_symlink():
+                target = os.path.realpath(e.path)
+                if os.path.lexists(target) and os.path.commonpath([real, target]) != real:
+                    return f"{e.path} links to {target}, outside the package folder"
             try:
                 st = e.stat()  # through links: what an import opens
             except FileNotFoundError:  # a dangling link: nothing to import there, for anyone
@@ -239,31 +272,42 @@ def _python_version(python: str) -> str | None:
 
 def package_environment(as_other_uid: bool, namespaces: bool = False, dirs: list[str] | None = None) -> dict:
     """What the candidate and the judge get of the evaluation's environment (see docs/design.md §6d):
-    ``python`` (the interpreter), ``site`` (package folders put on their ``sys.path``, read-only) and
-    ``warning`` (one line naming the cause and the fix when some or all of them cannot be given; ``site``
-    then holds the folders that can be, often none: the standard library only)."""
+    ``python`` (the interpreter), ``site`` (package folders put on their ``sys.path``, read-only, as host
+    paths), ``withheld`` (the evaluation's package folders they do not get) and ``warning`` (one line
+    naming the cause and the fix when some or all of them cannot be given; ``site`` then holds the folders
+    that can be, often none: the standard library only).
+
+    With namespaces (root) every folder is bound into the sandbox's own root, so where the venv lives
+    (a private home, /tmp) does not matter: only the folder's own entries must be readable by other
+    users. Without them the sandbox uids open the folders at their host paths: every folder above must
+    be traversable too."""
     dirs = _package_dirs() if dirs is None else dirs
-    python = _interpreter(as_other_uid)
+    python = _interpreter(as_other_uid, namespaces)
     mine = f"{sys.version_info[0]}.{sys.version_info[1]}"
     given: list[str] = []
     problems: list[str] = []
     fixes: list[str] = []
     theirs = _python_version(python) if dirs else mine
+    withheld: list[str] = []
     if theirs != mine:
         problems.append(f"the only Python the sandbox uids can run is {python} ({theirs or 'does not start'}), "
                         f"not the evaluation's {mine} ({getattr(sys, '_base_executable', sys.executable)}), so "
                         "the venv's compiled packages cannot load in it")
         fixes.append(f"install python{mine} where every user can run it (/usr/bin), or make the evaluation's "
                      "interpreter and the folders above it readable and executable by every user")
-        dirs = []
+        dirs, withheld = [], list(dirs)
     for d in dirs:
-        if as_other_uid and (why := unreadable_reason(d)):
+        why = unreadable_reason(d, parents=not namespaces) if as_other_uid else None
+        if why:
             problems.append(why)
-            fixes.append(f"let every user read the packages (chmod o+x on each folder above {d}, chmod -R o+rX "
-                         f"{d}) or create the venv in a world-readable folder")
-        elif namespaces and (d == "/tmp" or d.startswith("/tmp/")):
-            problems.append(f"{d} lies under /tmp, which the sandbox replaces by its own scratch folder")
-            fixes.append("create the venv outside /tmp")
+            withheld.append(d)
+            if namespaces and " links to " in why:
+                fixes.append(f"install the packages into {d} itself (no link to another folder)")
+            elif namespaces:
+                fixes.append(f"let every user read the packages (chmod -R o+rX {d})")
+            else:
+                fixes.append(f"let every user read the packages (chmod o+x on each folder above {d}, chmod -R "
+                             f"o+rX {d}) or create the venv in a world-readable folder")
         else:
             given.append(d)
     warning = None
@@ -272,7 +316,46 @@ def package_environment(as_other_uid: bool, namespaces: bool = False, dirs: list
         warning = (f"programs and tests see {what}, not all of the evaluation's packages (an import that "
                    f"works under the official scorers can fail here): {'; '.join(problems)}; "
                    f"fix: {'; '.join(fixes)}")
-    return {"python": python, "site": given, "warning": warning}
+    return {"python": python, "site": given, "withheld": withheld, "warning": warning}
+
+
+def package_imports(*codes: str, dirs: list[str] | None = None) -> list[str]:
+    """The top-level modules that ``codes`` import (``import`` statements anywhere, ``__import__`` or
+    ``import_module`` of a literal name) and that the package folders ``dirs`` hold (default: the
+    evaluation's, its venv's site-packages), standard modules left out; sorted."""
+    import ast
+    import importlib.machinery
+
+    dirs = _package_dirs() if dirs is None else dirs
+    names: set[str] = set()
+    for code in codes:
+        try:
+            tree = ast.parse(code)
+        except (SyntaxError, ValueError):
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                names.update(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
+                names.add(n.module)
+            elif isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Constant) and \
+                    isinstance(n.args[0].value, str) and \
+                    getattr(n.func, "id", getattr(n.func, "attr", None)) in ("__import__", "import_module"):
+                names.add(n.args[0].value)
+    tops = {n.partition(".")[0] for n in names}
+    return sorted(t for t in tops if t.isidentifier() and t not in sys.stdlib_module_names
+                  and importlib.machinery.PathFinder.find_spec(t, list(dirs)) is not None)
+
+
+def withheld_imports(*codes: str) -> list[str]:
+    """The modules of ``package_imports(*codes)`` that only the package folders the sandbox withholds here
+    hold (``capabilities()["packages"]["withheld"]``): a verdict on such code may depend on a package the
+    program and the tests could not import. [] whenever every folder is given, as with namespaces."""
+    pk = capabilities()["packages"]
+    if not pk.get("withheld"):
+        return []
+    given = set(package_imports(*codes, dirs=list(pk["site"])))
+    return [m for m in package_imports(*codes, dirs=list(pk["withheld"])) if m not in given]
 
 
 _NS_PROBE = r"""
@@ -327,7 +410,7 @@ def capabilities() -> dict:
     cgroup, _ = (None, [])
     if root:
         try:
-            namespaces = subprocess.run([_interpreter(True), "-I", "-S", "-c", _NS_PROBE], timeout=30,
+            namespaces = subprocess.run([_own_interpreter(), "-I", "-S", "-c", _NS_PROBE], timeout=30,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
         except (OSError, subprocess.SubprocessError, RuntimeError):
             namespaces = False
@@ -665,15 +748,20 @@ class _Run:
         nonce = secrets.token_hex(16)
         base_env = dict(_ENV)
 
-        # The judge: trusted tests, its own uid, the only holder of the verdict pipe.
+        # The judge: trusted tests, its own uid, the only holder of the verdict pipe. With namespaces it
+        # starts as root, builds a mount namespace showing the package folders as the candidate's does
+        # (tasks/sandbox_child.py: _jail), then takes its uid; else it starts under its uid.
         judge_err = tempfile.TemporaryFile()
         self.judge = subprocess.Popen(
             [python, "-I", "-S", "-c", _CHILD_SRC, "judge", str(jsock.fileno()), str(verdict_w)],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=judge_err, cwd="/", env=base_env,
-            pass_fds=(jsock.fileno(), verdict_w), start_new_session=True, **self._user(judge_lease))
+            pass_fds=(jsock.fileno(), verdict_w), start_new_session=True,
+            **({} if self.ns else self._user(judge_lease)))
         site = list(self.caps["packages"]["site"])
         judge_cfg = {"nonce": nonce, "prelude": self.prelude, "tests": self.tests, "remote": list(self.remote),
                      "limits": self._limits(8, max(2048, lim["memory_mb"])), "site": site}
+        if self.ns:
+            judge_cfg["jail"] = {"uid": judge_lease.uid, "scratch_mb": lim["scratch_mb"]}
         self.judge.stdin.write(json.dumps(judge_cfg).encode("utf-8"))
         self.judge.stdin.close()
 
@@ -737,7 +825,7 @@ class _Run:
         self._stop_candidate(status_r)
         status = self._status_lines(status_r)
         rc: int | None = None
-        setup_error = None
+        setup_error = (verdict or {}).get("detail", "") if (verdict or {}).get("kind") == "setup" else None
         if self.ns:
             for line in status:
                 word, _, val = line.partition(" ")

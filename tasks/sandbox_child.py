@@ -15,7 +15,9 @@
   (tagged JSON, see ``encode``); anything else stays in the candidate and is
   named by a handle.
 * ``judge`` (a second sandbox uid): receives the trusted prelude and tests on
-  stdin (never on disk), runs them with the candidate's functions replaced by
+  stdin (never on disk); when namespaces work it starts as root, enters a mount
+  namespace of its own with a root built as the candidate's (``_jail``) and
+  takes its uid there. It runs the tests with the candidate's functions replaced by
   proxies, so every value the tests compare is an object built by the judge
   itself from data, and writes the verdict with the harness's nonce to a pipe
   only the judge holds.
@@ -434,10 +436,19 @@ def judge_main(sock_fd, verdict_fd):
     import traceback
 
     cfg = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    site_dirs = [d for d in cfg.get("site", []) if isinstance(d, str)]
+    if cfg.get("jail"):
+        # Started as root (namespaces work): a mount namespace of its own whose root holds the system dirs,
+        # this interpreter and the package folders (bound as for the candidate), then the judge's uid.
+        try:
+            site_dirs = _jail(cfg["jail"], site_dirs)
+        except Exception as e:  # the harness scores the sample sandbox_error with this text
+            os.write(verdict_fd, json.dumps({"nonce": cfg["nonce"], "kind": "setup",
+                                             "detail": f"{type(e).__name__}: {e}"}).encode("utf-8"))
+            os._exit(71)
     _set_limits(cfg["limits"])
     # The evaluation's packages, for the prelude and tests and to rebuild numpy data. Plain path entries:
     # no .pth file of the venv runs in the judge.
-    site_dirs = [d for d in cfg.get("site", []) if isinstance(d, str)]
     sys.path.extend(d for d in site_dirs if d not in sys.path)
     conn = socket.socket(fileno=sock_fd)
     kind, detail = "failed", ""
@@ -652,39 +663,83 @@ def _bind_ro(libc, src, dst):
     _mount(libc, None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
 
 
+def _system_binds():
+    """The folders every sandboxed process sees at their own paths, read-only: the system dirs and this
+    interpreter's own prefix and folder (its standard library; started by root, so wherever it lives)."""
+    return ["/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin", "/etc", sys.base_prefix,
+            os.path.dirname(os.path.realpath(sys.executable))]
+
+
+def _package_binds(site):
+    """(host folder, path inside) of the evaluation's package folders: PACKAGES_MOUNT/0, 1, ..."""
+    return [(d, f"{PACKAGES_MOUNT}/{i}") for i, d in enumerate(d for d in site if isinstance(d, str)
+                                                              and os.path.isabs(d))]
+
+
 def _build_root(libc, root, scratch_mb, binds, packages=()):
     """A tmpfs root holding read-only binds of the system dirs and of the package folders
     (``packages``: (host folder, path inside)), a private /proc and world-writable /tmp and
-    /dev/shm inside the same size-capped tmpfs."""
+    /dev/shm inside the same size-capped tmpfs.
+
+    Each folder is opened (``O_PATH``) before the tmpfs covers ``root`` (the host's /tmp) and bound from
+    its descriptor: a venv or interpreter under /tmp is still reached then. The folders made to hold the
+    binds are the tmpfs's own (mode 755), so the sandbox uid needs no right on the host folders above a
+    bound one (a venv under a private home): only the bound folder's own modes count."""
     os.umask(0o022)  # the folders made below to hold binds must be traversable by the sandbox uid
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
-    _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch_mb}m,mode=755")
+    shown = []  # (inside, "dir", descriptor) or (inside, "link", target), in bind order
     for src, inside in packages:
-        if os.path.isdir(src):
-            _bind_ro(libc, src, root + inside)
+        fd = _open_dir(src)
+        if fd is not None:
+            shown.append((inside, "dir", fd))
     for path in binds:
-        if not os.path.lexists(path):
-            continue
-        dst = root + path
         if os.path.islink(path):
+            shown.append((path, "link", os.readlink(path)))
+        elif (fd := _open_dir(path)) is not None:
+            shown.append((path, "dir", fd))
+    _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch_mb}m,mode=755")
+    for inside, kind, what in shown:
+        dst = root + inside
+        if kind == "link":
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             if not os.path.lexists(dst):
-                os.symlink(os.readlink(path), dst)
+                os.symlink(what, dst)
             continue
-        if os.path.lexists(dst):
-            continue  # already inside an earlier bind
-        _bind_ro(libc, path, dst)
+        try:
+            if not os.path.lexists(dst):  # else already inside an earlier bind
+                _bind_ro(libc, f"/proc/self/fd/{what}", dst)
+        finally:
+            os.close(what)
     os.makedirs(root + "/proc")
     _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     os.makedirs(root + "/dev/shm")
     for name in ("null", "zero", "urandom", "random"):
         open(f"{root}/dev/{name}", "w").close()
         _mount(libc, f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND, None)
-    os.makedirs(root + "/tmp")
+    os.makedirs(root + "/tmp", exist_ok=True)  # exists already when a bound folder lies under /tmp
     for d in ("/tmp", "/dev/shm"):
         os.chmod(root + d, 0o1777)
     os.chroot(root)
     os.chdir("/tmp")
+
+
+def _open_dir(path):
+    """An O_PATH descriptor of the folder `path` (links followed), None when it is not one."""
+    try:
+        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _jail(jail, site):
+    """The judge's confinement when namespaces work: a new mount namespace with the root _build_root makes
+    (package folders at PACKAGES_MOUNT/i), then the judge's uid. Returns the package folders' paths inside."""
+    libc = _libc()
+    _check(libc.unshare(CLONE_NEWNS), "unshare")
+    packages = _package_binds(site)
+    _build_root(libc, "/tmp", int(jail["scratch_mb"]), _system_binds(), packages)
+    _drop_privileges(libc, int(jail["uid"]))
+    return [inside for _, inside in packages]
 
 
 def stage_main(status_fd, sock_fd):
@@ -714,10 +769,8 @@ def stage_main(status_fd, sock_fd):
     # The system dirs and this interpreter's own prefix, each bound read-only at its own path; the
     # evaluation's package folders (its venv's site-packages) bound read-only under PACKAGES_MOUNT, so
     # the program sees neither the host's layout nor anything else of the folder that holds the venv.
-    binds = ["/usr", "/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin", "/etc", sys.base_prefix,
-             os.path.dirname(os.path.realpath(sys.executable))]
-    packages = [(d, f"{PACKAGES_MOUNT}/{i}") for i, d in enumerate(cfg.get("site", []))
-                if isinstance(d, str) and os.path.isabs(d)]
+    binds = _system_binds()
+    packages = _package_binds(cfg.get("site", []))
     site_dirs = [inside for _, inside in packages]
     init = os.fork()
     if init == 0:

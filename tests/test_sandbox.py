@@ -33,6 +33,14 @@ needs_ns = pytest.mark.skipif(not CAPS["namespaces"], reason="needs mount/PID/IP
 needs_cgroup = pytest.mark.skipif(not CAPS["cgroup"], reason="needs a memory/pids cgroup (root)")
 REPO = Path(__file__).resolve().parents[1]
 
+
+def needs_packages() -> None:
+    """Skip, with the sandbox's own reason, where it cannot give the evaluation's packages to the candidate
+    and the judge: the tests ask the same check (capabilities()["packages"]) the product prints and records."""
+    warning = sandbox.capabilities()["packages"]["warning"]
+    if warning:
+        pytest.skip(f"the sandbox cannot give the evaluation's packages here: {warning}")
+
 GOOD = "def f(x):\n    return x * 2\n"
 TESTS = "assert f(2) == 4\nassert f(5) == 10\nassert abs(f(0.25) - 0.5) < 1e-9\n"
 
@@ -90,8 +98,8 @@ def _uid_leftovers(uid: int) -> list[str]:
     return found
 
 
-def venv_state() -> dict:
-    """The evaluation's package folders as the sandbox gives them: a sha256 over every entry's path, type,
+def venv_state(sites: list[str] | None = None) -> dict:
+    """The evaluation's package folders as the sandbox gives them (or ``sites``): a sha256 over every entry's path, type,
     size, mode, owner, mtime and ctime (a write, chmod, utime, rename or new file changes it; ctime cannot
     be set back), the sha256 of the files the attacks aim at, and any entry owned by a sandbox uid.
     Bytecode caches are left out of the first hash only: the evaluation's own root processes write them
@@ -99,7 +107,7 @@ def venv_state() -> dict:
     import hashlib
 
     lines, owned, content = [], [], {}
-    for site in sandbox.capabilities()["packages"]["site"]:
+    for site in sandbox.capabilities()["packages"]["site"] if sites is None else sites:
         for dirpath, dirnames, filenames in os.walk(site):
             dirnames.sort()
             for name in dirnames + sorted(filenames):
@@ -433,8 +441,14 @@ def test_hostile_program_is_not_passed(hostile_results, name):
     assert len(r.stdout) <= 64 * 1024 and len(r.stderr) <= 64 * 1024
 
 
+# Machine cases whose program imports numpy: they can pass only where the sandbox gives the packages.
+NEEDS_PACKAGES = {"tries every write into the venv, then answers"}
+
+
 @pytest.mark.parametrize("name", list(MACHINE_CASES))
 def test_machine_case_still_scored_and_leaves_nothing(hostile_results, name):
+    if name in NEEDS_PACKAGES:
+        needs_packages()
     r = hostile_results["results"][name]
     assert r.passed, (name, r.reason, r.detail, r.stderr[-300:])
 
@@ -451,7 +465,7 @@ def test_hostile_set_leaves_machine_clean_and_fast(hostile_results):
 
 def test_hostile_set_leaves_the_venv_unchanged(hostile_results):
     if not sandbox.capabilities()["packages"]["site"]:
-        pytest.skip(f"the sandbox gives no packages here: {sandbox.capabilities()['packages']['warning']}")
+        pytest.skip(f"the sandbox gives no package folder here: {sandbox.capabilities()['packages']['warning']}")
     before, after = hostile_results["venv"]
     assert before["entries"] > 0 and before["content"], before
     assert after == before
@@ -643,6 +657,7 @@ def test_capabilities_report_is_one_line_or_none():
 def test_program_runs_as_under_exec_with_the_packages(clean_machine):
     """No __name__ (reads 'builtins', as exec(program, {}) gives it), so a main guard does not run; stdin
     refuses reads as under the official scorers; numpy comes from the evaluation's venv, read-only."""
+    needs_packages()
     prog = ("import numpy as np\nimport sys\nNAME = __name__\ndef f(x):\n    return np.float32(x) * 2\n"
             "def reads():\n    try:\n        sys.stdin.read()\n    except OSError:\n        return 'refused'\n"
             "    return 'read'\n"
@@ -690,9 +705,24 @@ def test_package_environment_names_cause_and_fix(public_dir):
     assert env["site"] == [str(other)] and f"see only {other}, not all" in env["warning"], env
     # The same user (the non-root fallback) reads it whatever the modes.
     assert sandbox.package_environment(as_other_uid=False, dirs=[str(site)])["site"] == [str(site)]
-    # Inside the namespace /tmp is the sandbox's own scratch folder: a venv there cannot be shown.
-    w = sandbox.package_environment(as_other_uid=False, namespaces=True, dirs=["/tmp/x/site-packages"])["warning"]
-    assert "lies under /tmp" in w and "fix: create the venv outside /tmp" in w
+    # With namespaces the folder is bound into the sandbox's own root: a private folder above it (or /tmp)
+    # does not matter, only its own entries do, and an entry that links outside it (the namespace shows
+    # the folder alone).
+    (site / "pkg").chmod(0o755)
+    (tmp_path / "venv").chmod(0o700)
+    env = sandbox.package_environment(as_other_uid=True, namespaces=True, dirs=[str(site)])
+    assert env["site"] == [str(site)] and env["withheld"] == [] and env["warning"] is None, env
+    if sandbox._stdlib_reason() is None:  # root starts the evaluation's own interpreter, wherever it lives
+        assert env["python"] == sandbox._own_interpreter(), env
+    (site / "pkg").chmod(0o700)
+    env = sandbox.package_environment(as_other_uid=True, namespaces=True, dirs=[str(site)])
+    assert env["site"] == [] and env["withheld"] == [str(site)], env
+    assert f"{site / 'pkg'} is not readable by other users (mode 700)" in env["warning"]
+    assert f"fix: let every user read the packages (chmod -R o+rX {site})" in env["warning"]
+    (site / "pkg").chmod(0o755)
+    (site / "linked").symlink_to(other)
+    w = sandbox.package_environment(as_other_uid=True, namespaces=True, dirs=[str(site)])["warning"]
+    assert f"{site / 'linked'} links to {other}, outside the package folder" in w, w
 
 
 def test_package_environment_refuses_another_python_version(monkeypatch):
@@ -717,29 +747,131 @@ def test_warning_printed_once_per_run(monkeypatch, capsys):
 
 @needs_ns
 def test_unreadable_packages_are_withheld_with_a_warning(monkeypatch, public_dir, clean_machine):
-    """End to end with a package folder of our own: readable, the program imports from it; made private,
-    capabilities() says so and the program sees the standard library only: never a quietly poorer
-    environment."""
+    """End to end with a package folder of our own: readable, the program imports from it, also below a
+    private folder (bound into the namespace, the sandbox uid never passes it); with an entry only its
+    owner can read, capabilities() says so and the program sees the standard library only: never a
+    quietly poorer environment."""
     base = public_dir
     site = base / "site-packages"
     site.mkdir(mode=0o755)
-    (site / "issue40_fakepkg.py").write_text("VALUE = 21\n")
-    (site / "issue40_fakepkg.py").chmod(0o644)
+    module = site / "issue40_fakepkg.py"
+    module.write_text("VALUE = 21\n")
     prog = "from issue40_fakepkg import VALUE\ndef f(x):\n    return x * VALUE\n"
     monkeypatch.setattr(sandbox, "_package_dirs", lambda: [str(site)])
     try:
-        for private, passes in ((False, True), (True, False)):
-            base.chmod(0o700 if private else 0o755)
+        for base_mode, module_mode, passes in ((0o755, 0o644, True), (0o700, 0o644, True), (0o755, 0o600, False)):
+            base.chmod(base_mode)
+            module.chmod(module_mode)
             sandbox.capabilities.cache_clear()
             caps = sandbox.capabilities()
-            assert (caps["warning"] is not None and str(base) in caps["warning"]) == private, caps
+            assert (caps["warning"] is not None and str(module) in caps["warning"]) == (not passes), caps
             r = run_program(prog, "assert f(2) == 42\n", timeout_s=30)
             assert r.passed == passes, r
-            if private:
+            if not passes:
                 assert "No module named 'issue40_fakepkg'" in r.stderr, r
     finally:
         base.chmod(0o755)
         sandbox.capabilities.cache_clear()
+
+
+@needs_root
+def test_without_namespaces_a_private_venv_is_withheld_and_its_verdicts_marked(monkeypatch, public_dir,
+                                                                               clean_machine):
+    """Where no namespace can show the packages (forced here: the uid switch alone), the sandbox uids open them
+    at their host paths, so a private folder above the venv withholds them: the warning says so, and a
+    verdict on a program that imports one of them is marked in the sample log and counted in the summary."""
+    from harness.run import summary, worker
+    from harness.run.metrics import withheld_verdicts
+
+    site = public_dir / "home" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "issue_fakepkg.py").write_text("VALUE = 21\n")
+    (public_dir / "home").chmod(0o700)
+    caps = {**sandbox.capabilities(), "namespaces": False,
+            "packages": sandbox.package_environment(as_other_uid=True, namespaces=False, dirs=[str(site)])}
+    monkeypatch.setattr(sandbox, "capabilities", lambda: caps)
+    assert caps["packages"]["withheld"] == [str(site)] and "is not traversable by other users (mode 700)" in \
+        caps["packages"]["warning"]
+    prog = "import json\nfrom issue_fakepkg import VALUE\ndef f(x):\n    return x * VALUE\n"
+    r = run_program(prog, "assert f(2) == 42\n", timeout_s=30)
+    assert not r.passed and "No module named 'issue_fakepkg'" in r.stderr, r
+    assert sandbox.withheld_imports(prog) == ["issue_fakepkg"]
+    assert sandbox.withheld_imports("import json\n__import__('issue_fakepkg.sub')\n") == ["issue_fakepkg"]
+    assert sandbox.withheld_imports(GOOD, "import json, os\n") == []
+    # The worker's sample rows: only verdicts of the sandbox's metrics are looked at.
+    samples = {"t": [{"doc_id": 0, "filtered_resps": [prog], "target": "assert f(2) == 42", "filter": "none",
+                      "metrics": ["pass_at_1"], "pass_at_1": 0.0},
+                     {"doc_id": 1, "filtered_resps": [GOOD], "target": TESTS, "filter": "none",
+                      "metrics": ["pass_at_1"], "pass_at_1": 1.0},
+                     {"doc_id": 2, "filtered_resps": [prog], "target": "x", "filter": "none",
+                      "metrics": ["exact_match"], "exact_match": 0.0}]}
+    rows = worker._sample_rows(samples, {}, {"leaves": ["t"]})
+    assert [r.get("sandbox_withheld") for r in rows] == [["issue_fakepkg"], None, None]
+    marked = withheld_verdicts(rows)
+    assert marked == {"count": 1, "items": [{"task": "t", "doc_id": 0, "modules": ["issue_fakepkg"]}]}
+    s = summary.summary({"task": "t", "limit": None, "models": [{"name": "a"}], "units": [{"name": "t"}],
+                         "environment": {"sandbox": caps}},
+                        [{"model": "a", "task": "t", "decoder": "ar", "quality": {}, "sandbox_withheld": marked,
+                          "speed": {"samples": 3, **{k: {"ratio_of_sums": None, "mean_of_ratios": None, "mean": None,
+                                                          "p50": None, "p90": None, "total": 0}
+                                                     for k in ("tokens_per_s", "tpf", "nfe", "latency_s",
+                                                               "generated_tokens")}},
+                          "memory": {}}])
+    note = summary.markdown(s).split("Code verdicts that may depend")[1].splitlines()[0]
+    assert note.startswith(" on a package the sandbox did not give: 1 (a on t 1 of 3), marked `sandbox_withheld`")
+    assert caps["packages"]["warning"] in note
+    assert any("1 code verdict(s) may depend on a package the sandbox did not give" in line
+               for line in summary.failed_lines(s, Path("/runs/r")))
+
+
+# A program that imports numpy from the venv the sandbox was given, returns numpy and Fraction values, and
+# first tries every write into that venv (inside the sandbox and at its host path), each refused.
+PRIVATE_VENV_PROGRAM = (VENV_ATTACKS + "for site in (inside, host):\n    for a in attacks(site):\n"
+                        "        try:\n            a()\n        except OSError:\n            pass\n"
+                        "from fractions import Fraction\nimport numpy as np\n"
+                        "def f(x):\n    return np.float32(x) * 2\ndef g(x):\n    return Fraction(x, 3)\n")
+PRIVATE_VENV_TESTS = ("import numpy\nassert f(2) == 4 and type(f(1)) is numpy.float32\n"
+                      "from fractions import Fraction\nassert g(2) == Fraction(2, 3)\n")
+
+
+@pytest.mark.parametrize("parent", ["/var/tmp", "/tmp"])
+def test_packages_of_a_venv_below_a_private_folder(parent, monkeypatch, clean_machine):
+    """A venv's site-packages below a folder only its owner may enter (a mode-700 home), outside and under
+    /tmp (which the namespace replaces by its scratch folder): the candidate and the judge import numpy
+    from it, and it is unchanged after a program tried every write into it. Built here as a copy of the
+    layout of numpy (no install); where the sandbox cannot give it, skipped with the sandbox's reason."""
+    import shutil
+    import tempfile
+
+    import numpy
+
+    real = Path(numpy.__file__).resolve().parent.parent  # the evaluation's site-packages
+    home = Path(tempfile.mkdtemp(prefix="refusion-private-home-", dir=parent))  # mode 700
+    try:
+        site = home / "venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+        site.mkdir(parents=True, mode=0o755)
+        for name in ("numpy", "numpy.libs"):
+            if (real / name).is_dir():  # a copy, not links: a hard link would touch the real venv's files
+                shutil.copytree(real / name, site / name, symlinks=True)
+        subprocess.run(["chmod", "-R", "o+rX", "--", str(site)], check=True)  # as pip leaves a venv
+        assert (site / "numpy" / "__init__.py").is_file()
+        assert home.stat().st_mode & 0o777 == 0o700
+        monkeypatch.setattr(sandbox, "_package_dirs", lambda: [str(site)])
+        sandbox.capabilities.cache_clear()
+        caps = sandbox.capabilities()
+        if caps["namespaces"]:  # the folders are bound into the namespace: neither the home nor /tmp may matter
+            assert str(home) not in (caps["packages"]["warning"] or ""), caps
+        needs_packages()
+        assert sandbox.capabilities()["packages"]["site"] == [str(site)]
+        before = venv_state([str(site)])
+        r = run_program(PRIVATE_VENV_PROGRAM.format(host=str(site)), PRIVATE_VENV_TESTS, timeout_s=30)
+        assert r.passed, r
+        after = venv_state([str(site)])
+        assert before["entries"] > 0 and before["content"] and after == before
+        assert after["owned_by_sandbox"] == []
+    finally:
+        sandbox.capabilities.cache_clear()
+        subprocess.run(["rm", "-rf", "--", str(home)], check=True)
 
 
 # ---------------------------------------------------------------- values as data (issue 40)

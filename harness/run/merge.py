@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from harness.run.metrics import aggregate
+from harness.run.metrics import aggregate, withheld_verdicts
 from harness.run.store import atomic_dir, atomic_write_json, atomic_write_jsonl, read_json
 
 # Settings every shard of one run shares (the runner's resume keys, less the shard itself, plus prompts).
@@ -151,6 +151,7 @@ def _merged_metrics(runs: list[tuple[Path, dict]], model: str, unit: str, rows: 
     failed = sorted((f for m in mets for f in (m.get("failed") or {}).get("items", [])),
                     key=lambda f: (f["task"], str(f["doc_id"])))
     return {**mets[0], "quality": _pooled_quality(rows, mets), "failed": {"count": len(failed), "items": failed},
+            "sandbox_withheld": withheld_verdicts(rows),
             "speed": {k: v for k, v in speed.items() if k != "memory"}, "memory": memory, "requests": requests,
             "run": {**(mets[0].get("run") or {}), "run_id": run_id},
             "merged_from": [m.get("run", {}).get("run_id") for m in mets]}

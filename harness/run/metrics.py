@@ -88,3 +88,11 @@ def quality_metrics(task_results: dict) -> dict[str, float]:
             continue
         out[k] = float(v)
     return out
+
+
+def withheld_verdicts(rows: Iterable[dict]) -> dict:
+    """The code verdicts of a (model, task) that may depend on a package the sandbox did not give (sample rows
+    marked ``sandbox_withheld`` by the worker; tasks/sandbox.py: withheld_imports): count and items."""
+    items = sorted(({"task": r["task"], "doc_id": r["doc_id"], "modules": r["sandbox_withheld"]} for r in rows
+                    if r.get("sandbox_withheld")), key=lambda f: (f["task"], str(f["doc_id"])))
+    return {"count": len(items), "items": items}

@@ -20,6 +20,8 @@ def _row(m: dict) -> dict:
         # n counts every item; the failed ones (harness/run/faults.py) scored as wrong, outside the speed figures
         "model": m["model"], "task": m["task"], "decoder": m["decoder"], "samples": s["samples"] + len(failed),
         "failed": len(failed), "failed_items": failed,
+        # code verdicts on programs importing a package the sandbox did not give (no namespaces, a private venv)
+        "sandbox_withheld": (m.get("sandbox_withheld") or {}).get("count", 0),
         "quality_metric": prim, "quality": q.get(prim) if prim else None,
         "tokens_per_s": s["tokens_per_s"]["ratio_of_sums"], "tokens_per_s_mean_of_ratios": s["tokens_per_s"][
             "mean_of_ratios"],
@@ -292,6 +294,8 @@ def markdown(s: dict) -> str:
               for r in s["rows"] if r.get("failed_items")]
     if failed:
         lines += ["", "Failed items (scored as wrong, outside the speed figures): " + "; ".join(failed)]
+    if withheld_note(s):
+        lines += ["", withheld_note(s)]
     if s["mean_speedup"] and s.get("baseline"):
         from harness.run.stats import fmt_interval
 
@@ -322,6 +326,20 @@ def table(s: dict) -> str:
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
 
 
+def withheld_note(s: dict) -> str | None:
+    """One line naming how many code verdicts may depend on a package the sandbox did not give (None when
+    none): their programs import such a package, so the score can be lower than the official scorers'."""
+    per = [f"{r['model']} on {r['task']} {r['sandbox_withheld']} of {r['samples']}" for r in s["rows"]
+           if r.get("sandbox_withheld")]
+    if not per:
+        return None
+    total = sum(r.get("sandbox_withheld") or 0 for r in s["rows"])
+    why = (((s.get("environment") or {}).get("sandbox") or {}).get("packages") or {}).get("warning")
+    return (f"Code verdicts that may depend on a package the sandbox did not give: {total} ({'; '.join(per)}), "
+            "marked `sandbox_withheld` in samples/<task>.jsonl (their programs or tests import it, the sandboxed "
+            "ones could not)" + (f"; {why}" if why else ""))
+
+
 def failed_lines(s: dict, run_dir: Path) -> list[str]:
     """One line per (model, task) with failed items: which documents, why, and how to retry them."""
     out = []
@@ -332,6 +350,10 @@ def failed_lines(s: dict, run_dir: Path) -> list[str]:
             more = f" and {len(items) - 10} more" if len(items) > 10 else ""
             out.append(f"warning: {r['model']} on {r['task']}: {len(items)} failed item(s), counted as wrong: "
                        f"document {docs}{more}; retry them with --run-id {run_dir.name} --retry-failed")
+    total = sum(r.get("sandbox_withheld") or 0 for r in s["rows"])
+    if total:
+        out.append(f"warning: {total} code verdict(s) may depend on a package the sandbox did not give, marked "
+                   f"in the sample logs ({run_dir / 'summary.md'} says which and why, with the fix)")
     return out
 
 

@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-from harness.run.metrics import aggregate, quality_metrics
+from harness.run.metrics import aggregate, quality_metrics, withheld_verdicts
 from harness.run.store import atomic_write_json, atomic_write_jsonl, read_json
 
 
@@ -36,6 +36,19 @@ def _unit_quality(results: dict, unit: dict) -> dict:
     return {}
 
 
+# The metrics of tasks/hooks.py that run a program in the sandbox (pass_at_k reports "pass@1").
+SANDBOX_METRICS = ("pass@1", "pass_at_1")
+
+
+def _texts(value) -> list[str]:
+    """The strings in a sample field (a response, a list of them, nested lists)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _texts(v)]
+    return []
+
+
 def _sample_rows(samples: dict, records: dict[tuple, dict], unit: dict) -> list[dict]:
     rows = []
     for leaf in unit["leaves"]:
@@ -51,6 +64,14 @@ def _sample_rows(samples: dict, records: dict[tuple, dict], unit: dict) -> list[
                 if k in rec:
                     row[k] = rec[k]
             row.update({k: v for k, v in rec.items() if k.startswith("nfe_")})
+            if any(k in row["metrics"] for k in SANDBOX_METRICS):
+                # Scored in the sandbox: where it withholds some of the evaluation's packages (no namespaces,
+                # a private venv), a verdict on code that imports one of them is marked with its modules.
+                from tasks.sandbox import withheld_imports
+
+                modules = withheld_imports(*_texts(row["filtered_resps"]), *_texts(row["target"]))
+                if modules:
+                    row["sandbox_withheld"] = modules
             rows.append(row)
     rows.sort(key=lambda r: (r["task"], r["doc_id"], r.get("filter") or ""))
     return rows
@@ -205,6 +226,7 @@ def _write_results(run_dir: Path, cfg: dict, spec: dict, res: dict, journal: dic
         rows = _sample_rows(samples, by_doc, unit)
         atomic_write_jsonl(mdir / "samples" / f"{unit['name']}.jsonl", rows)
         metrics = _unit_metrics(cfg, spec, unit, recs, gen_recs, _unit_quality(results, unit), ranks, peak_rss)
+        metrics["sandbox_withheld"] = withheld_verdicts(rows)
         atomic_write_json(run_dir / "metrics" / f"{spec['name']}__{unit['name']}.json", metrics)
     atomic_write_json(mdir / "done.json", {
         "computed": sum(r["computed"] for r in ranks), "served_from_journal": sum(r["served"] for r in ranks),
