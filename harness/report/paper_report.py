@@ -415,9 +415,11 @@ def legend(rs: RunSet) -> str:
             "--allow-partial); `(k/n)` after an average = mean over the k measured columns only. Avg = mean of "
             "the columns, as in the paper; a row never mixes prompt variants (a model measured with both has a "
             f"second row marked `{PAPER_ROW.strip()}`). `[lo, hi]` = 95% interval (harness/run/stats.py): quality by "
-            "Wilson's score interval (items scored 0 or 1; else a bootstrap over items), tokens/s by a bootstrap over "
+            "Wilson's score interval (items scored 0 or 1; else a bootstrap over items), tokens/s of a run timed in "
+            "rounds by a bootstrap over rounds and items (harness/run/timing.py), of a single pass by a bootstrap over "
             "items (2000 resamples, fixed seed), Avg by a bootstrap stratified by task; a figure without one: the "
-            "run kept no per-item logs for it (the published rows have none).")
+            "run kept no per-item logs for it (the published rows have none). The notes below say how each run's "
+            "speed was timed.")
 
 
 def run_notes(rs: RunSet) -> list[str]:
@@ -426,6 +428,9 @@ def run_notes(rs: RunSet) -> list[str]:
 
     out = []
     for r in rs.runs:
+        note = timing_note(r)
+        if note:
+            out.append(f"{r['label']}: {note}")
         note = session_note(sessions(r))
         if note:
             out.append(f"{r['label']}: {note}")
@@ -434,6 +439,24 @@ def run_notes(rs: RunSet) -> list[str]:
             out.append(f"{r['label']}: {', '.join(on)} decoded compiled (decoder knob compile: torch.compile with static "
                        "shapes; compile seconds left out of tok/s); the other rows, and the published numbers, are eager.")
     return out + rs.notes
+
+
+def timing_note(run: dict) -> str:
+    """How a run's speed figures were timed (harness/run/timing.py), with the busy-machine flag."""
+    from harness.run.rounds import load_timing
+    from harness.run.timing import busy_text
+
+    timed = load_timing(Path(run["dir"]), run) if run.get("dir") else None
+    if timed is None:
+        return ("speed figures (tokens/s, speedups) are a single pass: the decoding pass's own times, one model "
+                "after another, no timed rounds; a change in the machine between models moves them unseen")
+    counts = sorted({len(v) for v in (timed.get("docs") or {}).values()}) or [0]
+    items = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    text = (f"speed figures from {timed['settings']['rounds']} timed rounds of {items} item(s) per task, the models "
+            "in turn; medians over rounds")
+    guards = [p_.get("guard") for p_ in timed["passes"] if (p_.get("guard") or {}).get("busy")]
+    flag = busy_text(guards[0]) if guards else None
+    return text + (f"; **{flag}**" if flag else "")
 
 
 def compile_cell(rs: RunSet, run: dict, model: dict) -> str:
@@ -568,10 +591,12 @@ CONVENTION = ("speedup = TPS(model) / TPS(reference), same task, same run or run
               "paper's headline convention: ReFusion is 2.33x faster than Qwen3-8B); **ratio of averages** = mean "
               "TPS of the model / mean TPS of the reference over the same tasks (2.24x for that pair). "
               f"`{NOT_MEASURED}`: either side not measured, or measured in runs that are not comparable (the reason "
-              "follows the table). Where both rows kept per-item logs, a per-task speedup carries its 95% interval and "
-              "p-value from a paired bootstrap over the items both decoded, and the mean of ratios a bootstrap stratified "
-              "by task; the quality table below each compares the two rows' answers item by item (McNemar's exact "
-              "test). \"differs\" only where p < 0.05 (harness/run/stats.py).")
+              "follows the table). Rows timed in the same run's rounds (harness/run/timing.py): a per-task speedup is "
+              "the median over adjacent-round pairs of the ratio, with its 95% interval over rounds and items, and the "
+              "mean of ratios likewise. Single passes where both rows kept per-item logs: a per-task speedup carries "
+              "its 95% interval and p-value from a paired bootstrap over the items both decoded, and the mean of "
+              "ratios a bootstrap stratified by task. The quality table below each compares the two rows' answers item "
+              "by item (McNemar's exact test). \"differs\" only where p < 0.05 (harness/run/stats.py).")
 
 
 def speedup_md(rs: RunSet, data: dict) -> str:
