@@ -310,3 +310,34 @@ def test_committed_baseline_holds_every_diffusion_decoders_math_figure():
         now["deterministic"][key]["quality"] = q - 0.05 if q >= 0.05 else q + 0.05  # lowered where it can be
         bad = [r["figure"] for r in regress.compare(base["figures"], now) if not r["ok"]]
         assert bad == [f"{key} quality"]
+
+
+def test_a_bias_of_one_worker_process_is_not_confirmed_by_fresh_ones(tmp_path, monkeypatch):
+    """The first worker pair lands badly (its current side 1.3x slower on llada: a process bias, not the code);
+    the confirmation runs in fresh processes, which do not have it: the check passes, the row says so."""
+    monkeypatch.setattr(regress, "TREND", tmp_path / "trend.png")
+    base_path, report = tmp_path / "embedded.json", tmp_path / "regress.md"
+    run = fake_run(tmp_path / "r", BASE_TPS)
+    fake_workers(monkeypatch, MACHINE_A)
+    assert regress.main_update(["--baseline", str(base_path), "--run", str(run), "--reason", "on A"]) == 0
+    born = []
+    machine_a = ab.Worker  # the fake of MACHINE_A, as installed above
+
+    class Once(machine_a):
+        def __init__(self, tree, threads, label):
+            super().__init__(tree, threads, label)
+            born.append(label)
+            self.bias = 1.3 if len(born) <= 2 and self.side == "current" else 1.0
+
+        def decode(self, it):
+            ans = super().decode(it)
+            if it.preset == "llada":
+                ans = {**ans, "seconds": ans["seconds"] * self.bias, "wall_seconds": ans["wall_seconds"] * self.bias}
+            return ans
+
+    monkeypatch.setattr(ab, "Worker", Once)
+    assert _main("--baseline", str(base_path), "--run", str(run), "--report", str(report)) == 0
+    assert len(born) == 4  # the first pair, then a fresh pair for the confirmation
+    speed = json.loads(report.with_suffix(".json").read_text())["speed"]
+    confirmed = [r for r in speed["rows"] if "confirm" in r]
+    assert confirmed and all(r["preset"] == "llada" and r["ok"] and r["ratio"] < 0.8 for r in confirmed)

@@ -182,8 +182,15 @@ def _between(key: str, ma: dict, mb: dict) -> dict | None:
 
         got = between_runs(a, b)
         docs = [((m.get("speed") or {}).get("timing") or {}).get("docs") for m in (ma, mb)]
+        notes = []
         if docs[0] is not None and docs[1] is not None and docs[0] != docs[1]:
-            got["note"] = "the runs timed different items"
+            notes.append("the runs timed different items")
+        busy = [lab for lab, m in (("first", ma), ("second", mb))
+                if ((m.get("speed") or {}).get("timing") or {}).get("busy")]
+        if busy:
+            notes.append(f"the {' and '.join(busy)} run measured on a busy machine")
+        if notes:
+            got["note"] = "; ".join(notes)
         return {**got, "items": f"{len(a)} vs {len(b)} rounds"}
     if key == "speedup" and not ((ma.get("speedup") or {}).get("tokens_per_s") and
                                  (mb.get("speedup") or {}).get("tokens_per_s")):

@@ -23,8 +23,8 @@ workload with both code versions in one run:
 4. Per (preset, kind): the current/baseline ratio of tokens/s, the median over rounds of the per-round
    ratio (both sides measured moments apart), with a 95% bootstrap interval over rounds and items. A figure
    fails only when the ratio is below ``1 - tolerance`` *and* its whole interval lies below 1 (significantly
-   slower); such a figure is measured once more (the order flipped) and fails only if it fails again. A
-   faster figure always passes. The busy-machine guard's view of the rounds goes into the report.
+   slower); such a figure is measured once more, in fresh worker processes with the order flipped, and
+   fails only if it fails again. A faster figure always passes. The busy-machine guard's view of the rounds goes into the report.
 
 Both versions' absolute tokens/s, the interval and the machine (CPU model and flags) go into the
 report; absolute figures are never compared with another run.
@@ -302,7 +302,12 @@ def run(models: tuple[str, ...], commit: str | None, limit: int = AB_LIMIT, thre
         rows = summarize(first, tolerance)
         bad = [r for r in rows if not r["ok"]]
         if bad and confirm:
-            # A disturbance that hit one side more than the other must show twice to count.
+            # A disturbance that hit one side more than the other must show twice to count. The second
+            # measurement runs in fresh worker processes (pyperf's rule): a process that landed badly (its
+            # memory layout, its core) would otherwise carry the same bias into the confirmation.
+            for w in workers:
+                w.close()
+            workers = [Worker(current, threads, "current"), Worker(tree, threads, f"baseline ({str(commit)[:12]})")]
             again_items = [it for it in items if (it.preset, it.kind) in {(r["preset"], r["kind"]) for r in bad}]
             again = {(r["preset"], r["kind"]): r for r in summarize(measure(again_items, *workers, progress=progress,
                                                                             flip=True, min_block_s=min_block_s,

@@ -18,8 +18,9 @@ On CPU: float32, the CPU backends. On CUDA: float32 and bfloat16, triton added, 
 speed targets checked at P = 4096, k = 8 (triton and flex each >= 1.5x faster than
 replicated, triton no slower than flex); on the CPU the goal is memory, speed is judged on a GPU.
 
-Timing: one warm-up call (`first_call_s`; it includes the flex compile when it is the first
-call of its query bucket) then `--repeats` timed calls, median and min in ms,
+Timing (harness/run/timing.py's protocol): one warm-up call per backend (`first_call_s`; it
+includes the flex compile when it is the first call of its query bucket), then `--repeats` rounds in
+which every backend of the shape makes one call, in ABBA order; median and min in ms over rounds,
 device-synchronised on CUDA. Memory: `extra_bytes`, what the backend builds beyond q, k, v
 and the output by construction (the dense mask, the k prefix copies, the flex block tables and
 padded query, the kernel's slot tables); on CUDA also `peak_bytes`, the measured peak of
@@ -75,25 +76,14 @@ def extra_bytes(backend: str, prefix: int, k: int, length: int, elem: int) -> in
     return 0
 
 
-def _time(fn, repeats: int, cuda: bool) -> tuple[float, list[float]]:
+def bench_shape(backends, dtype, device, prefix: int, k: int, length: int, repeats: int) -> list[dict]:
+    """One row per backend for one shape. The backends are timed against each other by the timing protocol
+    (harness/run/timing.py): one warm-up call each (``first_call_s``: it includes the flex compile of a new
+    query bucket), then ``repeats`` rounds in which every backend makes one call, in ABBA order, so a drift of
+    the machine falls on every backend alike; median and min ms over rounds, device-synchronised on CUDA."""
     import torch
 
-    def once() -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    first = once()  # warm-up: compiles flex / the triton kernel
-    return first, [once() for _ in range(repeats)]
-
-
-def bench_case(backend: str, dtype, device, prefix: int, k: int, length: int, repeats: int, ref=None) -> dict:
-    import torch
-
+    from harness.run import timing
     from refusion.kernels import slot_attention_op
 
     n = k * length
@@ -102,26 +92,35 @@ def bench_case(backend: str, dtype, device, prefix: int, k: int, length: int, re
     kk = torch.randn(1, KV_HEADS, prefix + n, HEAD_DIM, generator=g).to(device=device, dtype=dtype)
     vv = torch.randn(1, KV_HEADS, prefix + n, HEAD_DIM, generator=g).to(device=device, dtype=dtype)
     cuda = device.type == "cuda"
-    box = {}
+    sync = torch.cuda.synchronize if cuda else None
+    rows, calls, outs = {}, {}, {}
+    for b in backends:
+        def first(b=b):
+            return slot_attention_op(q, kk, vv, prefix, [length] * k, backend=b)
 
-    def call():
-        box["out"] = slot_attention_op(q, kk, vv, prefix, [length] * k, backend=backend)
-
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    first, times = _time(call, repeats, cuda)
-    row = {"backend": backend, "dtype": str(dtype).removeprefix("torch."), "prefix": prefix, "slots": k,
-           "slot_len": length, "n": n, "ms_median": 1000 * statistics.median(times), "ms_min": 1000 * min(times),
-           "first_call_s": first, "repeats": repeats,
-           "extra_bytes": extra_bytes(backend, prefix, k, length, q.element_size())}
-    if cuda:  # the peak above the inputs (the output is counted: every backend allocates one)
-        row["peak_bytes"] = torch.cuda.max_memory_allocated() - base
-    out = box["out"]
-    if ref is not None:
-        row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
-    return row, out
+        # A timed call: FnSide's (output, tokens); no output to compare between rounds (checked once below).
+        calls[b] = lambda first=first: (first(), (None, 0))[1]
+        outs[b], first_s, _ = timing.clock(first, sync)  # warm-up: compiles flex / the triton kernel
+        rows[b] = {"backend": b, "dtype": str(dtype).removeprefix("torch."), "prefix": prefix, "slots": k,
+                   "slot_len": length, "n": n, "first_call_s": first_s, "repeats": repeats,
+                   "extra_bytes": extra_bytes(b, prefix, k, length, q.element_size())}
+        if cuda:  # the peak above the inputs during one call (the output is counted: every backend allocates one)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            first()
+            torch.cuda.synchronize()
+            rows[b]["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+    sides = [timing.FnSide(b, {"shape": [calls[b]]}, sync=sync) for b in backends]
+    got = timing.run_rounds(sides, ["shape"], rounds=repeats, min_block_s=0.0, progress=False)
+    ref = outs.get("sdpa")
+    for b in backends:
+        wall, _, _ = timing.matrix(got["records"], b, "shape")
+        times = [float(x) for x in wall[:, 0]]
+        rows[b].update(ms_median=1000 * statistics.median(times), ms_min=1000 * min(times), timing="abba rounds")
+        if ref is not None and b != "sdpa":
+            rows[b]["max_abs_diff_vs_sdpa"] = (outs[b].float() - ref.float()).abs().max().item()
+    return [rows[b] for b in backends]
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -230,18 +229,13 @@ def _run_grid(backends, dtypes, device, prefixes, slots, lens, repeats: int) -> 
         for length in lens:
             for k in slots:
                 for prefix in prefixes:
-                    ref = None
                     line = []
-                    for b in backends:
-                        row, out = bench_case(b, dtype, device, prefix, k, length, repeats, ref)
-                        if b == "sdpa":
-                            ref = out
+                    for row in bench_shape(backends, dtype, device, prefix, k, length, repeats):
                         rows.append(row)
-                        line.append(f"{b} {row['ms_median']:8.2f} ms")
+                        line.append(f"{row['backend']} {row['ms_median']:8.2f} ms")
                     done += 1
                     print(f"[{done}/{total}] {str(dtype).removeprefix('torch.'):<8} P={prefix:<5} k={k:<3} L={length:<3} "
                           + "  ".join(line) + f"  ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
-                    del ref, out
     return rows
 
 
@@ -297,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "env": _environment(a, device),
         "shapes": {"batch": 1, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "prefixes": prefixes,
                    "slots": slots, "slot_lens": lens, "repeats": repeats, "quick": a.quick},
-        "notes": ("ms_median / ms_min over the timed calls after one warm-up call (first_call_s, which includes "
+        "notes": ("ms_median / ms_min over --repeats rounds in which every backend of a shape makes one call in "
+                  "ABBA order (harness/run/timing.py), after one warm-up call each (first_call_s, which includes "
                   "the flex compile); extra_bytes: built beyond q/k/v/out by construction; peak_bytes (CUDA): "
                   "measured peak above the inputs. Speed is judged on a GPU: on a CPU the point is memory."),
         "rows": rows,
