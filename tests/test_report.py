@@ -862,7 +862,8 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
     tps = {r[0]: r for r in _md_section((out / "compare-a-vs-b" / "compare.md").read_text(),
                                         "## tokens/s (ratio of sums)")}
     assert tps["ar"][4] == "0.50" and tps["ar"][5:] == ["-", "-", "not testable: one timed pass per run"]
-    # Timed rounds in both runs: judged by their per-round values (Mann-Whitney, p < 0.002 and beyond 1.1x).
+    # Timed rounds in both runs: the speedups are judged by their per-round values (Mann-Whitney, p < 0.002 and
+    # beyond 1.1x); absolute figures are shown with their ratio, not judged.
     jitter = [1 + 0.01 * ((j * 7) % 9 - 4) for j in range(9)]
     for run_id, model, tps_, lat in (("a", "ar", 100.0, 0.1), ("b", "ar", 50.0, 0.2), ("a", "refusion", 400.0, 0.025),
                                      ("b", "refusion", 400.0, 0.025)):
@@ -873,20 +874,27 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
                                   "per_round_latency_p50_s": [lat / j for j in jitter],
                                   "per_round_latency_p90_s": [lat / j for j in jitter]}
         path.write_text(json.dumps(met))
+        # speedup over ar in its own run's rounds: refusion 4x in a, 8x in b (ar twice as slow there)
+        if model == "refusion":
+            met["speedup"] = {"baseline": "ar", "tokens_per_s": 4.0 * (2 if run_id == "b" else 1),
+                              "per_round": [4.0 * (2 if run_id == "b" else 1) * j for j in jitter[:8]]}
+            path.write_text(json.dumps(met))
     assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert ("differs: ar embedded_math tokens_per_s in b (p <0.001, Mann-Whitney U over rounds (9 vs 9), p < 0.002 "
-            "and beyond 1.1x, 9 vs 9 rounds items)") in printed
-    assert "refusion embedded_math tokens_per_s" not in printed  # the same rounds in another order
+    # Absolute tokens/s of two runs: the ratio, not judged (the machine between runs is in neither run).
+    assert "tokens_per_s" not in printed and "latency" not in printed
+    assert ("differs: refusion embedded_math speedup in b (p <0.001, Mann-Whitney U over rounds (8 vs 8), p < 0.002 "
+            "and beyond 1.1x, 8 vs 8 rounds items)") in printed
     md = (out / "compare-a-vs-b" / "compare.md").read_text()
     differ = _md_section(md, "## Rows that differ")
-    assert ["ar", "embedded_math", "tokens/s (ratio of sums)", "b", "x0.50",
-            "Mann-Whitney U over rounds (9 vs 9), p < 0.002 and beyond 1.1x", "<0.001", "9 vs 9 rounds"] in differ
+    assert ["refusion", "embedded_math", "speedup over the run's own AR model (x)", "b", "x2.00",
+            "Mann-Whitney U over rounds (8 vs 8), p < 0.002 and beyond 1.1x", "<0.001", "8 vs 8 rounds"] in differ
+    tps = {r[0]: r for r in _md_section(md, "## tokens/s (ratio of sums)")}
+    assert tps["ar"][5:] == ["x0.50", "-", compare.NOT_JUDGED]
     assert not any(r[0] == "refusion" and r[2].startswith("quality") for r in differ)  # 2 vs 0 discordant: p 0.5
     q = {r[0]: r for r in _md_section(md, "## quality (%, accuracy or pass@1)")}
     assert q["refusion"][2:] == ["20.00 [5.67, 50.98]", "40.00 [16.82, 68.73]", "2.00",
                                  "+20.00 pp [+0.00, +50.00]", "0.500", "no difference shown (10 items)"]
     assert q["ar"][5:] == ["+0.00 pp [+0.00, +0.00]", "1.000", "no difference shown (10 items)"]
     data = json.loads((out / "compare-a-vs-b" / "compare.json").read_text())
-    assert [(d["model"], d["figure"]) for d in data["differ"]] == [
-        ("ar", "tokens_per_s"), ("ar", "latency_p50_s"), ("ar", "latency_p90_s")]
+    assert [(d["model"], d["figure"]) for d in data["differ"]] == [("refusion", "speedup")]

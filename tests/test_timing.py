@@ -124,9 +124,9 @@ def test_sample_docs_is_seeded_and_nested():
     assert len(four) == 4 and set(four) <= set(eight) and four == sorted(four)
     assert four == timing.sample_docs(docs, 4, 1234, "embedded_math") != timing.sample_docs(docs, 4, 1234, "other")
     assert timing.sample_docs(docs, None, 1, "x") == docs and timing.sample_docs(docs, 99, 1, "x") == docs
-    # auto: the largest power of two within the budget, at least 2
-    assert timing.items_for_budget([0.1, 0.2], rounds=10, budget_s=60) == 16  # 3 s per item: 16 x 3 = 48 s
-    assert timing.items_for_budget([5.0], rounds=9, budget_s=60) == 2
+    # auto: about 24 item decodes per round over every model and task, at least 2 per task
+    assert timing.items_auto(models=2, tasks=1) == 12 and timing.items_auto(models=4, tasks=3) == 2
+    assert timing.items_auto(models=13, tasks=3) == 2
     assert timing.parse_items("auto") == "auto" and timing.parse_items("7") == 7
     with pytest.raises(ValueError, match="auto, all or a count"):
         timing.parse_items("0")

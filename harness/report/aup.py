@@ -112,6 +112,7 @@ def _point(g: dict, p: dict, met: dict, unit: str, it: stats.Items | None) -> di
             "quality_ci": None if qiv is None else qiv.scaled(100.0).to_dict(),
             "tpf": (speed.get("tpf") or {}).get("ratio_of_sums"),
             "tpf_ci": _interval(stats.speed_dist(it, "tpf", unit)) if it is not None else None,
+            "timed": is_timed(met),
             "tokens_per_s": (speed.get("tokens_per_s") or {}).get("ratio_of_sums"),
             "tokens_per_s_ci": (speed_interval(met, "tokens_per_s") if is_timed(met) else
                                 _interval(stats.speed_dist(it, "tokens_per_s", unit)) if it is not None else None)}
@@ -256,6 +257,12 @@ def aup_md(data: dict, title: str) -> str:
                                                  for t in tasks if t["y_max"] is not None)]
     dropped = [f"{n} on {t['task']}" for t in tasks for m in t["models"].values() for n in m["dropped"]]
     lines += ["", "Dropped (below the model's first point minus the offset): " + (", ".join(dropped) or "none")]
+    timed = {bool(p.get("timed")) for t in tasks for p in t["points"]}
+    lines += ["", "tok/s: " + ("from the run's timed rounds, medians over rounds with intervals over rounds and "
+                               "items (docs/design.md §6f)" if timed == {True} else
+                               "a single pass (each point timed while it decoded, one after another; intervals over "
+                               "items only)" if timed == {False} else "timed rounds for some points, a single pass "
+                               "for the others") + "; AUP uses TPF, not tok/s."]
     for t in tasks:
         lines += ["", f"## {t['task']}", "", "| point | model | knobs | TPF [95% CI] | tok/s [95% CI] | accuracy % "
                   "[95% CI] | n | Pareto (TPF) | Pareto (tok/s) |", "|---|---|---|---|---|---|---|---|---|"]

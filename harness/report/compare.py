@@ -164,6 +164,11 @@ def _value_interval(key: str, met: dict, it: stats.Items | None, stream: str) ->
 WALL = {"tokens_per_s": "per_round_tokens_per_s", "latency_p50_s": "per_round_latency_p50_s",
         "latency_p90_s": "per_round_latency_p90_s", "speedup": None}
 NOT_TESTABLE = "not testable: one timed pass per run"
+# Absolute wall-clock figures of two runs are not judged: the machine's own speed between the runs is in
+# neither run's rounds (identical code, two idle runs a minute apart on one shared 2-core machine: ar x1.21 and
+# refusion x1.43 on the same items, CPU time alike). A run's speedup over its own reference is measured
+# interleaved, and that is what is judged between runs.
+NOT_JUDGED = "not judged across runs: absolute speed moves with the machine between runs; the speedup is judged"
 
 
 def _rounds_of(key: str, met: dict) -> list[float] | None:
@@ -181,6 +186,8 @@ def _between(key: str, ma: dict, mb: dict) -> dict | None:
         from harness.run.timing import between_runs
 
         got = between_runs(a, b)
+        if key != "speedup":
+            got = {**got, "differs": False, "not_judged": True, "test": NOT_JUDGED}
         docs = [((m.get("speed") or {}).get("timing") or {}).get("docs") for m in (ma, mb)]
         notes = []
         if docs[0] is not None and docs[1] is not None and docs[0] != docs[1]:
@@ -252,6 +259,8 @@ def _test_cells(t: dict | None, key: str) -> list[str]:
         return ["-", "-", "not tested" if key in ("quality", *PAIRED_SPEED) else "-"]
     if t.get("not_testable"):
         return ["-", "-", t["test"]]
+    if t.get("not_judged"):
+        return [f"x{t['ratio']:.2f}" if t.get("ratio") else "-", "-", t["test"]]
     if key in WALL:
         note = f"; {t['note']}" if t.get("note") else ""
         verdict = "differs" if t["differs"] else "no difference shown"
@@ -373,11 +382,12 @@ def differs_md(rows: list[dict], labels: list[str]) -> list[str]:
     lines = ["## Rows that differ", "",
              f"Paired tests against `{labels[0]}` on the items both runs measured (95%: p < {stats.ALPHA}): McNemar's "
              "exact test for quality (binary scores; else a paired bootstrap of the difference), a paired bootstrap "
-             "(2000 resamples, fixed seed) for TPF and NFE. Wall-clock figures (tokens/s, latency, speedup) are judged "
-             "by the runs' timed rounds: a Mann-Whitney U test of their per-round values, a difference only at "
-             "p < 0.002 and beyond 1.1x (asv's rule); a run without rounds (a single pass) gets its ratio printed "
-             f"and \"{NOT_TESTABLE}\", never a p-value. Only these rows differ by more than chance; every other "
-             "difference below is within it.", ""]
+             "(2000 resamples, fixed seed) for TPF and NFE. Speed between runs is judged through each run's speedup "
+             "over its own reference (measured interleaved in that run): a Mann-Whitney U test of the two runs' "
+             "per-round speedups, a difference only at p < 0.002 and beyond 1.1x (asv's rule). Absolute tokens/s and "
+             "latency get their ratio printed and are not judged: the machine's speed between two runs is in neither "
+             f"run's rounds. A run without rounds (a single pass) gets \"{NOT_TESTABLE}\", never a p-value. Only "
+             "these rows differ by more than chance; every other difference below is within it.", ""]
     if not found:
         return lines + ["None: no figure differs by more than chance (or no two runs share per-item logs).", ""]
     body = [[d["model"], d["benchmark"], d["heading"], d["run"],

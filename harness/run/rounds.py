@@ -45,7 +45,6 @@ def settings_of(cfg: dict) -> dict:
     t.setdefault("order", "abba")
     t.setdefault("memory", "auto")
     t.setdefault("busy_share", timing.BUSY_SHARE)
-    t.setdefault("budget_s", timing.BUDGET_S)
     return t
 
 
@@ -69,21 +68,18 @@ def _rows(run_dir: Path, model: str, unit: str) -> dict[tuple[str, object], dict
 def timed_docs(run_dir: Path, cfg: dict, t: dict) -> dict[str, list[tuple[str, object]]]:
     """Per unit with generation requests, the timed (leaf, document) pairs: a seeded sample of the documents
     every model decoded (module doc)."""
-    common_of, cost = {}, []
+    common_of = {}
     for u in cfg["units"]:
-        common, secs = None, 0.0
+        common = None
         for m in cfg["models"]:
             rows = _rows(run_dir, m["name"], u["name"])
             common = set(rows) if common is None else common & set(rows)
-            if rows:
-                secs += sum(float(r.get("decode_s") or 0.0) for r in rows.values()) / len(rows)
         if common:
             common_of[u["name"]] = sorted(common, key=lambda k: (k[0], f"{k[1]:012d}" if isinstance(k[1], int)
                                                                  else str(k[1])))
-            cost.append(secs)
     items = t["items"]
     k = (None if items == "all" else int(items) if items != "auto"
-         else timing.items_for_budget(cost, int(t["rounds"]), float(t["budget_s"])))
+         else timing.items_auto(len(cfg["models"]), len(common_of)))
     return {u: timing.sample_docs(docs, k, int(cfg["seed"]), u) for u, docs in common_of.items()}
 
 

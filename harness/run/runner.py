@@ -53,8 +53,8 @@ from harness.run.model_list import (LOAD_OPTIONS, TEMPLATE_OPTION, InputError, K
                                     parse_models, template_args)
 from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS, ModelSpec, paper_knobs
 from harness.run.store import atomic_write_json, read_json
-from harness.run.timing import BUDGET_S as TIMING_BUDGET, BUSY_SHARE, DEFAULT_ITEMS as TIMING_ITEMS, \
-    DEFAULT_ROUNDS as TIMING_ROUNDS, parse_items
+from harness.run.timing import BUSY_SHARE, DEFAULT_ITEMS as TIMING_ITEMS, DEFAULT_ROUNDS as TIMING_ROUNDS, \
+    parse_items
 from tasks.checks import target_problem
 from tasks.scoring import task_manager
 
@@ -538,11 +538,8 @@ def _timing_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed rounds (default: %(default)s); the figure is the median over rounds")
     t.add_argument("--timing-items", default=TIMING_ITEMS,
                    help="timed items per task: a sample drawn with the run's seed from the documents every model "
-                   "decoded (the first k of a seeded shuffle); a count, 'all', or 'auto': the largest power of two "
-                   "(at least 2) whose rounds take about --timing-budget seconds, by the decoding pass's own times "
-                   "(default: %(default)s)")
-    t.add_argument("--timing-budget", type=float, default=TIMING_BUDGET,
-                   help="seconds of timed decoding that --timing-items auto aims at (default: %(default)s)")
+                   "decoded (the first k of a seeded shuffle); a count, 'all', or 'auto': about 24 item decodes per "
+                   "round over every model and task, at least 2 per task (default: %(default)s)")
     t.add_argument("--timing-order", choices=("abba", "random"), default="abba",
                    help="the models' order within each round: ABBA (forward, then backward) or seeded random "
                    "(default: %(default)s)")
@@ -673,12 +670,10 @@ def timing_config(ns: argparse.Namespace) -> dict:
         items = parse_items(ns.timing_items)
     except ValueError as e:
         raise InputError(str(e)) from None
-    if not ns.timing_budget > 0:
-        raise InputError(f"--timing-budget must be > 0 seconds, got {ns.timing_budget}")
     if not 0 < ns.busy_share < 1:
         raise InputError(f"--busy-share must lie between 0 and 1, got {ns.busy_share}")
     return {"mode": ns.timing, "rounds": ns.timing_rounds, "items": items, "order": ns.timing_order,
-            "memory": ns.timing_memory, "busy_share": ns.busy_share, "budget_s": ns.timing_budget}
+            "memory": ns.timing_memory, "busy_share": ns.busy_share}
 
 
 def compile_settings(model_cfgs: list[dict]) -> dict[str, bool]:

@@ -50,8 +50,8 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import numpy as np
 
 DEFAULT_ROUNDS = 9  # Google Benchmark's minimum for its U test; asv and pyperf also repeat
-DEFAULT_ITEMS = "auto"  # timed items per task of a run: as many as fit BUDGET_S (``items_for_budget``)
-BUDGET_S = 60.0  # seconds of timed decoding a run's rounds aim at when the items are "auto"
+DEFAULT_ITEMS = "auto"  # timed items per task of a run: ``items_auto``
+DECODES_PER_ROUND = 24  # --timing-items auto: about this many item decodes per round, over every model and task
 MIN_BLOCK_S = 0.05  # a block shorter than this is repeated within its round (timer and scheduler-tick noise)
 MAX_REPEAT = 64
 BUSY_SHARE = 0.10  # others' share of the machine (CPU + steal) above which the speed figures are flagged
@@ -492,15 +492,12 @@ def sample_docs(docs: Sequence[Any], k: int | None, seed: int, unit: str) -> lis
     return [d for i, d in enumerate(docs) if i in picked]
 
 
-def items_for_budget(cost_per_item: Sequence[float], rounds: int, budget_s: float = BUDGET_S) -> int:
-    """Timed items per task for ``--timing-items auto``: the largest power of two k >= 2 with rounds x k x
-    (the seconds one item of every task takes all models, from the decoding pass) within ``budget_s``. A power
-    of two, so that two runs of the same setting on the same machine almost always time the same items."""
-    per = rounds * sum(cost_per_item)
-    k = 2
-    while per > 0 and per * k * 2 <= budget_s and k < 4096:
-        k *= 2
-    return k
+def items_auto(models: int, tasks: int, per_round: int = DECODES_PER_ROUND) -> int:
+    """Timed items per task for ``--timing-items auto``: about ``per_round`` item decodes per round over every
+    model and task, at least 2. It depends on the run's shape only, never on a measured time, so every run of
+    one setting, on any machine, times the same items (a time-based choice moved with the machine: two idle
+    runs of one command timed 8 and 16 items)."""
+    return max(2, per_round // max(1, models * tasks))
 
 
 def parse_items(text: str | int) -> str | int:
