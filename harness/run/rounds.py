@@ -276,8 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(run_dir / "timing.json", {"settings": t, "docs": {}, "passes": [], "memory": None,
                                                     "why": "no task of the run generates text: nothing to time"})
         return 0
-    rows = {m["name"]: {u: [_rows(run_dir, m["name"], u)[k] for k in ks] for u, ks in docs.items()}
-            for m in cfg["models"]}
+    rows = {}
+    for m in cfg["models"]:
+        logs = {u: _rows(run_dir, m["name"], u) for u in docs}  # each sample log read once
+        rows[m["name"]] = {u: [logs[u][k] for k in ks] for u, ks in docs.items()}
     names = [m["name"] for m in cfg["models"]]
     ref = cfg.get("baseline") if cfg.get("baseline") in names else names[0]
     mode = memory_mode(cfg, t)
