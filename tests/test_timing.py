@@ -48,7 +48,7 @@ def test_abba_alternates_and_random_is_seeded():
 def test_figures_are_exact_on_a_steady_machine():
     cost = {"g": [0.1, 0.3]}
     got = timing.run_rounds([Clocked("a", cost), Clocked("b", cost, factor=2.0)], ["g"], rounds=9, progress=False)
-    assert len(got["records"]) == 18 and got["repeat"] == {"g": 1}
+    assert len(got["records"]) == 18 and got["repeat"] == {"g": {"a": 1, "b": 1}}
     fa = timing.figure(got["records"], "a", "g")
     assert fa["tokens_per_s"] == pytest.approx(20 / 0.4) and fa["rounds"] == 9 and fa["calls"] == 2
     assert fa["interval"]["lo"] <= 50.0 <= fa["interval"]["hi"]
@@ -63,7 +63,10 @@ def test_figures_are_exact_on_a_steady_machine():
 def test_a_short_block_is_repeated_within_its_round():
     got = timing.run_rounds([Clocked("a", {"g": [0.001]}), Clocked("b", {"g": [0.002]})], ["g"], rounds=2,
                             min_block_s=0.05, progress=False)
-    assert got["repeat"] == {"g": 50}
+    assert got["repeat"] == {"g": {"a": 50, "b": 25}}  # each side's block lasts MIN_BLOCK_S, no side longer
+    ab = timing.run_rounds([Clocked("a", {"g": [0.001]}), Clocked("b", {"g": [0.002]})], ["g"], rounds=2,
+                           min_block_s=0.05, progress=False, same_repeat=True)
+    assert ab["repeat"] == {"g": {"a": 50, "b": 50}}  # an A/B's two versions: alike blocks
     fa = timing.figure(got["records"], "a", "g")
     assert fa["tokens_per_s"] == pytest.approx(10 / 0.001)  # seconds per pass: the block's time / its repeats
 
@@ -123,9 +126,9 @@ def test_sample_docs_is_seeded_and_nested():
     assert len(four) == 4 and set(four) <= set(eight) and four == sorted(four)
     assert four == timing.sample_docs(docs, 4, 1234, "embedded_math") != timing.sample_docs(docs, 4, 1234, "other")
     assert timing.sample_docs(docs, None, 1, "x") == docs and timing.sample_docs(docs, 99, 1, "x") == docs
-    # auto: about 24 item decodes per round over every model and task, at least 2 per task
-    assert timing.items_auto(models=2, tasks=1) == 12 and timing.items_auto(models=4, tasks=3) == 2
-    assert timing.items_auto(models=13, tasks=3) == 2
+    # auto: the rounds re-decode about half the decoding pass (k x 9 rounds ~ docs / 2), 1 to 32 items per task
+    assert [timing.items_auto(n) for n in (1, 20, 36, 60, 100, 400, 1319)] == [1, 1, 2, 3, 5, 22, 32]
+    assert timing.items_auto(60, rounds=3) == 10 and timing.items_auto(0) == 1
     assert timing.parse_items("auto") == "auto" and timing.parse_items("7") == 7
     with pytest.raises(ValueError, match="auto, all or a count"):
         timing.parse_items("0")

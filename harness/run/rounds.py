@@ -78,9 +78,11 @@ def timed_docs(run_dir: Path, cfg: dict, t: dict) -> dict[str, list[tuple[str, o
             common_of[u["name"]] = sorted(common, key=lambda k: (k[0], f"{k[1]:012d}" if isinstance(k[1], int)
                                                                  else str(k[1])))
     items = t["items"]
-    k = (None if items == "all" else int(items) if items != "auto"
-         else timing.items_auto(len(cfg["models"]), len(common_of)))
-    return {u: timing.sample_docs(docs, k, int(cfg["seed"]), u) for u, docs in common_of.items()}
+
+    def k_of(docs: list) -> int | None:
+        return (None if items == "all" else int(items) if items != "auto"
+                else timing.items_auto(len(docs), int(t.get("rounds") or timing.DEFAULT_ROUNDS)))
+    return {u: timing.sample_docs(docs, k_of(docs), int(cfg["seed"]), u) for u, docs in common_of.items()}
 
 
 def _weight_bytes(m: dict) -> int:

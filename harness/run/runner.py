@@ -538,8 +538,8 @@ def _timing_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed rounds (default: %(default)s); the figure is the median over rounds")
     t.add_argument("--timing-items", default=TIMING_ITEMS,
                    help="timed items per task: a sample drawn with the run's seed from the documents every model "
-                   "decoded (the first k of a seeded shuffle); a count, 'all', or 'auto': about 24 item decodes per "
-                   "round over every model and task, at least 2 per task (default: %(default)s)")
+                   "decoded (the first k of a seeded shuffle); a count, 'all', or 'auto': k = documents x 0.5 / rounds, "
+                   "1 to 32, so the rounds re-decode about half the decoding pass (default: %(default)s)")
     t.add_argument("--timing-order", choices=("abba", "random"), default="abba",
                    help="the models' order within each round: ABBA (forward, then backward) or seeded random "
                    "(default: %(default)s)")

@@ -243,7 +243,8 @@ def timing_note(s: dict) -> str | None:
     items = t.get("items") or "all"
     text = (f"Speed: {t['rounds']} timed rounds of {items} item(s) per task, the models in turn ({t.get('order')}, "
             f"{'all loaded' if t.get('memory') == 'all' else 'two at a time against ' + str(s.get('baseline'))}); "
-            "each figure is the median over rounds, its interval a bootstrap over rounds and items.")
+            "each figure is the median over rounds, its interval a bootstrap over rounds and items"
+            + (" (one timed item per task: over rounds only, the items' spread is not in it)." if items == 1 else "."))
     if t.get("busy_text"):
         text += " **Flag: " + t["busy_text"] + ".**"
     return text

@@ -9,9 +9,9 @@ speedup) come from **timed rounds**:
 - *Sides* are what is timed against each other: the models of a run, or two versions of the code. A side
   decodes a *group* (a task's sampled items, or one preset's items of one kind) as one *block*: its calls one
   after another, each call one item (batch 1) or one batch (``--batch-size`` > 1).
-- An untimed warm-up block per (group, side) comes first; every side's block of a group is then repeated
-  within a round until the fastest side's block lasts ``min_block_s`` (the same repeat count for every
-  side, so the blocks stay comparable).
+- An untimed warm-up block per (group, side) comes first; a side whose block is shorter than
+  ``min_block_s`` then repeats it within each round until it lasts that long (its own count, so a fast
+  model does not make a slow one repeat; ``same_repeat`` for two versions of the same work, as in an A/B).
 - In each of ``rounds`` rounds every side decodes every group, interleaved: per (round, group) the sides go
   in turn, in ABBA order (forward in one round, backward in the next: a drift in the machine's speed falls
   on both sides alike) or in a seeded random order. Only one decodes at a time.
@@ -51,7 +51,8 @@ import numpy as np
 
 DEFAULT_ROUNDS = 9  # Google Benchmark's minimum for its U test; asv and pyperf also repeat
 DEFAULT_ITEMS = "auto"  # timed items per task of a run: ``items_auto``
-DECODES_PER_ROUND = 24  # --timing-items auto: about this many item decodes per round, over every model and task
+ROUNDS_SHARE = 0.5  # --timing-items auto: the rounds re-decode about this share of the decoding pass ...
+MAX_AUTO_ITEMS = 32  # ... with at most this many items per task
 MIN_BLOCK_S = 0.05  # a block shorter than this is repeated within its round (timer and scheduler-tick noise)
 MAX_REPEAT = 64
 BUSY_SHARE = 0.10  # others' share of the machine (CPU + steal) above which the speed figures are flagged
@@ -298,20 +299,26 @@ def side_order(names: Sequence[str], rnd: int, gi: int, order: str, seed: int) -
 
 def run_rounds(sides: Sequence[Side], groups: Sequence[str], *, rounds: int = DEFAULT_ROUNDS, order: str = "abba",
                seed: int = SEED, min_block_s: float = MIN_BLOCK_S, guard: Guard | None = None, progress: bool = True,
-               desc: str = "timed rounds", flip: bool = False) -> dict:
+               desc: str = "timed rounds", flip: bool = False, same_repeat: bool = False) -> dict:
     """Warm-up, then ``rounds`` interleaved rounds (module doc). Returns {"records": [{round, group, side,
-    repeat, calls}], "repeat": {group: n}, "order", "rounds", "guard"}. ``flip`` starts ABBA on the other
-    side (a confirmation run)."""
+    repeat, calls}], "repeat": {group: {side: n}}, "order", "rounds", "guard"}. ``flip`` starts ABBA on the other
+    side (a confirmation run). Each side repeats a short block until it lasts ``min_block_s`` on its own;
+    ``same_repeat`` gives every side the fastest side's count instead (two versions of the same work, as in
+    an A/B, whose blocks must stay alike: a repeated block runs on warmer caches)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     from tqdm import tqdm
 
     names = [s.name for s in sides]
     by = {s.name: s for s in sides}
-    repeat: dict[str, int] = {}
-    for g in groups:  # untimed warm-up: first calls, allocations, caches; sets the group's repeat count
-        walls = [sum(c["wall_s"] for c in by[n].block(g, 1)) for n in names]
-        repeat[g] = max(1, min(MAX_REPEAT, math.ceil(min_block_s / max(min(walls), 1e-6))))
+    repeat: dict[str, dict[str, int]] = {}
+    for g in groups:  # untimed warm-up: first calls, allocations, caches; sets each side's repeat count
+        # per side, not per group: a fast side's short block must not make a slow side repeat too (in the
+        # default run that doubled the slowest model's timed work on two of its three tasks)
+        repeat[g] = {n: max(1, min(MAX_REPEAT, math.ceil(min_block_s / max(
+            sum(c["wall_s"] for c in by[n].block(g, 1)), 1e-6)))) for n in names}
+        if same_repeat:
+            repeat[g] = dict.fromkeys(names, max(repeat[g].values()))
     records = []
     if guard is not None:
         guard.mark("start")
@@ -320,8 +327,8 @@ def run_rounds(sides: Sequence[Side], groups: Sequence[str], *, rounds: int = DE
         for r in range(rounds):
             for gi, g in enumerate(groups):
                 for n in side_order(names, r + int(flip), gi, order, seed):
-                    records.append({"round": r, "group": g, "side": n, "repeat": repeat[g],
-                                    "calls": by[n].block(g, repeat[g])})
+                    records.append({"round": r, "group": g, "side": n, "repeat": repeat[g][n],
+                                    "calls": by[n].block(g, repeat[g][n])})
                 bar.update(1)
             if guard is not None:
                 guard.mark(f"round {r}")
@@ -365,12 +372,15 @@ def _tps(wall: np.ndarray, tokens: np.ndarray, rho: np.ndarray | None = None,
     return tokens[kappa].sum(axis=1)[:, None] / w.sum(axis=2)
 
 
-def _interval(dist: np.ndarray) -> dict | None:
+def _interval(dist: np.ndarray, calls: int = 2) -> dict | None:
+    """The 95% percentile interval of a bootstrap distribution. With one timed call per group there is no
+    item to resample: the interval holds the round-to-round spread only, and its method says so."""
     d = dist[np.isfinite(dist)]
     if d.size == 0:
         return None
     lo, hi = np.percentile(d, [2.5, 97.5])
-    return {"lo": float(lo), "hi": float(hi), "method": "bootstrap over rounds and items"}
+    return {"lo": float(lo), "hi": float(hi),
+            "method": "bootstrap over rounds and items" if calls > 1 else "bootstrap over rounds (one timed item)"}
 
 
 def figure(records: list[dict], side: str, group: str, key: Any = None) -> dict | None:
@@ -389,12 +399,13 @@ def figure(records: list[dict], side: str, group: str, key: Any = None) -> dict 
     per_call = np.median(wall, axis=0)  # each call's median seconds over rounds [C]
     per_call_dist = np.median(w, axis=1)  # [B, C]
     cpu_tps = tokens.sum() / cpu.sum(axis=1) if np.all(np.isfinite(cpu)) and np.all(cpu.sum(axis=1) > 0) else None
-    return {"tokens_per_s": float(np.median(per_round)), "interval": _interval(dist),
-            "latency_s": float(np.median(lat)), "latency_interval": _interval(lat_dist),
+    c = wall.shape[1]
+    return {"tokens_per_s": float(np.median(per_round)), "interval": _interval(dist, c),
+            "latency_s": float(np.median(lat)), "latency_interval": _interval(lat_dist, c),
             "latency_p50_s": float(np.percentile(per_call, 50)),
-            "latency_p50_interval": _interval(np.percentile(per_call_dist, 50, axis=1)),
+            "latency_p50_interval": _interval(np.percentile(per_call_dist, 50, axis=1), c),
             "latency_p90_s": float(np.percentile(per_call, 90)),
-            "latency_p90_interval": _interval(np.percentile(per_call_dist, 90, axis=1)),
+            "latency_p90_interval": _interval(np.percentile(per_call_dist, 90, axis=1), c),
             "cpu_tokens_per_s": None if cpu_tps is None else float(np.median(cpu_tps)),
             "mean_of_ratios": float(np.mean(tokens / per_call)) if np.all(per_call > 0) else None,
             "per_round": [float(x) for x in per_round], "rounds": int(wall.shape[0]), "calls": int(wall.shape[1]),
@@ -434,7 +445,7 @@ def ratio(records: list[dict], side: str, ref: str, group: str, key: Any = None,
     per_round = _tps(wa, ta) / _tps(wb, tb)
     rho, kappa = _draws(*wa.shape, key=(key, side, ref, group))
     dist = np.median(_tps(wa, ta, rho, kappa) / _tps(wb, tb, rho, kappa), axis=1)
-    return {"ratio": float(np.median(per_round)), "interval": _interval(dist),
+    return {"ratio": float(np.median(per_round)), "interval": _interval(dist, wa.shape[1]),
             "p_not_below_1": float(np.mean(dist >= 1.0)), "per_round": [float(x) for x in per_round]}
 
 
@@ -456,7 +467,7 @@ def mean_ratio(records: list[dict], side: str, ref: str, groups: Sequence[str], 
         kappa = g.integers(0, c, size=(BOOT, c))
         dists.append(_tps(a[0][:n_rounds], a[2], rho, kappa) / _tps(b[0][:n_rounds], b[2], rho, kappa))
     dist = np.median(np.mean(dists, axis=0), axis=1)
-    return {"ratio": float(np.median(per_round)), "interval": _interval(dist),
+    return {"ratio": float(np.median(per_round)), "interval": _interval(dist, sum(a[0].shape[1] for a, _ in pairs)),
             "per_round": [float(x) for x in per_round]}
 
 
@@ -492,12 +503,16 @@ def sample_docs(docs: Sequence[Any], k: int | None, seed: int, unit: str) -> lis
     return [d for i, d in enumerate(docs) if i in picked]
 
 
-def items_auto(models: int, tasks: int, per_round: int = DECODES_PER_ROUND) -> int:
-    """Timed items per task for ``--timing-items auto``: about ``per_round`` item decodes per round over every
-    model and task, at least 2. It depends on the run's shape only, never on a measured time, so every run of
-    one setting, on any machine, times the same items (a time-based choice moved with the machine: two idle
-    runs of one command timed 8 and 16 items)."""
-    return max(2, per_round // max(1, models * tasks))
+def items_auto(docs: int, rounds: int = DEFAULT_ROUNDS, share: float = ROUNDS_SHARE, cap: int = MAX_AUTO_ITEMS) -> int:
+    """Timed items per task for ``--timing-items auto``: k = floor(docs x share / rounds), between 1 and
+    ``cap``, so that the rounds re-decode about ``share`` of what the decoding pass decoded (each timed item is
+    decoded once per round). It depends on the run's shape only (the task's document count and the rounds),
+    never on a measured time, so every run of one setting, on any machine, times the same items (a
+    time-based choice moved with the machine: two idle runs of one command timed 8 and 16 items); and it
+    costs every model the same fraction of its own pass, a slow row as much as a fast one."""
+    if docs < 1 or rounds < 1:
+        return 1
+    return max(1, min(cap, int(docs * share // rounds)))
 
 
 def parse_items(text: str | int) -> str | int:

@@ -246,7 +246,7 @@ def measure(items: list[Item], cur: Worker, base: Worker, progress: bool = True,
         groups[g] = its[:max(1, min(len(its), int(TARGET_BLOCK_S / max(t, 1e-6))))]
     sides = [ABSide("current", cur, groups), ABSide("baseline", base, groups)]
     got = timing.run_rounds(sides, list(groups), rounds=rounds, order="abba", min_block_s=min_block_s, guard=guard,
-                            progress=progress, desc="speed A/B", flip=flip)
+                            progress=progress, desc="speed A/B", flip=flip, same_repeat=True)
     got["same_tokens"] = {g: all(sides[0].tokens.get((g, i)) == sides[1].tokens.get((g, i))
                                  for i in range(len(its))) for g, its in groups.items()}
     got["items"] = {g: len(its) for g, its in groups.items()}

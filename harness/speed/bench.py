@@ -122,7 +122,8 @@ def run_long_prompt(model, tokenizer, n: int, rounds: int = 9) -> dict:
 
     sides = [timing.FnSide(layout, {"long": [call(ids, {**LONG_KNOBS, "kv_layout": layout}) for ids in prompts]})
              for layout in ("packed", "replicated")]
-    got = timing.run_rounds(sides, ["long"], rounds=rounds, progress=False, guard=timing.Guard())
+    got = timing.run_rounds(sides, ["long"], rounds=rounds, progress=False, guard=timing.Guard(),
+                            same_repeat=True)
     res = {"timing": {"rounds": rounds, "order": "abba", "guard": got["guard"]}}
     for side in sides:
         fig = timing.figure(got["records"], side.name, "long")
@@ -201,7 +202,7 @@ def run_compiled(n: int, threads: int, rounds: int = 9) -> dict:
 
         sides = [timing.FnSide(label, {name: [call(ids, kn, c) for ids, kn in items]})
                  for label, c in (("eager", False), ("compiled", True))]
-        got = timing.run_rounds(sides, [name], rounds=rounds, progress=False)
+        got = timing.run_rounds(sides, [name], rounds=rounds, progress=False, same_repeat=True)
         eager, comp = (timing.figure(got["records"], s_.name, name) for s_ in sides)
         speed = timing.ratio(got["records"], "compiled", "eager", name)
         keys = list(sides[0].outputs)
