@@ -1,6 +1,7 @@
 """Regenerate tests/fixtures/released/: tiny random-weight checkpoints in the file layouts of the
 released diffusion / AR checkpoints, with reference logits and greedy generations produced by the
-AUTHORS' OWN code (imported from a local checkout, never copied here).
+AUTHORS' OWN code (imported from a local checkout, never copied here), or for DiffusionGemma by
+transformers' own generate.
 
 Upstream code (pass each checkout's root with the flags below; commits recorded in every reference):
   --llada     ML-GSAI/LLaDA                         b7e6c3565f194352da44b38dd12b6970597309f3  generate.py
@@ -25,6 +26,10 @@ Run:  python3 scripts/make_release_fixtures.py --llada L --fastdllm F --d2f D --
           --py446 /tmp/authors-venv/bin/python --py452 /tmp/authors-venv-q3/bin/python
 The Qwen3-8B stand-in (qwen3/, stock transformers code, the AR row of the paper's headline speedup) alone:
       .venv/bin/python scripts/make_release_fixtures.py --only-qwen3
+DiffusionGemma (diffusiongemma/, beyond Table 1: google/diffusiongemma-26B-A4B-it's layout on transformers' own
+DiffusionGemmaForBlockDiffusion, references from its DiffusionGemmaGenerationMixin.generate, seeded) alone, in
+the project's venv (transformers >= 5.24):
+      .venv/bin/python scripts/make_release_fixtures.py --only-diffusiongemma
 The driver runs each stage in a subprocess of the right interpreter (the upstream repos all name
 their packages `model`/`generate`, so stages cannot share one process). Everything is seeded.
 

@@ -219,3 +219,25 @@ def test_dry_run_truncated_shard_and_missing_tokenizer_are_one_error_line(tmp_pa
         (bare / name).unlink()
     rc, _, err = _dry(tmp_path, f"dg={bare}:diffusion_gemma", capsys)
     assert "has no tokenizer files" in _one_error(rc, err) and str(bare) in err, err
+
+
+def test_fixture_keeps_the_release_layout():
+    """config.json as DiffusionGemmaConfig publishes it, sharded weights with an index, Gemma's chat tokens
+    and template, and the facts of scripts/release_facts.json stored with the references."""
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((FIXTURE / "config.json").read_text())
+    assert cfg["model_type"] == "diffusion_gemma" and cfg["architectures"] == ["DiffusionGemmaForBlockDiffusion"]
+    assert cfg["text_config"]["model_type"] == "diffusion_gemma_text" and cfg["text_config"]["num_experts"] > 1
+    assert cfg["vision_config"]["model_type"] == "gemma4_vision" and cfg["canvas_length"] == 16
+    assert "auto_map" not in cfg
+    index = json.loads((FIXTURE / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    tok = AutoTokenizer.from_pretrained(str(FIXTURE), trust_remote_code=False)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+    gen = json.loads((FIXTURE / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [tok.convert_tokens_to_ids("<eos>"), tok.convert_tokens_to_ids("<end_of_turn>")]
+    facts = json.loads((Path(__file__).resolve().parents[1] / "scripts" / "release_facts.json").read_text())
+    assert REFERENCE["facts"] == facts["diffusiongemma"]
