@@ -241,3 +241,12 @@ def test_fixture_keeps_the_release_layout():
     assert gen["eos_token_id"] == [tok.convert_tokens_to_ids("<eos>"), tok.convert_tokens_to_ids("<end_of_turn>")]
     facts = json.loads((Path(__file__).resolve().parents[1] / "scripts" / "release_facts.json").read_text())
     assert REFERENCE["facts"] == facts["diffusiongemma"]
+
+
+def test_log_likelihood_requests_are_refused_not_scored_with_a_random_canvas():
+    """DiffusionGemma's forward is no causal LM's: a task asking for log-likelihoods fails naming why."""
+    from harness.run.lm_adapter import RefusionBenchLM
+
+    lm = RefusionBenchLM(pretrained=str(FIXTURE), decoder="diffusion_gemma", warmup=False)
+    with pytest.raises(ValueError, match="diffusion_gemma checkpoints answer generate requests only"):
+        lm.scorer.score([1, 2, 3], [4], "0" * 16)

@@ -202,8 +202,13 @@ class RefusionBenchLM(TemplateLM):
         self.call = DecoderCall(self.decoder, decoder, self.model, self.tokenizer, self._device,
                                 response_extract=response_extract, warmup=warmup)
         self.eos, self.mask = self.call.eos, self.call.mask
+        from refusion.decoding import DECODERS
+
+        own = DECODERS[decoder].family is not None  # a model class of its own (DiffusionGemma): no LM scoring
         self.scorer = Scorer(self.model, self._device, causal=self.causal, mask=self.mask,
-                             pretrained=self.pretrained, seed=self.seed, mc_num=self.mc_num, mc_batch=self.mc_batch)
+                             pretrained=self.pretrained, seed=self.seed, mc_num=self.mc_num, mc_batch=self.mc_batch,
+                             refuse=f"{self.family.name} checkpoints answer generate requests only (decoder "
+                                    f"{decoder!r}); this task asks for log-likelihoods" if own else None)
         self.records = Records(journal_dir, self.rank, retry_failed=bool(retry_failed))
         self.journal, self._done, self.keys_by_task = self.records.journal, self.records.done, self.records.keys_by_task
 
