@@ -80,11 +80,26 @@ def test_the_reference_covers_24_prompts_and_3_settings():
     assert all(g["generator"] == "transformers.DiffusionGemmaForBlockDiffusion.generate" for g in GENS)
 
 
+def _mixed_batch(gens: list[dict], eos) -> list[dict]:
+    """The first batch of 4 in which some rows end (EOS) in the first canvas and others go on, so the batch
+    drops rows between canvases; else the first 4."""
+    for i in range(0, len(gens), 4):
+        ends = [len(_want(g, eos)) <= 16 for g in gens[i:i + 4]]
+        if any(ends) and not all(ends):
+            return gens[i:i + 4]
+    return gens[:4]
+
+
 @pytest.mark.parametrize("setting", SETTINGS, ids=[f"setting{i}" for i in range(len(SETTINGS))])
 def test_generate_tokens_seed_for_seed_subset(loaded, setting):
     gens = _of(setting)
     _compare(loaded, gens[::4], 1)  # 6 prompts alone
-    _compare(loaded, gens[:4], 4)  # one left-padded batch of 4
+    _compare(loaded, _mixed_batch(gens, loaded.eos_ids), 4)  # one left-padded batch of 4
+
+
+def test_the_default_subset_drops_finished_rows_from_a_batch(loaded):
+    assert all(any(len(_want(g, loaded.eos_ids)) <= 16 for g in _mixed_batch(_of(s), loaded.eos_ids))
+               for s in SETTINGS)
 
 
 @pytest.mark.slow
