@@ -270,7 +270,7 @@ def _ours_for(pub: dict, ours: list[dict]) -> dict | None:
 BEYOND_TITLE = "Beyond Table 1"
 BEYOND_NOTE = ("Systems the paper's Table 1 has no row for (a decoder none of its rows ran, as DiffusionGemma's): "
                "no published numbers to match, and another backbone and size class than the 7-8B rows, so compare "
-               "accuracy-parallelism frontiers (`make frontier`), not single points (docs/design.md \"DiffusionGemma\").")
+               "accuracy-parallelism frontiers (`make frontier`), not single points (docs/design.md §4b).")
 
 
 def beyond_table1(row: dict) -> bool:

@@ -48,8 +48,8 @@ KINDS = {
 }
 OTHER_COLOURS = ("#937860", "#8c8c8c", "#ccb974")
 # forward phase -> what the page and the GIF titles call it
-PHASES = {"verify": "global verify", "draft": "infill draft", "infill": "infill verify", "encode": "encoder (cache write)",
-          "denoise": "denoise step"}
+PHASES = {"verify": "global verify", "draft": "infill draft", "infill": "infill verify",
+          "encode": "encoder (cache write)", "denoise": "denoise step"}
 
 
 def display(piece: str, eos: bool = False) -> str:

@@ -216,9 +216,9 @@ def check_attention(name: str, model_causal: bool, family: str | None = None) ->
     want = entry.causal
     if want != model_causal:
         need, got = ("causal", "bidirectional") if want else ("bidirectional", "causal")
+        valid = sorted(n for n, d in DECODERS.items() if d.causal == model_causal and d.family is None)
         raise ValueError(f"decoder {name!r} needs a {need} model, but this checkpoint is {got} "
-                         f"(config is_causal / its model family); valid decoders for it: "
-                         f"{', '.join(sorted(n for n, d in DECODERS.items() if d.causal == model_causal and d.family is None))}")
+                         f"(config is_causal / its model family); valid decoders for it: {', '.join(valid)}")
 
 
 def check_knob_values(name: str, values: dict[str, Any]) -> None:

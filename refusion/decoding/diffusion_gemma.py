@@ -2,7 +2,7 @@
 ``DiffusionGemmaForBlockDiffusion``): the loop of transformers' own
 ``DiffusionGemmaGenerationMixin.generate`` (src/transformers/models/diffusion_gemma/
 generation_diffusion_gemma.py, 5.24.0), written as this project's decoders are (docs/design.md
-"DiffusionGemma").
+§4b).
 
 The model has two halves that share their weights: a causal *encoder* that writes the KV cache of
 everything before the current block, and a bidirectional *decoder* that reads that cache (never writes
@@ -34,7 +34,7 @@ seed for seed. Rows that ended leave the batch at the next canvas (their cache r
 forwards are counted here, encoder and decoder apart (generate's tokens_per_forward counts the decoder's
 only).
 
-Counting (docs/design.md §6 and "DiffusionGemma"): phases ``encode`` and ``denoise``; NFE = both; TPF =
+Counting (docs/design.md §6 and §4b): phases ``encode`` and ``denoise``; NFE = both; TPF =
 generated tokens / NFE. A token is committed by the decoder forward from which its position's argmax held
 to the canvas's end. Extra stats: canvas_length, canvases (row canvases decoded), denoise_steps (decoder
 steps per row canvas, summed), early_stops (row canvases the adaptive stop ended before the step cap), and
