@@ -1,6 +1,7 @@
 """Regenerate tests/fixtures/released/: tiny random-weight checkpoints in the file layouts of the
 released diffusion / AR checkpoints, with reference logits and greedy generations produced by the
-AUTHORS' OWN code (imported from a local checkout, never copied here).
+AUTHORS' OWN code (imported from a local checkout, never copied here), or for DiffusionGemma by
+transformers' own generate.
 
 Upstream code (pass each checkout's root with the flags below; commits recorded in every reference):
   --llada     ML-GSAI/LLaDA                         b7e6c3565f194352da44b38dd12b6970597309f3  generate.py
@@ -25,6 +26,10 @@ Run:  python3 scripts/make_release_fixtures.py --llada L --fastdllm F --d2f D --
           --py446 /tmp/authors-venv/bin/python --py452 /tmp/authors-venv-q3/bin/python
 The Qwen3-8B stand-in (qwen3/, stock transformers code, the AR row of the paper's headline speedup) alone:
       .venv/bin/python scripts/make_release_fixtures.py --only-qwen3
+DiffusionGemma (diffusiongemma/, beyond Table 1: google/diffusiongemma-26B-A4B-it's layout on transformers' own
+DiffusionGemmaForBlockDiffusion, references from its DiffusionGemmaGenerationMixin.generate, seeded) alone, in
+the project's venv (transformers >= 5.24):
+      .venv/bin/python scripts/make_release_fixtures.py --only-diffusiongemma
 The driver runs each stage in a subprocess of the right interpreter (the upstream repos all name
 their packages `model`/`generate`, so stages cannot share one process). Everything is seeded.
 
@@ -859,6 +864,131 @@ def stage_refusion(a) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# DiffusionGemma (google/diffusiongemma-26B-A4B-it's layout), stock transformers >= 5.24 only:
+# the folder as DiffusionGemmaForBlockDiffusion.save_pretrained writes it (sharded like the release),
+# and reference generations from transformers' own DiffusionGemmaGenerationMixin.generate, seed for seed.
+# --------------------------------------------------------------------------------------------
+
+DG_ADDED = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+            "<image_soft_token>", "<end_of_image>"]
+# Gemma's turn format (bos, then <start_of_turn>role ... <end_of_turn>, the model turn opened by the
+# generation prompt); the release's own template file is not available offline (release_facts.json).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+DG_CANVAS = 16  # canvas (block) length of the fixture: 2 canvases for the tests' 32-token budget
+DG_EMBED_STD = 0.25  # tied embedding / output layer: entropies from ~0 to a few nats, so every knob matters
+# 24 chat prompts for the reference generations (tokenized with the fixture's chat template).
+DG_QUERIES = [
+    "the cat sat on", "one two three", "def add(a, b):", "what is 12 plus 30?", "the dog ran to the park",
+    "four five six seven", "Lily can run 12 kilometers", "a slot of tokens", "return a + b", "Question: what is 2?",
+    "eight nine ten", "the mat and the dog", "decoded in parallel", "then verified", "per hour for 4 hours",
+    "Answer: 42.", "the park", "one", "def", "seven eight", "the cat and the dog sat on the mat",
+    "Question: what is 12 plus 30? Answer:", "run to the park and sat", "tokens are verified in parallel",
+]
+# Knob settings of the reference generations: transformers' defaults (bar the step cap, which only bounds
+# a canvas that never becomes stable), a bold entropy bound with a flat schedule, a cautious one with a
+# longer stability window.
+DG_SETTINGS = [
+    {"max_denoising_steps": 16},
+    {"max_denoising_steps": 12, "entropy_bound": 1.0, "t_min": 0.2, "t_max": 0.5, "confidence_threshold": 0.05},
+    {"max_denoising_steps": 24, "entropy_bound": 0.02, "stability_threshold": 2, "confidence_threshold": 0.01},
+]
+DG_GEN_LENGTH = 32
+DG_SEED = 17
+
+
+def dg_generate_kwargs(setting: dict) -> dict:
+    """A setting (decoder knob names) -> kwargs of DiffusionGemmaForBlockDiffusion.generate."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    kw = {k: v for k, v in setting.items() if k != "entropy_bound"}
+    if "entropy_bound" in setting:
+        kw["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=float(setting["entropy_bound"]))
+    return kw
+
+
+def build_diffusiongemma(root: Path) -> None:
+    """google/diffusiongemma-26B-A4B-it's layout: DiffusionGemmaConfig (text_config with MoE and sliding /
+    full layers, a vision_config), weights under DiffusionGemmaForBlockDiffusion's own names in shards with
+    an index, generation_config.json, a fast tokenizer with Gemma's special tokens and chat template."""
+    import torch
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    d = root / "diffusiongemma"
+    d.mkdir(parents=True, exist_ok=True)
+    n, ids = _fast_tokenizer(d, DG_ADDED)
+    vocab = _round_up(n, 64)
+    text = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                num_global_key_value_heads=1, sliding_window=32, num_experts=4, top_k_experts=2,
+                moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention"],
+                max_position_embeddings=4096, pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"],
+                bos_token_id=ids["<bos>"])
+    vision = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=8, patch_size=4,
+                  position_embedding_size=64)
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=DG_CANVAS,
+                               image_token_id=ids["<image_soft_token>"], boi_token_id=ids["<start_of_image>"],
+                               eoi_token_id=ids["<end_of_image>"])
+    torch.manual_seed(SEED + 20)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    with torch.no_grad():
+        emb = model.model.decoder.embed_tokens.weight
+        emb.normal_(0.0, DG_EMBED_STD)
+        emb[n:] = 0.0  # rows past the tokenizer (padding of the embedding, as released) are never predicted
+    model.generation_config.bos_token_id = ids["<bos>"]
+    model.generation_config.pad_token_id = ids["<pad>"]
+    model.generation_config.eos_token_id = [ids["<eos>"], ids["<end_of_turn>"]]
+    model.to(torch.bfloat16).save_pretrained(str(d), max_shard_size="200KB")
+    special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "mask_token": "<mask>"}
+    _write_json(d / "tokenizer_config.json", {
+        "added_tokens_decoder": _added_decoder(DG_ADDED, ids[DG_ADDED[0]]), **special,
+        "chat_template": GEMMA_TEMPLATE, "clean_up_tokenization_spaces": False, "padding_side": "left",
+        "model_max_length": 1000000000000000019884624838656,
+        # the release names GemmaTokenizer (a SentencePiece-derived BPE): the fixture's byte-level BPE loads as the
+        # generic fast class, as llama3/ does
+        "tokenizer_class": "PreTrainedTokenizerFast"})
+    _write_json(d / "special_tokens_map.json", special)
+
+
+def stage_diffusiongemma(a) -> None:
+    """Reference generations: transformers' generate, one prompt at a time, torch.manual_seed(DG_SEED) before each."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+
+    folder = Path(a.out) / "diffusiongemma"
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(folder), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    gens = []
+    for setting in DG_SETTINGS:
+        for q in DG_QUERIES:
+            p = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+            torch.manual_seed(DG_SEED)
+            kw = {"max_new_tokens": DG_GEN_LENGTH, **setting}
+            out = model.generate(torch.tensor([p]), **dg_generate_kwargs(kw))
+            gens.append(_gen("transformers.DiffusionGemmaForBlockDiffusion.generate", kw, p,
+                             out.sequences[0, len(p):].tolist(), seed=DG_SEED,
+                             tokens_per_forward=float(out.tokens_per_forward[0])))
+    _dump(Path(a.tmp) / "diffusiongemma.json", {"generations": gens, "transformers": transformers.__version__})
+
+
+def diffusiongemma_reference(tmp: Path, facts: dict) -> dict:
+    dg = json.loads((tmp / "diffusiongemma.json").read_text())
+    return {"upstream": [{"repo": "huggingface/transformers", "commit": f"v{dg['transformers']}",
+                          "files": ["src/transformers/models/diffusion_gemma/generation_diffusion_gemma.py "
+                                    "(DiffusionGemmaGenerationMixin.generate)"]}],
+            "generations": dg["generations"], "facts": facts["diffusiongemma"],
+            "prompt_texts": {"texts": DG_QUERIES, "encode": "tokenizer.apply_chat_template([{'role': 'user', "
+                             "'content': text}], add_generation_prompt=True)"},
+            "seeding": "torch.manual_seed(seed) before each generate call; batch 1; CPU; float32 (weights "
+                       "stored bfloat16)"}
+
+
+# --------------------------------------------------------------------------------------------
 # Driver: run stages, then write reference.json per folder.
 # --------------------------------------------------------------------------------------------
 
@@ -933,6 +1063,8 @@ def main() -> int:
     p.add_argument("--stage", help="internal: run one stage in this interpreter")
     p.add_argument("--only-qwen3", action="store_true",
                    help="(re)make qwen3/ alone in this interpreter (transformers >= 4.51; no upstream checkout needed)")
+    p.add_argument("--only-diffusiongemma", action="store_true",
+                   help="(re)make diffusiongemma/ alone in this interpreter (transformers >= 5.24; no upstream checkout)")
     a = p.parse_args()
     if a.stage:
         globals()[f"stage_{a.stage}"](a)
@@ -942,6 +1074,13 @@ def main() -> int:
         build_qwen3(Path(a.out))
         stage_qwen3(a)
         _write_reference(Path(a.out), "qwen3", qwen3_reference(Path(a.tmp), json.loads(FACTS_FILE.read_text())), [])
+        return 0
+    if a.only_diffusiongemma:
+        Path(a.tmp).mkdir(parents=True, exist_ok=True)
+        build_diffusiongemma(Path(a.out))
+        stage_diffusiongemma(a)
+        ref = diffusiongemma_reference(Path(a.tmp), json.loads(FACTS_FILE.read_text()))
+        _write_json(Path(a.out) / "diffusiongemma" / "reference.json", ref)
         return 0
     Path(a.tmp).mkdir(parents=True, exist_ok=True)
     common = ["--llada", a.llada, "--fastdllm", a.fastdllm, "--d2f", a.d2f, "--refusion", a.refusion,

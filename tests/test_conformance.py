@@ -46,16 +46,31 @@ GEN = 32  # the response budget of every check: small, and divisible by the defa
 RULES = ("counts", "commit_log", "records", "batch", "seed", "eos", "knobs", "nan", "budget")
 
 
+FAMILY_FIXTURES = {"diffusion_gemma": REPO / "tests" / "fixtures" / "released" / "diffusiongemma"}
+
+
 @pytest.fixture(scope="module")
 def models(tiny_checkpoint):
-    """causal -> (model, tokenizer): the tiny ReFusion checkpoint (causal) and the tiny MDM one (bidirectional)."""
+    """causal -> (model, tokenizer): the tiny ReFusion checkpoint (causal) and the tiny MDM one (bidirectional);
+    and family -> (model, tokenizer) for the decoders of a model class of their own (``Decoder.family``): the
+    release-layout fixture of that family, loaded by the harness as a run loads it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from harness.models.checkpoints import load_model
 
     out = {}
     for causal, name in ((True, "refusion"), (False, "mdm")):
         path = str(tiny_checkpoint(name))
         out[causal] = (AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
+    for family, path in FAMILY_FIXTURES.items():
+        loaded = load_model(path)
+        out[family] = (loaded.model, loaded.tokenizer)
     return out
+
+
+def model_of(entry: Decoder):
+    """The key of ``models`` whose model decoder ``entry`` runs."""
+    return entry.family if entry.family is not None else entry.causal
 
 
 def _prompts(tok) -> list[torch.Tensor]:
@@ -218,24 +233,38 @@ class Conformance:
                 handle.remove()
         return ctx()
 
+    def _encoder(self):
+        """The encoder half of an encoder-decoder model (DiffusionGemma's ``model.model.encoder``, whose forwards
+        write the cache and return no logits), else None."""
+        inner = getattr(self.model, "model", None)
+        return getattr(inner, "encoder", None)
+
     def nan(self) -> None:
-        calls, at = [0], 2
+        calls, at = [0], 2  # forwards so far (the encoder's too); NaN logits from the first one at `at` or later
+        encoder = self._encoder()
+        handle = encoder.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) if encoder else None
 
         def poison(_m, _a, out):
             calls[0] += 1
-            if calls[0] == at:
+            if calls[0] >= at and not hit:
+                hit.append(calls[0])
                 out.logits = torch.full_like(out.logits, float("nan"))
             return out
 
+        hit: list[int] = []
         with self._hooked(poison):
             try:
                 self.decode(self.ids, self.mask)
             except NonFiniteLogits as e:
+                at = hit[0]
                 if e.forward != at or str(e) != f"non-finite logits at forward {at}":
                     raise self.fail("nan", f"NaN at forward {at} reported as {str(e)!r}") from None
                 if sorted(e.rows) != list(range(len(self.rows))):
                     raise self.fail("nan", f"NaN in every row, rows {e.rows} reported") from None
                 return
+            finally:
+                if handle is not None:
+                    handle.remove()
         raise self.fail("nan", f"NaN logits at forward {at} went unnoticed: the call returned tokens")
 
     def budget(self) -> None:
@@ -273,7 +302,7 @@ def check_all(name: str, entry: Decoder, models, left_pad, rules=RULES, suites: 
     suites = {} if suites is None else suites
     key = (name, id(entry))
     if key not in suites:
-        suites[key] = Conformance(name, entry, *models[entry.causal], left_pad)
+        suites[key] = Conformance(name, entry, *models[model_of(entry)], left_pad)
     for rule in rules:
         suites[key].run(rule)
 

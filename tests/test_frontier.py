@@ -257,6 +257,21 @@ def test_dry_run_prints_the_points_and_the_budget(make_checkpoint, write_task, t
     assert not (tmp_path / "runs").exists()
 
 
+def test_diffusion_gemma_frontier_is_its_entropy_bound(tmp_path, capsys):
+    """The models file beyond Table 1 on the fixtures: DiffusionGemma's points are its entropy bound's grid."""
+    from refusion.decoding import DECODERS
+
+    assert DECODERS["diffusion_gemma"].grid.varied() == ["entropy_bound"]
+    models = Path(__file__).resolve().parents[1] / "examples" / "beyond_table1_fixtures.toml"
+    rc = frontier.main(["--task", "embedded_code", "--models-file", str(models), "--out", str(tmp_path / "runs"),
+                        "--dry-run", "--limit", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for value in ("0.02", "0.1", "0.5", "2.0"):
+        assert f"  diffusiongemma.eb{value}: entropy_bound={value}" in out, out
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 def test_frontier_end_to_end_on_a_tiny_model(make_checkpoint, write_task, tmp_path):
     """A real frontier (AR and ReFusion's grid: 5 points) on a random tiny checkpoint, its report, then a resume."""

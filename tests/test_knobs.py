@@ -34,7 +34,7 @@ def test_bad_values_and_names_raise_naming_the_knob():
         make_knobs("llada", {"gen_length": 128, "block_length": 32, "steps": 6})
     with pytest.raises(ValueError, match="unknown knob\\(s\\) on_commit for decoder 'refusion'; valid knobs: gen_length"):
         make_knobs("refusion", {"on_commit": 1})  # a test hook is not a knob
-    with pytest.raises(ValueError, match="unknown decoder 'nope'; valid decoders: ar, d2f, dream"):
+    with pytest.raises(ValueError, match="unknown decoder 'nope'; valid decoders: ar, d2f, diffusion_gemma, dream"):
         get_decoder("nope")
 
 

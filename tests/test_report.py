@@ -903,3 +903,25 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
     assert q["ar"][5:] == ["+0.00 pp [+0.00, +0.00]", "1.000", "no difference shown (10 items)"]
     data = json.loads((out / "compare-a-vs-b" / "compare.json").read_text())
     assert [(d["model"], d["figure"]) for d in data["differ"]] == [("refusion", "speedup")]
+
+
+def test_a_system_beyond_table1_has_its_own_section_and_is_measured_against_the_references(tmp_path):
+    """A row whose decoder no published row ran (DiffusionGemma) sits under "Beyond Table 1" in table1.md (its
+    note, tex and csv too), and speedup.md measures it against the AR baseline and the MDM rows like any row."""
+    runs = tmp_path / "runs"
+    cells = {(m, "embedded_math"): v for m, v in {"ar": (0.5, 100.0, 1.0), "llada": (0.3, 20.0, 1.0),
+                                                   "refusion": (0.4, 300.0, 3.0), "dg": (0.45, 150.0, 2.0)}.items()}
+    fake_run(runs, "b", [("ar", "ar"), ("llada", "llada"), ("refusion", "refusion"), ("dg", "diffusion_gemma")],
+             cells, ["embedded_math"])
+    out = tmp_path / "reports"
+    assert main(["--run", "b", "--runs-root", str(runs), "--out", str(out), "--name", "b", "--no-traces"]) == 0
+    md = (out / "b" / "table1.md").read_text().split("## " + paper.EMBEDDED.title)[1]
+    assert [r[0] for r in _md_section(md, "### This run")] == ["ar", "llada", "refusion"]
+    assert [r[:2] for r in _md_section(md, "### Beyond Table 1")] == [["dg", "diffusion_gemma"]]
+    assert "compare accuracy-parallelism frontiers" in md
+    assert "Beyond Table 1 (no published numbers)" in (out / "b" / "table1.tex").read_text()
+    rows = {r["model"]: r["section"] for r in csv.DictReader(open(out / "b" / "table1.csv")) if r["source"] != "published"}
+    assert rows == {"ar": "table 1", "llada": "table 1", "refusion": "table 1", "dg": "beyond table 1"}
+    sp = (out / "b" / "speedup.md").read_text().split("## " + paper.EMBEDDED.title)[1]
+    assert next(r for r in _md_section(sp, "### vs ar (AR baseline)") if r[0] == "dg")[2] == "1.50"
+    assert next(r for r in _md_section(sp, "### vs llada (MDM baseline)") if r[0] == "dg")[2] == "7.50"

@@ -155,22 +155,30 @@ def _weight_names(p: Path) -> list[str]:
     return [n for f in files for n in safetensors_names(f)]
 
 
-def _meta_shapes(fam: Family, cfg) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the family's class for ``cfg``, built on the meta device (no memory)."""
+def _meta_model(fam: Family, cfg):
+    """The family's class for ``cfg``, built on the meta device (no memory)."""
     import torch
     import transformers
 
     cls = getattr(transformers, fam.model_class)
     with torch.device("meta"):
-        model = cls(cfg)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        return cls(cfg)
+
+
+def _meta_shapes(fam: Family, cfg) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the family's class for ``cfg``, built on the meta device (no memory)."""
+    return {k: tuple(v.shape) for k, v in _meta_model(fam, cfg).state_dict().items()}
 
 
 def _expected_names(fam: Family, cfg) -> tuple[set[str], set[str]]:
-    """(parameter names, names that may be absent) of the family's class for ``cfg``, built on the meta device."""
-    names = set(_meta_shapes(fam, cfg))
+    """(parameter names, names that may be absent) of the family's class for ``cfg``, built on the meta device:
+    a tied weight may be stored once under the name it is tied to (the model's ``all_tied_weights_keys``, e.g.
+    DiffusionGemma's encoder layers tied to its decoder's)."""
+    model = _meta_model(fam, cfg)
+    names = set(model.state_dict())
     optional = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
     optional |= {n for n in names if n.endswith("rotary_emb.inv_freq")}
+    optional |= set(getattr(model, "all_tied_weights_keys", None) or {})
     return names, optional
 
 
@@ -188,7 +196,8 @@ def build_config(fam: Family, raw: dict):
 
     cls = getattr(transformers, fam.model_class)
     cfg = cls.config_class(**(fam.to_config(raw) if fam.to_config else raw))
-    cfg.is_causal = model_is_causal(fam, raw)
+    if not getattr(cfg, "sub_configs", None):  # a composite config (DiffusionGemma) sets attention per part itself
+        cfg.is_causal = model_is_causal(fam, raw)
     if raw.get("mask_token_id") is not None:
         cfg.mask_token_id = int(raw["mask_token_id"])
     cfg.architectures = [fam.model_class]
@@ -426,6 +435,7 @@ def merge_lora(model, info: CheckpointInfo):
 def special_ids(model, tokenizer, fam: Family) -> tuple[int | None, tuple[int, ...]]:
     """(mask id, EOS ids): the folder's own (config, generation config, tokenizer), else the family table's."""
     cfg = model.config
+    text = cfg.get_text_config()  # the config itself, or an encoder-decoder's text config (DiffusionGemma)
     mask = getattr(cfg, "mask_token_id", None)
     if mask is None and fam.mask_token:
         tid = tokenizer.convert_tokens_to_ids(fam.mask_token)
@@ -433,12 +443,13 @@ def special_ids(model, tokenizer, fam: Family) -> tuple[int | None, tuple[int, .
     if mask is None:
         tok_mask = getattr(tokenizer, "mask_token_id", None)
         mask = tok_mask if tok_mask is not None else (fam.mask_id if fam.mask_id is not None and
-                                                      fam.mask_id < cfg.vocab_size else None)
+                                                      fam.mask_id < text.vocab_size else None)
     eos: list[int] = []
     # The union: a chat turn may end with another id than the config's EOS (Llama-3's <|eot_id|>, Dream's
     # <|im_end|>, LLaDA's <|eot_id|>); the family's released ids count where the vocabulary has them.
-    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), cfg.eos_token_id,
-                tokenizer.eos_token_id, [i for i in fam.eos_ids if i < cfg.vocab_size]):
+    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(text, "eos_token_id", None), tokenizer.eos_token_id,
+                [i for i in fam.eos_ids if i < text.vocab_size]):
         for i in ([src] if isinstance(src, int) else list(src or [])):
             if int(i) not in eos:
                 eos.append(int(i))

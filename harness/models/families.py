@@ -121,10 +121,18 @@ FAMILIES: dict[str, Family] = {
                     notes="Llama-3-8B-Instruct: EOS <|end_of_text|> 128001 and <|eot_id|> 128009 "
                           "(generation_config.json)",
                     sources=("meta-llama/Meta-Llama-3-8B-Instruct generation_config.json",)),
+    "diffusion_gemma": Family(
+        name="diffusion_gemma", model_class="DiffusionGemmaForBlockDiffusion", causal=True, to_config=plain_config,
+        notes="google/diffusiongemma-26B-A4B-it: transformers' own DiffusionGemmaForBlockDiffusion (no remote "
+              "code); a causal encoder writes the KV cache, a bidirectional decoder denoises a canvas of random "
+              "tokens against it (decoder diffusion_gemma only); no mask token; ids from config.json's text_config "
+              "and generation_config.json (pad 0, eos 1, bos 2 by default); canvas_length in config.json",
+        sources=("transformers 5.24.0 models/diffusion_gemma (configuration_diffusion_gemma.py, "
+                 "generation_diffusion_gemma.py)",)),
 }
 # config.json model_type -> family (ReFusion is told apart from Qwen3 by its auto_map)
 MODEL_TYPES = {"llada": "llada", "Dream": "dream", "dream": "dream", "qwen3": "qwen3", "qwen2": "qwen2",
-               "llama": "llama"}
+               "llama": "llama", "diffusion_gemma": "diffusion_gemma"}
 
 
 def register_family(family: Family, model_types: tuple[str, ...]) -> Family:

@@ -267,6 +267,23 @@ def _ours_for(pub: dict, ours: list[dict]) -> dict | None:
     return exact[0] if exact else (same[0] if same and unique else None)
 
 
+BEYOND_TITLE = "Beyond Table 1"
+BEYOND_NOTE = ("Systems the paper's Table 1 has no row for (a decoder none of its rows ran, as DiffusionGemma's): "
+               "no published numbers to match, and another backbone and size class than the 7-8B rows, so compare "
+               "accuracy-parallelism frontiers (`make frontier`), not single points (docs/design.md §4b).")
+
+
+def beyond_table1(row: dict) -> bool:
+    """Whether one of our rows is a system outside the paper's Table 1: its decoder is none of the published
+    rows' (harness/report/paper_table1.json). Such rows are reported in a section of their own."""
+    return row["decoder"] not in {p["decoder"] for p in paper.published_rows()}
+
+
+def split_rows(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the rows of Table 1's systems, the rows beyond Table 1), each in run order."""
+    return [r for r in rows if not beyond_table1(r)], [r for r in rows if beyond_table1(r)]
+
+
 def suite_row_measured(row: dict) -> bool:
     return any(st == "ok" for st in row["status"].values())
 
@@ -497,10 +514,16 @@ def table1_md(rs: RunSet, data: dict) -> str:
         suite: paper.Suite = s["suite"]
         head = ["Model", "decoder", "n", "device", *[c.label for c in suite.columns], "Avg"]
         lines += [f"## {suite.title}", "", f"### {heading}", ""]
+        table, beyond = split_rows(s["ours"])
         if not suite_measured(s["ours"]):
             lines += [f"{heading} measured none of these tasks."]
+        elif table:
+            lines += _md_table(head, [_row_cells(r, suite) for r in table])
         else:
-            lines += _md_table(head, [_row_cells(r, suite) for r in s["ours"]])
+            lines += [f"{heading} has no row of a Table 1 system (see {BEYOND_TITLE} below)."]
+        if beyond and suite_measured(s["ours"]):
+            lines += ["", f"### {BEYOND_TITLE}", "", BEYOND_NOTE, ""]
+            lines += _md_table(head, [_row_cells(r, suite) for r in beyond])
         metrics = sorted({f"{c['task']}={c['quality_metric']}" for r in s["ours"] for c in r["cells"].values()})
         if metrics:
             lines += ["", "Quality metric per task: " + ", ".join(metrics)]
@@ -529,7 +552,8 @@ def table1_csv(data: dict) -> str:
                + [f"{c.key}_{what}" for c in cols for what in ("quality", "tokens_per_s", "n")]
                + ["avg_quality", "avg_tokens_per_s", "avg_columns", "avg_columns_total"]
                + [f"{c.key}_{what}_{end}" for c in cols for what in ("quality", "tokens_per_s") for end in ("lo", "hi")]
-               + [f"avg_{what}_{end}" for what in ("quality", "tokens_per_s") for end in ("lo", "hi")])
+               + [f"avg_{what}_{end}" for what in ("quality", "tokens_per_s") for end in ("lo", "hi")]
+               + ["section"])
     for s in data["suites"]:
         keys = {c.key for c in s["suite"].columns}
         for r in (s["ours"] if suite_measured(s["ours"]) else []) + s["published"]:
@@ -553,7 +577,9 @@ def table1_csv(data: dict) -> str:
             w.writerow([s["suite"].name, r["source"], r["model"], r["decoder"], device_cell(r), *vals,
                         NOT_MEASURED if a["quality"] is None else round(a["quality"], 6),
                         NOT_MEASURED if a["tokens_per_s"] is None else round(a["tokens_per_s"], 6),
-                        a["columns"], len(s["suite"].columns), *ivs])
+                        a["columns"], len(s["suite"].columns), *ivs,
+                        "published" if r["source"] == "published" else
+                        "beyond table 1" if beyond_table1(r) else "table 1"])
     return buf.getvalue()
 
 
@@ -574,8 +600,14 @@ def table1_tex(rs: RunSet, data: dict) -> str:
         out += [f"% {suite.title}", "\\begin{tabular}{llll" + "c" * (n + 1) + "}", "\\hline",
                 " & ".join(["Model", "Decoder", "n", "Device", *[_tex(c.label) for c in suite.columns], "Avg"])
                 + r" \\", "\\hline"]
-        for r in s["ours"] if suite_measured(s["ours"]) else []:
+        table, beyond = split_rows(s["ours"]) if suite_measured(s["ours"]) else ([], [])
+        for r in table:
             out.append(" & ".join(_tex(x) for x in _row_cells(r, suite)) + r" \\")
+        if beyond:
+            out += ["\\hline", f"\\multicolumn{{{n + 5}}}{{l}}{{\\emph{{{BEYOND_TITLE} (no published numbers)}}}} \\\\",
+                    "\\hline"]
+            for r in beyond:
+                out.append(" & ".join(_tex(x) for x in _row_cells(r, suite)) + r" \\")
         if s["published"]:
             out += ["\\hline", f"\\multicolumn{{{n + 5}}}{{l}}{{\\emph{{Published: {_tex(paper.source())}}}}} \\\\",
                     "\\hline"]

@@ -160,8 +160,10 @@ def decode_all(models, units: list[dict], leaf: str | None, prompts: dict[str, s
 
 
 def _group(decoder: str, knobs: dict) -> dict | None:
-    """The unit a decoder fills the answer by: ReFusion's slots, the block decoders' blocks."""
-    for key, name in (("slot_size", "slot"), ("block_length", "block"), ("block_size", "block")):
+    """The unit a decoder fills the answer by: ReFusion's slots, the block decoders' blocks, DiffusionGemma's
+    canvases."""
+    for key, name in (("slot_size", "slot"), ("block_length", "block"), ("block_size", "block"),
+                      ("canvas_length", "canvas")):
         if key in knobs and isinstance(knobs[key], int):
             return {"name": name, "size": int(knobs[key])}
     return None

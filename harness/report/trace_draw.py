@@ -44,10 +44,12 @@ KINDS = {
     "step": ("step", "#64b5cd"),
     "full": ("full forward", "#c44e52"),
     "cached": ("cached forward", "#da8bc3"),
+    "denoise": ("denoise (the canvas argmax holds from here)", "#55a868"),
 }
 OTHER_COLOURS = ("#937860", "#8c8c8c", "#ccb974")
 # forward phase -> what the page and the GIF titles call it
-PHASES = {"verify": "global verify", "draft": "infill draft", "infill": "infill verify"}
+PHASES = {"verify": "global verify", "draft": "infill draft", "infill": "infill verify",
+          "encode": "encoder (cache write)", "denoise": "denoise step"}
 
 
 def display(piece: str, eos: bool = False) -> str:

@@ -123,24 +123,29 @@ def injected_decode_faults(model, items: list[dict]) -> Iterator[None]:
 
     from refusion.decoding import common
 
-    seen = [0]
+    seen, hit = [0], []  # forwards so far, the encoder half's of an encoder-decoder model (DiffusionGemma) too
 
     def poison(_module, _args, out):
         seen[0] += 1
-        if poisoned and seen[0] == int(nan.get("forward", 1)):
+        if poisoned and not hit and seen[0] >= int(nan.get("forward", 1)):  # the first logits at or after it
+            hit.append(seen[0])
             out.logits = out.logits.float().fill_(float("nan"))
         elif stalled:
             out.logits = torch.zeros_like(out.logits)  # every confidence 1/V: no threshold is ever passed
         return out
 
-    handle = model.register_forward_hook(poison)
+    handles = [model.register_forward_hook(poison)]
+    encoder = getattr(getattr(model, "model", None), "encoder", None)  # its forwards write a cache, no logits
+    if encoder is not None:
+        handles.append(encoder.register_forward_hook(lambda *_: seen.__setitem__(0, seen[0] + 1)))
     saved = common.FORWARDS_PER_TOKEN, common.FORWARDS_EXTRA
     if stalled:
         common.FORWARDS_PER_TOKEN, common.FORWARDS_EXTRA = 0, int(stall.get("forwards", 1))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         common.FORWARDS_PER_TOKEN, common.FORWARDS_EXTRA = saved
 
 

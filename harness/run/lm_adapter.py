@@ -81,7 +81,9 @@ def checkpoint_knobs(info: CheckpointInfo, decoder: str) -> dict[str, Any]:
     - a family whose logits are shifted (Dream, harness/models/families.py) sets ``shift=true`` for the decoders that
       have the knob (fast_dllm, d2f), so Dream + Fast-dLLM / D2F read the logit at i-1 for token i;
     - for ``dream``, the DreamGenerationConfig fields of its generation_config.json
-      (refusion.decoding.mdm.dream_generation_defaults).
+      (refusion.decoding.mdm.dream_generation_defaults);
+    - for ``diffusion_gemma``, config.json's canvas_length and the DiffusionGemmaGenerationConfig fields of its
+      generation_config.json (refusion.decoding.diffusion_gemma.generation_defaults).
     Reads JSON only, so it runs before the model is loaded; a bad value raises ValueError naming the file."""
     from refusion.decoding import get_decoder
 
@@ -93,6 +95,10 @@ def checkpoint_knobs(info: CheckpointInfo, decoder: str) -> dict[str, Any]:
 
         folder = info.base.path if info.base is not None else info.path
         out.update(dream_generation_defaults(folder))
+    if decoder == "diffusion_gemma":
+        from refusion.decoding.diffusion_gemma import generation_defaults
+
+        out.update(generation_defaults(info.path))
     return out
 
 
@@ -121,7 +127,7 @@ def checked_knobs(info: CheckpointInfo, decoder: str, knobs: dict[str, Any],
     on this checkpoint's attention and that the knobs of the model and of every task are valid."""
     from refusion.decoding import check_attention, make_knobs
 
-    check_attention(decoder, info.causal)
+    check_attention(decoder, info.causal, info.family.name)
     own = checkpoint_knobs(info, decoder)
     make_knobs(decoder, {**own, **knobs})  # bad knobs fail here, before the model is loaded
     for tk in (task_knobs or {}).values():
@@ -196,8 +202,13 @@ class RefusionBenchLM(TemplateLM):
         self.call = DecoderCall(self.decoder, decoder, self.model, self.tokenizer, self._device,
                                 response_extract=response_extract, warmup=warmup)
         self.eos, self.mask = self.call.eos, self.call.mask
+        from refusion.decoding import DECODERS
+
+        own = DECODERS[decoder].family is not None  # a model class of its own (DiffusionGemma): no LM scoring
         self.scorer = Scorer(self.model, self._device, causal=self.causal, mask=self.mask,
-                             pretrained=self.pretrained, seed=self.seed, mc_num=self.mc_num, mc_batch=self.mc_batch)
+                             pretrained=self.pretrained, seed=self.seed, mc_num=self.mc_num, mc_batch=self.mc_batch,
+                             refuse=f"{self.family.name} checkpoints answer generate requests only (decoder "
+                                    f"{decoder!r}); this task asks for log-likelihoods" if own else None)
         self.records = Records(journal_dir, self.rank, retry_failed=bool(retry_failed))
         self.journal, self._done, self.keys_by_task = self.records.journal, self.records.done, self.records.keys_by_task
 

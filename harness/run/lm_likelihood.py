@@ -69,9 +69,10 @@ class Scorer:
     """Log-likelihoods on one loaded checkpoint, as the lm-eval model answers its loglikelihood requests."""
 
     def __init__(self, model, device, *, causal: bool, mask: int | None, pretrained: str, seed: int, mc_num: int,
-                 mc_batch: int) -> None:
+                 mc_batch: int, refuse: str | None = None) -> None:
         self.model, self.device, self.causal, self.mask, self.pretrained = model, device, causal, mask, pretrained
         self.seed, self.mc_num, self.mc_batch = seed, mc_num, mc_batch
+        self.refuse = refuse  # why this checkpoint scores nothing (a block-diffusion model's forward is no LM's)
 
     def mask_id(self) -> int:
         if self.mask is None:
@@ -80,6 +81,8 @@ class Scorer:
 
     def score(self, ctx: list[int], cont: list[int], key: str) -> tuple[float, bool]:
         """(log-likelihood, is greedy) of one continuation; ``key`` (the request's) seeds the draws."""
+        if self.refuse:
+            raise ValueError(self.refuse)
         if not cont:
             return 0.0, True
         if self.causal:
@@ -90,6 +93,9 @@ class Scorer:
     def rolling(self, ids: list[int], prefix: int) -> float:
         """Log-likelihood of a whole text over lm-eval's rolling windows (causal checkpoints only)."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        if self.refuse:
+            raise ValueError(self.refuse)
 
         max_len = int(getattr(self.model.config, "max_position_embeddings", 2048))
         total = 0.0

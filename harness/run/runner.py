@@ -271,7 +271,8 @@ def shown_values(values: dict) -> dict:
     """The knob values as the decoders really use them where a knob's default is None (refusion/decoding/
     mdm.py): ``steps`` is gen_length (512 on the paper's tasks), or gen_length / ``tokens_per_step`` (rounded
     up) when that is set, fast_dllm's ``commit_first`` follows ``shift``, an unset ``top_p`` / ``top_k`` /
-    ``tokens_per_step`` is off. What the dry run prints and run.json records never says None."""
+    ``tokens_per_step`` is off, diffusion_gemma's unset ``canvas_length`` is the model's config's. What the
+    dry run prints and run.json records never says None."""
     out = dict(values)
     per_step, length = out.get("tokens_per_step"), out.get("gen_length")
     if "steps" in out and per_step is not None:
@@ -282,6 +283,8 @@ def shown_values(values: dict) -> dict:
         out["tokens_per_step"] = "off"
     if "commit_first" in out and out["commit_first"] is None:
         out["commit_first"] = out.get("shift")
+    if "canvas_length" in out and out["canvas_length"] is None:
+        out["canvas_length"] = "config"  # the model's config.canvas_length (a run sets it from config.json)
     for k in ("top_p", "top_k"):
         if k in out and out[k] is None:
             out[k] = "off"
@@ -345,7 +348,7 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
         ckpt = _local_path(m.checkpoint)
         try:
             info = _inspect(m, ckpt, load.get("base"), inspected)
-            check_attention(m.decoder, info.causal)
+            check_attention(m.decoder, info.causal, info.family.name)
             own = checkpoint_knobs(info, m.decoder)  # Dream: shift=true, its generation_config.json
         except CheckpointError as e:
             raise InputError(f"model {m.name!r}: {e}") from None

@@ -17,6 +17,7 @@ import torch
 
 from .ar import ArKnobs, ar
 from .d2f import D2fKnobs, d2f
+from .diffusion_gemma import DiffusionGemmaKnobs, diffusion_gemma
 from .knobs import Knobs
 from .mdm import DreamKnobs, FastDllmKnobs, LladaKnobs, dream, fast_dllm, llada
 from .refusion import RefusionKnobs, refusion
@@ -67,6 +68,10 @@ class Decoder:
     ``grid`` (optional): its parallelism grid for ``make frontier`` (``Grid``); every point's knobs are checked
     against ``knobs`` here, so a bad grid fails at registration.
 
+    ``family`` (optional): the one model family (harness/models/families.py) it runs, for a decoder written
+    for a model class of its own (``diffusion_gemma`` on DiffusionGemmaForBlockDiffusion); such a family then
+    runs only its decoders (``check_attention``). None: any causal-LM family of its attention.
+
     Calling it runs ``fn`` and checks the result's contract (``check_result``): a decoder that
     generated tokens without a counted forward is an error, never a TPF of 0."""
     name: str
@@ -76,6 +81,7 @@ class Decoder:
     causal: bool
     masked_diffusion: bool
     grid: Grid | None = field(default=None)
+    family: str | None = field(default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
@@ -140,14 +146,14 @@ DECODERS: dict[str, Decoder] = {}
 
 
 def register(name: str, fn: Callable, knobs: type[Knobs], *, batched: bool, causal: bool,
-             masked_diffusion: bool, grid: Grid | None = None) -> Decoder:
+             masked_diffusion: bool, grid: Grid | None = None, family: str | None = None) -> Decoder:
     """Add decoder ``name`` to ``DECODERS`` (ValueError if the name is taken) and return its entry; every
     flag must be given (see ``Decoder``), the parallelism ``grid`` of ``make frontier`` may be. Registering is
     enough to put it under tests/test_conformance.py and give it a frontier."""
     if name in DECODERS:
         raise ValueError(f"decoder {name!r} is already registered; registered: {', '.join(sorted(DECODERS))}")
     DECODERS[name] = Decoder(name=name, fn=fn, knobs=knobs, batched=batched, causal=causal,
-                             masked_diffusion=masked_diffusion, grid=grid)
+                             masked_diffusion=masked_diffusion, grid=grid, family=family)
     return DECODERS[name]
 
 
@@ -177,6 +183,12 @@ register("d2f", d2f, D2fKnobs, batched=True, causal=False, masked_diffusion=True
          grid=Grid.over("skip_threshold", (0.95, 0.9, 0.7, 0.5),
                         "skip_threshold 0.95, 0.9 (D2F's and the preset's), 0.7, 0.5: every masked token of an "
                         "active block above it is committed in a step"))
+# DiffusionGemma (refusion/decoding/diffusion_gemma.py) runs its own model class only (family).
+register("diffusion_gemma", diffusion_gemma, DiffusionGemmaKnobs, batched=True, causal=True, masked_diffusion=False,
+         family="diffusion_gemma",
+         grid=Grid.over("entropy_bound", (0.02, 0.1, 0.5, 2.0),
+                        "entropy_bound 0.02, 0.1 (transformers' default), 0.5, 2.0: the sampled tokens of lowest "
+                        "entropy are accepted in a step while their entropy sum minus the largest stays below it"))
 
 
 def get_decoder(name: str) -> Decoder:
@@ -187,15 +199,26 @@ def get_decoder(name: str) -> Decoder:
         raise ValueError(f"unknown decoder {name!r}; valid decoders: {', '.join(sorted(DECODERS))}") from None
 
 
-def check_attention(name: str, model_causal: bool) -> None:
+def check_attention(name: str, model_causal: bool, family: str | None = None) -> None:
     """ValueError when decoder ``name`` would run a model with the other attention than it was written for
-    (a bidirectional LLaDA decoded causally, or an AR model decoded as a masked-diffusion one)."""
-    want = get_decoder(name).causal
+    (a bidirectional LLaDA decoded causally, or an AR model decoded as a masked-diffusion one), or, given the
+    checkpoint's ``family``, a model of another class than its own (``Decoder.family``: DiffusionGemma runs
+    ``diffusion_gemma`` only, and ``diffusion_gemma`` runs DiffusionGemma only)."""
+    entry = get_decoder(name)
+    if family is not None:
+        own = sorted(n for n, d in DECODERS.items() if d.family == family)
+        if entry.family is not None and entry.family != family:
+            raise ValueError(f"decoder {name!r} runs {entry.family} checkpoints only, but this checkpoint is of the "
+                             f"{family} family")
+        if own and name not in own:
+            raise ValueError(f"decoder {name!r} cannot run a {family} checkpoint (a model class of its own); valid "
+                             f"decoders for it: {', '.join(own)}")
+    want = entry.causal
     if want != model_causal:
         need, got = ("causal", "bidirectional") if want else ("bidirectional", "causal")
+        valid = sorted(n for n, d in DECODERS.items() if d.causal == model_causal and d.family is None)
         raise ValueError(f"decoder {name!r} needs a {need} model, but this checkpoint is {got} "
-                         f"(config is_causal / its model family); valid decoders for it: "
-                         f"{', '.join(sorted(n for n, d in DECODERS.items() if d.causal == model_causal))}")
+                         f"(config is_causal / its model family); valid decoders for it: {', '.join(valid)}")
 
 
 def check_knob_values(name: str, values: dict[str, Any]) -> None:

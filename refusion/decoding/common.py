@@ -493,6 +493,22 @@ def forward(
     return logits
 
 
+def counted_call(meter: Meter, phase: str, call, check: bool = False):
+    """One counted, timed model call ``call()`` for decoders whose model is not called as ``model(input_ids=...)``
+    (``forward`` above): an encoder half, a decoder half with its own keywords (refusion/decoding/
+    diffusion_gemma.py). Returns what ``call`` returns; with ``check`` that is float logits [B, q, V], refused
+    when not finite (``check_finite``, every query position real)."""
+    meter.count(phase)
+    meter._sync()
+    t0 = time.perf_counter()
+    out = call()
+    meter._sync()
+    meter.forward_s += time.perf_counter() - t0
+    if check:
+        check_finite(out, None, meter.calls)
+    return out
+
+
 def pick(
     logits: torch.Tensor, temperature: float, generator: torch.Generator | None, exclude: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

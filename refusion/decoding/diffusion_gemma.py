@@ -1,0 +1,290 @@
+"""DiffusionGemma block diffusion (google/diffusiongemma-26B-A4B-it on transformers'
+``DiffusionGemmaForBlockDiffusion``): the loop of transformers' own
+``DiffusionGemmaGenerationMixin.generate`` (src/transformers/models/diffusion_gemma/
+generation_diffusion_gemma.py, 5.24.0), written as this project's decoders are (docs/design.md
+§4b).
+
+The model has two halves that share their weights: a causal *encoder* that writes the KV cache of
+everything before the current block, and a bidirectional *decoder* that reads that cache (never writes
+it) and predicts a whole block, the *canvas*, at once. Per canvas of ``canvas_length`` tokens:
+
+  encode    one encoder forward of the tokens not yet in the cache (the prompt, then the previous
+            canvas) -- ``model.model.encoder``, as generate's step 1.a;
+  start     a canvas of uniformly random tokens over the whole vocabulary (there is no mask token);
+  denoise   at most ``max_denoising_steps`` decoder forwards, the step counter n running N..1:
+            logits / T(n) with T(n) = t_min + (t_max - t_min) n / N (float32, as the logits processor);
+            a sampled canvas (multinomial) and the argmax canvas; the sampled tokens of lowest entropy
+            are accepted while (sum of their entropies) - (the largest) <= ``entropy_bound`` (always at
+            least one); every other position is re-drawn uniformly at random; the step's tempered logits
+            condition the next step (self-conditioning);
+  stop      a row stops denoising once its argmax canvas equals each of the last
+            ``stability_threshold`` ones and the mean token entropy is below ``confidence_threshold``;
+  commit    the canvas is the last *argmax* canvas; an EOS in it ends the row (tokens after the first EOS
+            are dropped), otherwise the next canvas starts.
+
+The budget: ceil(gen_length / canvas_length) canvases, as generate decodes for max_new_tokens; a response
+is cut to gen_length tokens (generate returns whole canvases, so its tokens past the budget are dropped).
+
+Why a reimplementation and not generate driven by hooks: generate draws the random canvas and the samples
+of the whole batch from one global stream, and gives a left-padded row shifted positions (one shared
+arange), so a row's tokens depend on its batch; here each row draws from its own generator (seeded
+``seed``) in exactly the order generate draws for that row alone, and positions count from each row's
+first real token -- a row decodes the same alone or in any batch, and equals generate on that row alone,
+seed for seed. Rows that ended leave the batch at the next canvas (their cache rows dropped). And the
+forwards are counted here, encoder and decoder apart (generate's tokens_per_forward counts the decoder's
+only).
+
+Counting (docs/design.md §6 and §4b): phases ``encode`` and ``denoise``; NFE = both; TPF =
+generated tokens / NFE. A token is committed by the decoder forward from which its position's argmax held
+to the canvas's end. Extra stats: canvas_length, canvases (row canvases decoded), denoise_steps (decoder
+steps per row canvas, summed), early_stops (row canvases the adaptive stop ended before the step cap), and
+tpf_decoder (generated tokens / decoder forwards: generate's own figure for a batch of one).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from .common import Meter, counted_call, cut_after_eos, eos_ids, is_eos, left_padding_mask, make_generator
+from .knobs import Knobs, gen_length, knob, seed
+
+# transformers' DiffusionGemmaGenerationConfig._get_default_generation_params (generation_diffusion_gemma.py
+# :219-235), the defaults generate applies where neither the call nor generation_config.json sets a value.
+DEFAULT_STEPS, DEFAULT_BOUND, DEFAULT_T_MIN, DEFAULT_T_MAX = 48, 0.1, 0.4, 0.8
+DEFAULT_STABILITY, DEFAULT_CONFIDENCE = 1, 0.005
+
+
+@dataclass(frozen=True)
+class DiffusionGemmaKnobs(Knobs):
+    """Knobs of ``diffusion_gemma``, named as DiffusionGemmaGenerationConfig's fields (entropy_bound is its
+    sampler_config.entropy_bound). Defaults: transformers' (module constants); a checkpoint's own
+    generation_config.json values are applied by the harness (``generation_defaults``)."""
+    gen_length: int = gen_length(256)
+    canvas_length: int | None = knob(None, "tokens per canvas (block); none = the model's config.canvas_length "
+                                     "(256 released); a budget that is no multiple of it is decoded in whole "
+                                     "canvases, as generate does, and cut to gen_length", low=1, optional=True)
+    max_denoising_steps: int = knob(DEFAULT_STEPS, "decoder forwards per canvas at most (N)", low=1)
+    entropy_bound: float = knob(DEFAULT_BOUND, "accept the sampled tokens of lowest entropy while their entropy "
+                                "sum minus the largest stays <= this (> 0); higher = more tokens per step",
+                                low=0.0)
+    t_min: float = knob(DEFAULT_T_MIN, "temperature at the last denoising step", low=0.0)
+    t_max: float = knob(DEFAULT_T_MAX, "temperature at the first denoising step (> t_min); linear in between",
+                        low=0.0)
+    stability_threshold: int = knob(DEFAULT_STABILITY, "adaptive stop: the argmax canvas must equal the last this "
+                                    "many (0 = always stable)", low=0)
+    confidence_threshold: float = knob(DEFAULT_CONFIDENCE, "adaptive stop: the mean token entropy (nats) must be "
+                                       "below this (> 0)", low=0.0)
+    seed: int = seed()
+
+    def check(self) -> None:
+        if self.entropy_bound <= 0:
+            raise ValueError(f"entropy_bound must be > 0, got {self.entropy_bound}")
+        if self.confidence_threshold <= 0:
+            raise ValueError(f"confidence_threshold must be > 0, got {self.confidence_threshold}")
+        if self.t_max <= self.t_min:
+            raise ValueError(f"t_max must be > t_min {self.t_min}, got {self.t_max}")
+
+
+GENERATION_FIELDS = ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold")
+
+
+def generation_defaults(folder: str | Path) -> dict:
+    """The ``diffusion_gemma`` knobs a checkpoint folder sets for itself: config.json's canvas_length and the
+    DiffusionGemmaGenerationConfig fields of its generation_config.json (sampler_config.entropy_bound as
+    entropy_bound); absent or null fields are left out. ValueError naming the file for a value the knob
+    rejects or an unreadable file."""
+    out: dict = {}
+    for name in ("config.json", "generation_config.json"):
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        if name == "config.json":
+            found = {"canvas_length": data["canvas_length"]} if data.get("canvas_length") is not None else {}
+        else:
+            found = {k: data[k] for k in GENERATION_FIELDS if data.get(k) is not None}
+            sampler = data.get("sampler_config")
+            if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+                found["entropy_bound"] = sampler["entropy_bound"]
+        for key, value in found.items():
+            try:
+                DiffusionGemmaKnobs.check_each({key: value})
+            except ValueError as e:
+                raise ValueError(f"{path}: field {e}") from None
+        out.update(found)
+    return out
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Token entropy [..] of logits [.., V], as transformers computes it (torch.distributions.Categorical)."""
+    return torch.distributions.Categorical(logits=logits).entropy()
+
+
+def accept_mask(logits: torch.Tensor, bound: float) -> torch.Tensor:
+    """bool [B, L]: the positions the entropy-bound sampler accepts (EntropyBoundSampler.accept_canvas,
+    generation_diffusion_gemma.py:438-447): by ascending entropy, while the cumulative entropy minus the
+    current (largest so far) entropy is <= bound -- so the lowest-entropy token always."""
+    ent = entropy(logits)  # [B, L]
+    sorted_ent, order = torch.sort(ent, dim=-1, descending=False)
+    chosen = torch.cumsum(sorted_ent, dim=-1) - sorted_ent <= bound
+    return torch.scatter(torch.zeros_like(chosen), -1, order, chosen)
+
+
+def temperature(t_min: float, t_max: float, step: int, steps: int) -> torch.Tensor:
+    """T(step) of LinearTemperatureScheduleLogitsProcessor (generation_diffusion_gemma.py:316), with the step an
+    int32 tensor as _denoising_step passes it (:1022): a float32 scalar, so the division rounds as generate's."""
+    n = torch.tensor(step, dtype=torch.int32)
+    return t_min + ((t_max - t_min) * (n / steps))
+
+
+class _Rows:
+    """The per-row random streams: row b draws its canvases and samples from generator ``gens[b]`` (None = the
+    global one), in the order generate draws them for that row alone."""
+
+    def __init__(self, gens: list[torch.Generator | None], vocab: int, length: int, device: torch.device):
+        self.gens, self.vocab, self.length, self.device = gens, vocab, length, device
+
+    def canvas(self, rows: list[int]) -> torch.Tensor:
+        """[len(rows), L] uniform random tokens (EntropyBoundSampler.initialize_canvas, :395-405)."""
+        return torch.cat([torch.randint(0, self.vocab, (1, self.length), device=self.device, generator=self.gens[b])
+                          for b in rows])
+
+    def sample(self, probs: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """probs [len(rows), L, V] -> [len(rows), L] one multinomial draw per position (:1043-1044)."""
+        return torch.stack([torch.multinomial(probs[i], 1, generator=self.gens[b]).squeeze(-1)
+                            for i, b in enumerate(rows)])
+
+
+@torch.no_grad()
+def diffusion_gemma(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    knobs: DiffusionGemmaKnobs | dict | None = None,
+    *,
+    eos_token_id: int | list[int] | None = None,
+    mask_token_id: int | None = None,
+    **overrides,
+) -> tuple[list[torch.Tensor], dict]:
+    """DiffusionGemma block diffusion (module doc) of a left-padded batch, every row as alone.
+
+    model: a DiffusionGemmaForBlockDiffusion; input_ids [B, P] left-padded, attention_mask [B, P] (1 = real
+    token). ``mask_token_id`` is accepted and unused (the canvas starts random, not masked)."""
+    del mask_token_id
+    k = DiffusionGemmaKnobs.of(knobs, overrides, "diffusion_gemma")
+    length = int(k.canvas_length or model.config.canvas_length)
+    n_canvas, steps = -(-k.gen_length // length), k.max_denoising_steps  # whole canvases, as generate (:652)
+    eos = eos_ids(model, eos_token_id)
+    text = model.config.get_text_config()
+    vocab, device = int(text.vocab_size), input_ids.device
+    pad = left_padding_mask(input_ids, attention_mask).bool()  # [B, P]
+    batch = input_ids.shape[0]
+    meter = Meter(model, ("encode", "denoise"))
+    meter.track(batch, k.gen_length, device, steps=n_canvas * steps)
+    rng = _Rows([make_generator(device, k.seed) for _ in range(batch)], vocab, length, device)
+    encoder = model.model.encoder
+    embed_dtype = model.model.decoder.embed_tokens.weight.dtype
+
+    live = list(range(batch))  # rows still decoding, in batch order
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    new_ids, seen = input_ids, pad  # tokens to encode [b, q]; 2-D mask of cache + them [b, kv]
+    n_real = pad.sum(-1)  # [B] real tokens per row (prompt, then canvases)
+    enc_pos = (pad.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] positions from each row's first real token
+    out: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    counts = {"canvases": 0, "denoise_steps": 0, "early_stops": 0}
+    for c in range(n_canvas):
+        # encode (generate 1.a): the tokens not yet in the cache write their KV
+        masks = encoder.create_masks_for_generate(
+            config=model.config, inputs_embeds=torch.empty((len(live), new_ids.shape[1], 0), dtype=embed_dtype,
+                                                          device=device),
+            attention_mask=seen, cache=cache, position_ids=enc_pos)
+        counted_call(meter, "encode", lambda: encoder(input_ids=new_ids, attention_mask=masks, cache=cache,
+                                                      position_ids=enc_pos))
+        meter.kv(cache)
+
+        # start (1.b): a random canvas per row; the decoder sees the cache and the whole canvas
+        canvas = rng.canvas(live)  # [b, L]
+        dec_seen = torch.nn.functional.pad(seen, (0, length), value=True)  # [b, kv + L]
+        dec_mask = model.model.decoder.create_diffusion_decoder_attention_mask(
+            config=model.config, inputs_embeds=canvas.unsqueeze(-1), cache=cache, decoder_attention_mask=dec_seen)
+        dec_pos = n_real[live, None] + torch.arange(length, device=device)  # [b, L]
+        argmax, cond = canvas, None  # argmax canvas [b, L]; self-conditioning logits [b, L, V] (None at first)
+        done = torch.zeros(len(live), dtype=torch.bool, device=device)  # stopped denoising
+        held = torch.zeros(len(live), length, dtype=torch.long, device=device)  # forward since which argmax holds
+        history = None  # [S, b, L] the last S argmax canvases (StableAndConfidentStoppingCriteria)
+        ran = torch.zeros(len(live), dtype=torch.long, device=device)  # decoder steps per row
+        for step in range(steps, 0, -1):  # denoise (1.c): n = N .. 1
+            ran += ~done
+            logits = counted_call(meter, "denoise", lambda: model(
+                decoder_input_ids=canvas, self_conditioning_logits=cond, decoder_attention_mask=dec_mask,
+                cache=cache, decoder_position_ids=dec_pos).logits.float(), check=True)  # [b, L, V]
+            scaled = logits / temperature(k.t_min, k.t_max, step, steps)
+            probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+            active = [b for b, d in zip(live, done.tolist()) if not d]  # rows that draw (alone: still looping)
+            idx = [i for i, d in enumerate(done.tolist()) if not d]
+            sampled = canvas.clone()
+            sampled[idx] = rng.sample(probs[idx], active)
+            new_argmax = scaled.argmax(-1)
+            accepted = accept_mask(scaled, k.entropy_bound)
+            fresh = canvas.clone()
+            fresh[idx] = rng.canvas(active)
+            new_canvas = torch.where(accepted, sampled, fresh)
+            if bool(done.any()):  # rows that stopped keep canvas, argmax and conditioning (:1056-1061)
+                new_argmax = torch.where(done[:, None], argmax, new_argmax)
+                new_canvas = torch.where(done[:, None], canvas, new_canvas)
+                scaled = torch.where(done[:, None, None], cond, scaled)
+            changed = new_argmax != argmax if cond is not None else torch.ones_like(held, dtype=torch.bool)
+            held = torch.where(changed & ~done[:, None], meter.calls - 1, held)
+            done, history = _stop(done, history, new_argmax, scaled, k)
+            canvas, argmax, cond = new_canvas, new_argmax, scaled.to(embed_dtype)
+            if bool(done.all()):
+                break
+        counts["canvases"] += len(live)
+        counts["denoise_steps"] += int(ran.sum())
+        counts["early_stops"] += int((ran < steps).sum())
+
+        # commit (1.d-e): the argmax canvas; an EOS ends the row
+        ended = is_eos(argmax, eos).any(-1).tolist()
+        for i, b in enumerate(live):
+            out[b].append(argmax[i])
+            meter.commit(b, range(c * length, (c + 1) * length), held[i].tolist(), ["denoise"] * length)
+        keep = [i for i, e in enumerate(ended) if not e]
+        if not keep or c == n_canvas - 1:
+            break
+        # next canvas (1.f): the rows that go on; the canvas is what the encoder reads next
+        if len(keep) < len(live):
+            cache.batch_select_indices(torch.tensor(keep, device=device))
+        live = [live[i] for i in keep]
+        new_ids, seen = argmax[keep], torch.nn.functional.pad(seen[keep], (0, length), value=True)
+        enc_pos, n_real[live] = dec_pos[keep], n_real[live] + length
+
+    responses = [cut_after_eos(torch.cat(parts), eos)[:k.gen_length] for parts in out]
+    stats = meter.finish(responses, canvas_length=length, **counts)
+    stats["tpf_decoder"] = stats["generated_tokens"] / stats["nfe_denoise"] if stats["nfe_denoise"] else 0.0
+    return responses, stats
+
+
+def _stop(done: torch.Tensor, history: torch.Tensor | None, argmax: torch.Tensor, scaled: torch.Tensor,
+          k: DiffusionGemmaKnobs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """StableAndConfidentStoppingCriteria.__call__ (generation_diffusion_gemma.py:504-538): (done | stable &
+    confident, the rolled history). argmax [b, L]; scaled [b, L, V] the tempered logits."""
+    if k.stability_threshold == 0:
+        stable = torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device)
+    else:
+        if history is None:
+            history = torch.full((k.stability_threshold, *argmax.shape), -1, dtype=argmax.dtype, device=argmax.device)
+        stable = (history == argmax[None]).all(dim=-1).all(dim=0)
+        history = torch.roll(history, shifts=-1, dims=0)
+        history[-1] = argmax
+    confident = torch.mean(entropy(scaled), dim=-1) < k.confidence_threshold
+    return done | (stable & confident), history
