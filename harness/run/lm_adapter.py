@@ -154,6 +154,17 @@ def device_and_ranks(device: str | None) -> tuple[torch.device, Any, tuple[int, 
 # ---------------------------------------------------------------- the lm-eval model
 
 
+def _no_scoring(family: str, decoder: str) -> str | None:
+    """Why a checkpoint answers no log-likelihood request (None: it does): a decoder with a model class of its
+    own (DiffusionGemma) has no LM forward to score with."""
+    from refusion.decoding import DECODERS
+
+    if DECODERS[decoder].family is None:
+        return None
+    return (f"{family} checkpoints answer generate requests only (decoder {decoder!r}); this task asks for "
+            "log-likelihoods")
+
+
 @register_model(MODEL_NAME)
 class RefusionBenchLM(TemplateLM):
     """lm-eval's model interface over one checkpoint and one decoder (module docstring)."""
@@ -202,13 +213,9 @@ class RefusionBenchLM(TemplateLM):
         self.call = DecoderCall(self.decoder, decoder, self.model, self.tokenizer, self._device,
                                 response_extract=response_extract, warmup=warmup)
         self.eos, self.mask = self.call.eos, self.call.mask
-        from refusion.decoding import DECODERS
-
-        own = DECODERS[decoder].family is not None  # a model class of its own (DiffusionGemma): no LM scoring
         self.scorer = Scorer(self.model, self._device, causal=self.causal, mask=self.mask,
                              pretrained=self.pretrained, seed=self.seed, mc_num=self.mc_num, mc_batch=self.mc_batch,
-                             refuse=f"{self.family.name} checkpoints answer generate requests only (decoder "
-                                    f"{decoder!r}); this task asks for log-likelihoods" if own else None)
+                             refuse=_no_scoring(self.family.name, decoder))
         self.records = Records(journal_dir, self.rank, retry_failed=bool(retry_failed))
         self.journal, self._done, self.keys_by_task = self.records.journal, self.records.done, self.records.keys_by_task
 
