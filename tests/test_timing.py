@@ -164,29 +164,6 @@ def test_guard_counts_others_and_steal_and_flags_a_busy_machine(tmp_path):
     quiet._marks = g._marks
     assert not quiet.result()["busy"] and timing.busy_text(quiet.result()) is None
     assert timing.Guard(proc=str(tmp_path / "none")).result()["available"] is False
-    # The machine probe at every mark: its median seconds (what the counters above cannot see).
-    assert res["probe"]["marks"] == 2 and res["probe"]["compute_s"] > 0 and res["probe"]["memory_s"] > 0
-    bare = timing.Guard(roots={10}, proc=str(proc), with_probe=False)
-    bare.mark("start")
-    bare.mark("end")
-    assert bare.result()["probe"] is None
-
-
-def test_compare_notes_a_machine_that_ran_at_another_speed():
-    from harness.report import compare
-
-    a = {"compute_s": 0.010, "memory_s": 0.004}
-    assert timing.probe_change(a, {"compute_s": 0.0105, "memory_s": 0.0042}) is None  # within 1.1x
-    slow = {"compute_s": 0.014, "memory_s": 0.004}
-    assert "compute 0.71x" in timing.probe_change(a, slow) and "memory" not in timing.probe_change(a, slow)
-    assert timing.probe_change(None, slow) is None
-
-    def met(probe: dict, per_round: list[float]) -> dict:
-        return {"speedup": {"tokens_per_s": 2.0, "per_round": per_round},
-                "speed": {"timing": {"mode": "interleaved", "machine_probe": probe, "docs": [["t", 1]]}}}
-    got = compare._between("speedup", met(a, [2.0, 2.1, 1.9]), met(slow, [2.0, 2.05, 1.95]))
-    assert not got["differs"] and "the machine itself ran at another speed" in got["note"]
-    assert "note" not in compare._between("speedup", met(a, [2.0, 2.1, 1.9]), met(a, [2.0, 2.05, 1.95]))
 
 
 # ---------------------------------------------------------------- a real run's timed rounds

@@ -196,11 +196,6 @@ def _between(key: str, ma: dict, mb: dict) -> dict | None:
                 if ((m.get("speed") or {}).get("timing") or {}).get("busy")]
         if busy:
             notes.append(f"the {' and '.join(busy)} run measured on a busy machine")
-        from harness.run.timing import probe_change
-
-        changed = probe_change(*[((m.get("speed") or {}).get("timing") or {}).get("machine_probe") for m in (ma, mb)])
-        if changed:
-            notes.append(changed)
         if notes:
             got["note"] = "; ".join(notes)
         return {**got, "items": f"{len(a)} vs {len(b)} rounds"}

@@ -230,8 +230,7 @@ def apply_timing(timed: dict | None, cfg: dict, rows: list[dict]) -> dict:
                        "per_round_latency_p50_s": fig["per_round_latency_p50_s"],
                        "per_round_latency_p90_s": fig["per_round_latency_p90_s"],
                        "docs": [list(k) for k in timed["docs"].get(r["task"], [])],
-                       "memory": timed.get("memory"), "busy": bool((ps.get("guard") or {}).get("busy")),
-                       "machine_probe": (ps.get("guard") or {}).get("probe")}
+                       "memory": timed.get("memory"), "busy": bool((ps.get("guard") or {}).get("busy"))}
         iv = r.setdefault("intervals", {})
         iv["tokens_per_s"] = fig["interval"]
         iv["latency_mean_s"] = fig["latency_interval"]

@@ -33,9 +33,7 @@ The busy-machine ``Guard`` reads, at round edges, the machine's CPU counters (``
 process's CPU time and the hypervisor's steal time), our own processes' CPU time (``/proc/<pid>/stat``)
 and the load average, and on a GPU other processes' memory and the utilisation through NVML when it is
 installed. Others' share = (machine CPU time - ours + steal) / machine capacity over the timed rounds; over
-``busy_share`` the figures are flagged as measured on a busy machine. At every mark it also times a fixed
-``probe`` (a small matmul and a copy): the machine's own speed, which the counters miss, so that two runs
-can say whether the machine ran alike (``probe_change``).
+``busy_share`` the figures are flagged as measured on a busy machine.
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ MAX_REPEAT = 64
 BUSY_SHARE = 0.10  # others' share of the machine (CPU + steal) above which the speed figures are flagged
 BOOT = 2000
 SEED = 1234
-PROBE_FACTOR = 1.10  # make compare notes runs whose machine probe differs by more than this either way
 RUNS_ALPHA = 0.002  # asv: p < 0.002 ...
 RUNS_FACTOR = 1.10  # ... and a change beyond 1.1x
 ORDERS = ("abba", "random")
@@ -180,54 +177,6 @@ class _Nvml:
             return None
 
 
-def probe() -> dict:
-    """The machine's own speed now: the best of 3 timings of a fixed compute workload (exp over 64K float32
-    held in cache, 128 times) and of a fixed memory one (copying 8 MiB, 16 times), in seconds (a few tens
-    of ms in all). Both run on this thread only: numpy's ufuncs start no pool (a BLAS matmul would, and its threads
-    spin a while after it, into the next timed block).
-
-    The counters in ``/proc`` miss a machine that is slow for reasons outside this VM (a neighbour on the
-    host's memory bandwidth or on the sibling hyperthread, a clock change): identical code ran 30-40% slower
-    in a second idle run with others' share at 2%. The probe does not correct anything; it lets two runs say
-    whether the machine itself ran at the same speed (``make compare`` notes a difference)."""
-    x = np.linspace(0.0, 1.0, 1 << 16, dtype=np.float32)
-    y = np.empty_like(x)
-    src = np.ones(1 << 21, dtype=np.float32)
-    dst = np.empty_like(src)
-
-    def best(fn: Callable[[], None]) -> float:
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    def compute() -> None:
-        for _ in range(128):
-            np.exp(x, out=y)
-
-    def memory() -> None:
-        for _ in range(16):
-            np.copyto(dst, src)
-    return {"compute_s": best(compute), "memory_s": best(memory)}
-
-
-def probe_change(a: dict | None, b: dict | None, factor: float = PROBE_FACTOR) -> str | None:
-    """A sentence when two runs' machine probes (``Guard.result()["probe"]``) differ beyond ``factor``."""
-    if not a or not b:
-        return None
-    out = []
-    for key, what in (("compute_s", "compute"), ("memory_s", "memory")):
-        x, y = a.get(key), b.get(key)
-        if x and y and max(x, y) / min(x, y) > factor:
-            out.append(f"{what} {x / y:.2f}x")
-    if not out:
-        return None
-    return ("the machine itself ran at another speed (its probe, second run against the first: " + ", ".join(out)
-            + "): speedups on a changed machine can differ by more than their intervals")
-
-
 @dataclass
 class Guard:
     """Reads what else uses the machine at the edges of the timed rounds (module doc). ``roots``: our
@@ -236,7 +185,6 @@ class Guard:
     busy_share: float = BUSY_SHARE
     gpu_index: int | None = None
     proc: str = "/proc"
-    with_probe: bool = True  # time ``probe`` at every mark (a few tens of ms)
     _marks: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -247,8 +195,7 @@ class Guard:
         st = _proc_stat(self.proc)
         self._marks.append({"label": label, "t": time.monotonic(), "stat": st,
                             "ours": _tree_cpu(self.roots, self.proc) if st is not None else None,
-                            "load1": _loadavg(self.proc), "gpu": self._nvml.read(self.roots),
-                            "probe": probe() if self.with_probe else None})
+                            "load1": _loadavg(self.proc), "gpu": self._nvml.read(self.roots)})
 
     @staticmethod
     def _share(a: dict, b: dict) -> dict | None:
@@ -278,18 +225,12 @@ class Guard:
             gpu = {"other_processes_max": max(g["other_processes"] for g in gpus),
                    "other_memory_bytes_max": max(g["other_memory_bytes"] for g in gpus),
                    "utilization_pct_mean": sum(g["utilization_pct"] for g in gpus) / len(gpus)}
-        probes = [m["probe"] for m in self._marks if m.get("probe")]
-        machine = None
-        if probes:
-            machine = {k: float(np.median([p[k] for p in probes])) for k in ("compute_s", "memory_s")}
-            machine["marks"] = len(probes)
         busy = whole.get("others_share", 0.0) > self.busy_share or bool(gpu and gpu["other_processes_max"])
         return {"available": True, "busy": busy, "threshold": self.busy_share, **whole,
                 "windows_others_share": [None if w is None else round(w["others_share"], 4) for w in windows],
                 "windows_over_threshold": sum(1 for w in windows if w and w["others_share"] > self.busy_share),
                 "load1_mean": sum(loads) / len(loads) if loads else None, "load1_max": max(loads) if loads else None,
-                "cpu_count": os.cpu_count(), "seconds": self._marks[-1]["t"] - self._marks[0]["t"], "gpu": gpu,
-                "probe": machine}
+                "cpu_count": os.cpu_count(), "seconds": self._marks[-1]["t"] - self._marks[0]["t"], "gpu": gpu}
 
 
 def busy_text(guard: dict | None) -> str | None:
