@@ -37,7 +37,7 @@ from typing import Any
 
 from harness.report.aup import PLAN_FILE
 
-DEFAULT_LIMIT = 100  # items per kind on the tiny suite: 13 points x 300 items, about 14 CPU-minutes (docs/reports.md)
+DEFAULT_LIMIT = 100  # items per kind on the tiny suite: 13 points x 300 items, about 16 minutes (docs/reports.md)
 
 
 class InputError(Exception):
