@@ -586,3 +586,17 @@ def left_padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Left-padded [B, T] mask -> position ids [B, T] counting real tokens from 0 (pads get 0)."""
     return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def read_json_object(path) -> dict:
+    """A checkpoint file holding one JSON object (generation_config.json, config.json); ValueError naming
+    the file when it is unreadable or not an object."""
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -43,14 +43,13 @@ tpf_decoder (generated tokens / decoder forwards: generate's own figure for a ba
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from .common import Meter, counted_call, cut_after_eos, eos_ids, is_eos, left_padding_mask, make_generator
+from .common import Meter, read_json_object, counted_call, cut_after_eos, eos_ids, is_eos, left_padding_mask, make_generator
 from .knobs import Knobs, gen_length, knob, seed
 
 # transformers' DiffusionGemmaGenerationConfig._get_default_generation_params (generation_diffusion_gemma.py
@@ -103,12 +102,7 @@ def generation_defaults(folder: str | Path) -> dict:
         path = Path(folder) / name
         if not path.is_file():
             continue
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: not a readable JSON file ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        data = read_json_object(path)
         if name == "config.json":
             found = {"canvas_length": data["canvas_length"]} if data.get("canvas_length") is not None else {}
         else:

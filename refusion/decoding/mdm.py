@@ -22,7 +22,6 @@ the answer can no longer change), ``top_p_filter`` / ``top_k_filter``, and the k
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from .common import (
     cache_keep,
     choose,
     cut_after_eos,
+    read_json_object,
     eos_ids,
     forward,
     is_eos,
@@ -223,12 +223,7 @@ def dream_generation_defaults(folder: str | Path) -> dict:
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    data = read_json_object(path)
     found = {k: data[k] for k in DREAM_GENERATION_FIELDS if data.get(k) is not None}
     for name, value in found.items():
         try:
