@@ -50,26 +50,23 @@ MODEL_NAMES = ("ar", "refusion", "mdm", "dream", "d2f")  # training order (each 
 # The recipe, one schedule per model (TrainConfig fields: steps, peak lr, data mixture; one warm-up, cosine
 # decay, no restart). ar learns the tasks from scratch on the faithful data; the diffusion models adapt the
 # trained ar weights to their objective (as ReFusion fine-tunes Qwen3-8B and Dream starts from Qwen2.5) and
-# d2f the trained mdm ones (as D2F distils a trained LLaDA / Dream). Issue #37's recipe, fixed before its
-# first step (docs/tiny-models.md, "Training runs", gives the reasons; docs/history.md how it was sized):
-# - the mixture of #21's curves for every diffusion model: 20% of the math items open-ended right after an
+# d2f the trained mdm ones (as D2F distils a trained LLaDA / Dream). docs/tiny-models.md ("Training runs")
+# gives the reasons:
+# - every diffusion model trains on one mixture: 20% of the math items open-ended right after an
 #   intermediate result, 40% result items (the masked heads learn to compute a result instead of copying
-#   its restatement); the test split and the objectives are unchanged;
+#   its restatement); the test split and the objectives are the same for every model;
 # - refusion, mdm and dream get the same 4000 steps of the same batches (a step's batch is a pure function
-#   of seed and step), so the same tokens; #21's pieces reached 39% (planner) / 60% (left to right) on math
-#   at about 3,900 steps with three warm-up restarts and 1,500 faithful steps first, dream 44% at ~3,600;
-# - d2f 3000 steps from the new mdm: #21's d2f piece pointed at 19% near 3,200 steps from a weaker start.
-MIX_37: dict[str, float] = {"open_share": 0.2, "result_share": 0.4}
-RECIPES: dict[str, dict] = {"ar": {"steps": 3000, "lr": 2e-3},  # not retrained by #37: the faithful data
-                            "refusion": {"steps": 4000, "lr": 1e-3, **MIX_37},
-                            "mdm": {"steps": 4000, "lr": 1e-3, **MIX_37},
-                            "dream": {"steps": 4000, "lr": 1e-3, **MIX_37},
-                            "d2f": {"steps": 3000, "lr": 1e-3, **MIX_37}}
-# Committed folders that still hold the weights of an earlier recipe, with its settings. #37 retrained
-# one model at a time across sessions; a model left this table in the commit that brought its retrained
-# weights, so the fingerprint test pinned every committed folder to the recipe it was made with at every
-# stop. Empty since 2026-12-03 (dream, the last): every committed folder is RECIPES. A future retraining
-# done in pieces puts the models it has not reached yet here.
+#   of seed and step), so the same tokens;
+# - d2f 3000 steps from the trained mdm.
+MIX: dict[str, float] = {"open_share": 0.2, "result_share": 0.4}
+RECIPES: dict[str, dict] = {"ar": {"steps": 3000, "lr": 2e-3},  # the faithful data only
+                            "refusion": {"steps": 4000, "lr": 1e-3, **MIX},
+                            "mdm": {"steps": 4000, "lr": 1e-3, **MIX},
+                            "dream": {"steps": 4000, "lr": 1e-3, **MIX},
+                            "d2f": {"steps": 3000, "lr": 1e-3, **MIX}}
+# Committed folders that still hold the weights of an earlier recipe, with its settings: a retraining done one
+# model at a time lists here the models it has not reached yet, so the fingerprint test pins every committed
+# folder to the recipe it was made with. Empty: every committed folder is RECIPES.
 PREVIOUS: dict[str, dict] = {}
 # Bidirectional (LLaDA, Dream) or block-causal (D2F, explicit masks) attention: not causal.
 NON_CAUSAL = ("mdm", "dream", "d2f")
@@ -129,7 +126,7 @@ class TrainConfig:
 
 
 def recipe(name: str, previous: bool = False, **overrides) -> TrainConfig:
-    """The training configuration of one tiny model (``RECIPES``; ``previous``: the pre-#37 settings of a
+    """The training configuration of one tiny model (``RECIPES``; ``previous``: the earlier recipe of a
     model in ``PREVIOUS``); ``overrides`` replace fields."""
     table = PREVIOUS if previous and name in PREVIOUS else RECIPES
     return dataclasses.replace(TrainConfig(**table[name]), **overrides)
@@ -580,11 +577,11 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     p.add_argument("--open-share", type=float, default=None,
                    help="arithmetic-signal mixture: share of math items replaced by an open-ended item that stops "
                    "right after an intermediate result (no EOS, no loss after it); default: each model's recipe "
-                   f"({MIX_37['open_share']} for the diffusion models, 0 for ar: the faithful data)")
+                   f"({MIX['open_share']} for the diffusion models, 0 for ar: the faithful data)")
     p.add_argument("--result-share", type=float, default=None,
                    help="arithmetic-signal mixture: share of math items replaced by a result item, whose prompt runs "
                    "up to an intermediate result and whose response is that result ('127.'; no EOS); default: "
-                   f"each model's recipe ({MIX_37['result_share']} for the diffusion models, 0 for ar)")
+                   f"each model's recipe ({MIX['result_share']} for the diffusion models, 0 for ar)")
     p.add_argument("--number-share", type=float, default=None,
                    help="arithmetic-signal mixture: share of math items replaced by a number item, whose prompt runs "
                    "up to any number of the solution (operand, result, answer) and whose response is that number "

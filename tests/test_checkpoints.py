@@ -244,13 +244,13 @@ def test_base_used_is_warned_about_recorded_and_shown(setup, tmp_path, capsys):
 
 
 def test_resolved_knobs_show_values_never_none(setup, tmp_path):
-    from harness.run import runner
+    from harness.run import model_check, runner
     from refusion.decoding import DECODERS, make_knobs
 
     for dec in DECODERS:
-        shown = runner.shown_values(make_knobs(dec, {"gen_length": 512}).to_dict())
+        shown = model_check.shown_values(make_knobs(dec, {"gen_length": 512}).to_dict())
         assert None not in shown.values(), (dec, shown)
-    assert runner.shown_values(make_knobs("llada", {"gen_length": 512}).to_dict())["steps"] == 512
+    assert model_check.shown_values(make_knobs("llada", {"gen_length": 512}).to_dict())["steps"] == 512
     cfg = runner.build_config(runner._parser().parse_args(
         ["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--out", str(tmp_path / "o"),
          "--models", f"l={setup['mdm']}:llada:gen_length=64,m={setup['mdm']}:llada:block_length=2,"

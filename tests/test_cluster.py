@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.run import cluster, merge, runner
+from harness.run import cluster, launch, merge, runner
 
 
 @pytest.fixture(scope="module")
@@ -71,17 +71,17 @@ def test_dry_run_prints_requests_budget_and_device_hours(setup, tmp_path, capsys
 
 
 def test_multi_node_options_pass_through_to_accelerate(setup, tmp_path, capsys):
-    launch = {"num_machines": 2, "machine_rank": 1, "main_process_ip": "10.0.0.1", "main_process_port": 29600}
-    cmd = runner.worker_command(tmp_path, "a", 4, 1234, launch=launch)
+    opts = {"num_machines": 2, "machine_rank": 1, "main_process_ip": "10.0.0.1", "main_process_port": 29600}
+    cmd = launch.worker_command(tmp_path, "a", 4, 1234, launch=opts)
     joined = " ".join(cmd)
     assert "accelerate.commands.launch" in joined and "--num_processes 4 --num_machines 2" in joined
     assert "--main_process_port 29600" in joined and "--machine_rank 1 --main_process_ip 10.0.0.1" in joined
     conf = tmp_path / "acc.yaml"
     conf.write_text("machine_rank: 3\nnum_machines: 4\n")
-    cmd = runner.worker_command(tmp_path, "a", 1, 1234, launch={"accelerate_config": str(conf)})
+    cmd = launch.worker_command(tmp_path, "a", 1, 1234, launch={"accelerate_config": str(conf)})
     assert cmd[cmd.index("--config_file") + 1] == str(conf)
     assert cluster.machine_rank({"accelerate_config": str(conf)}) == 3
-    assert runner.worker_command(tmp_path, "a", 1, 1234, launch={})[1:3] == ["-m", "harness.run.worker"]
+    assert launch.worker_command(tmp_path, "a", 1, 1234, launch={})[1:3] == ["-m", "harness.run.worker"]
     base = ["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--models", f"a={setup['ckpt']}:ar",
             "--out", str(tmp_path / "out")]
     for extra, words in ((["--num-machines", "2", "--main-process-ip", "h", "--num-processes", "2"], "needs --run-id"),

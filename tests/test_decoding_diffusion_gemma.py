@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from refusion.decoding import DECODERS, check_attention
+from refusion.decoding import DECODERS, check_attention, checkpoint_defaults
 from refusion.decoding.common import cut_after_eos
-from refusion.decoding.diffusion_gemma import DiffusionGemmaKnobs, generation_defaults
+from refusion.decoding.diffusion_gemma import DiffusionGemmaKnobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -173,18 +173,18 @@ def test_knobs_defaults_are_transformers_and_the_folder_sets_its_own(tmp_path):
     assert (k.gen_length, k.max_denoising_steps, k.entropy_bound, k.t_min, k.t_max, k.stability_threshold,
             k.confidence_threshold) == (d["max_new_tokens"], d["max_denoising_steps"], d["sampler_config"].entropy_bound,
                                         d["t_min"], d["t_max"], d["stability_threshold"], d["confidence_threshold"])
-    assert generation_defaults(FIXTURE) == {"canvas_length": 16}  # the fixture's generation config sets none
+    assert checkpoint_defaults("diffusion_gemma", FIXTURE) == {"canvas_length": 16}  # the fixture's generation config sets none
     folder = shutil.copytree(FIXTURE, tmp_path / "dg", ignore=shutil.ignore_patterns("*.safetensors*"))
     gc = json.loads((folder / "generation_config.json").read_text())
     gc.update(max_denoising_steps=32, t_min=0.3, sampler_config={"entropy_bound": 0.2,
                                                                  "_cls_name": "EntropyBoundSamplerConfig"})
     (folder / "generation_config.json").write_text(json.dumps(gc))
-    assert generation_defaults(folder) == {"canvas_length": 16, "max_denoising_steps": 32, "t_min": 0.3,
+    assert checkpoint_defaults("diffusion_gemma", folder) == {"canvas_length": 16, "max_denoising_steps": 32, "t_min": 0.3,
                                            "entropy_bound": 0.2}
     gc["t_max"] = -1.0
     (folder / "generation_config.json").write_text(json.dumps(gc))
     with pytest.raises(ValueError, match="generation_config.json: field t_max must be"):
-        generation_defaults(folder)
+        checkpoint_defaults("diffusion_gemma", folder)
     with pytest.raises(ValueError, match="t_max must be > t_min"):
         DiffusionGemmaKnobs(t_min=0.5, t_max=0.5)
 

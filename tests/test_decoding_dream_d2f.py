@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen3Config
 
-from refusion.decoding import DECODERS
-from refusion.decoding.mdm import dream_generation_defaults, dream_propose, top_p_filter
+from refusion.decoding import DECODERS, checkpoint_defaults
+from refusion.decoding.mdm import dream_propose, top_p_filter
 from refusion.objective import block_causal_mask
 
 MASK = 47  # conftest's MDM_MASK: the mask id of its tiny_mdm models
@@ -349,21 +349,21 @@ def test_fast_dllm_top_p_needs_the_dream_loop(model, prompts):
 
 
 def test_generation_config_reader(tmp_path):
-    assert dream_generation_defaults(tmp_path) == {}  # no file: nothing implied
+    assert checkpoint_defaults("dream", tmp_path) == {}  # no file: nothing implied
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "bos_token_id": 1, "eos_token_id": 2, "mask_token_id": 3, "max_new_tokens": 256, "steps": 256,
         "alg": "entropy", "alg_temp": None, "eps": 0.001, "top_p": 0.95, "top_k": None, "temperature": 0.2,
         "do_sample": True}))
-    assert dream_generation_defaults(tmp_path) == {"steps": 256, "alg": "entropy", "eps": 0.001, "top_p": 0.95,
+    assert checkpoint_defaults("dream", tmp_path) == {"steps": 256, "alg": "entropy", "eps": 0.001, "top_p": 0.95,
                                                    "temperature": 0.2}
     for bad, field in [({"alg": "confidence_threshold"}, "alg"), ({"top_p": 2}, "top_p"), ({"steps": "many"}, "steps"),
                        ({"eps": 1.0}, "eps")]:
         (tmp_path / "generation_config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=f"generation_config.json: field {field}"):
-            dream_generation_defaults(tmp_path)
+            checkpoint_defaults("dream", tmp_path)
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="generation_config.json: not a readable JSON file"):
-        dream_generation_defaults(tmp_path)
+        checkpoint_defaults("dream", tmp_path)
 
 
 def test_adapter_applies_the_checkpoints_generation_config(tmp_path, tiny_checkpoint):

@@ -126,10 +126,10 @@ def test_callback_hook_is_not_a_knob(setup, tmp_path, capsys):
 def _deny(monkeypatch, folder: Path, bit: int) -> None:
     """Make the runner's permission check refuse ``bit`` on ``folder``: root may write anywhere and the
     temp directory's own mode varies (a private ``mktemp -d`` TMPDIR), so the refusal is injected."""
-    from harness.run import runner
+    from harness.run import run_dir
 
-    real = runner._may
-    monkeypatch.setattr(runner, "_may", lambda p, mode: not (Path(p) == folder and mode & bit) and real(p, mode))
+    real = run_dir._may
+    monkeypatch.setattr(run_dir, "_may", lambda p, mode: not (Path(p) == folder and mode & bit) and real(p, mode))
 
 
 def test_read_only_out_folder_is_refused_before_any_model_runs(setup, tmp_path, capsys, monkeypatch):
@@ -178,7 +178,7 @@ def test_bfloat16_on_the_cpu_warns_in_one_line(setup, tmp_path, capsys):
 def test_worker_error_is_passed_on_as_one_line(setup, tmp_path, capsys, monkeypatch):
     """An error only the model's worker can meet (its one line left in the error file, exit 2) reaches
     the user as one runner line with the resume hint, instead of "failed (exit N)"."""
-    from harness.run import runner
+    from harness.run import launch, runner
 
     def fake_worker(cmd, env):
         err_file = Path(cmd[cmd.index("--error-file") + 1])
@@ -186,7 +186,7 @@ def test_worker_error_is_passed_on_as_one_line(setup, tmp_path, capsys, monkeypa
         err_file.write_text("checkpoint file '/x/model.safetensors' cannot be read: truncated\n")
         return 2
 
-    monkeypatch.setattr(runner, "_run_worker", fake_worker)
+    monkeypatch.setattr(launch, "run_worker", fake_worker)
     out = tmp_path / "out"
     assert runner.main(["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--models", f"a={setup['ckpt']}:ar",
                         "--out", str(out), "--run-id", "x"]) == 2

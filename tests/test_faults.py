@@ -252,15 +252,15 @@ def test_report_and_summary_show_failed_items_beside_n():
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_stop_signal_stops_the_worker_and_unwinds_the_runner(sig):
     """The runner's side of a stop, in process (the real runs below are slow): the worker is terminated and
-    waited for, and the signal unwinds the runner as ``_Stopped``; the earlier handlers come back."""
-    from harness.run import runner
+    waited for, and the signal unwinds the runner as ``Stopped``; the earlier handlers come back."""
+    from harness.run import launch
 
     before = signal.getsignal(sig)
     # The worker stand-in signals the runner itself once started (the handlers are in place by then), then
     # would sleep for a minute: the runner must terminate it.
     child = f"import os, time; os.kill(os.getppid(), {int(sig)}); time.sleep(60)"
-    with pytest.raises(runner._Stopped) as e:
-        runner._run_worker([sys.executable, "-c", child], dict(os.environ))
+    with pytest.raises(launch.Stopped) as e:
+        launch.run_worker([sys.executable, "-c", child], dict(os.environ))
     assert e.value.signum == sig and signal.getsignal(sig) is before
 
 

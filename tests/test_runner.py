@@ -176,7 +176,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, tmp_path, cap
 
 
 def test_models_spec_parsing():
-    from harness.run.runner import InputError, parse_models
+    from harness.run.model_list import InputError, parse_models
 
     ms = parse_models("a=ck/x:ar:gen_length=8,temperature=0.5,b=ck/y:refusion:slot_size=4,llada,refusion:slot_size=8")
     assert [(m.name, m.checkpoint, m.decoder, m.knobs) for m in ms] == [
@@ -194,7 +194,7 @@ def test_models_spec_parsing():
 
 def test_models_all_is_every_preset():
     from harness.run.presets import PRESETS
-    from harness.run.runner import InputError, parse_models
+    from harness.run.model_list import InputError, parse_models
 
     assert [m.name for m in parse_models("all")] == list(PRESETS)
     assert {"dream", "dream_fast_dllm", "d2f"} <= set(PRESETS)
@@ -282,7 +282,7 @@ def test_worker_dies_with_its_runner(setup):
 @pytest.mark.slow
 def test_run_folder_is_locked(setup, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom pathlib import Path\n"
-                               "from harness.run.runner import lock_run_dir\n"
+                               "from harness.run.run_dir import lock_run_dir\n"
                                f"lock_run_dir(Path({str(setup['out'] / 'busy')!r}))\n"
                                "print('locked', flush=True)\nsys.stdin.read()\n"],
                               cwd=REPO, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -299,7 +299,7 @@ def test_run_folder_is_locked(setup, tmp_path):
 
 
 def test_default_run_ids_are_unique_within_a_second():
-    from harness.run.runner import default_run_id
+    from harness.run.run_dir import default_run_id
 
     ids = {default_run_id() for _ in range(50)}
     assert len(ids) == 50

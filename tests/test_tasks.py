@@ -106,7 +106,7 @@ def test_gold_scores_one_and_wrong_scores_zero(task):
 
 def test_paper_prompt_helpers():
     """--prompts paper: the task swap, the authors' fence extraction and the HumanEval sanitiser."""
-    from harness.run.runner import paper_tasks
+    from harness.run.units import paper_tasks
     from tasks.hooks import sanitize_program
 
     assert paper_tasks("gsm8k_cot,mmlu_pro,mbpp,embedded") == "gsm8k_cot_paper,mmlu_pro,mbpp_paper,embedded"

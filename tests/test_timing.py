@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.run import rounds, timing
+from harness.run import guard, rounds, timing
 
 
 class Clocked:
@@ -149,7 +149,7 @@ def test_guard_counts_others_and_steal_and_flags_a_busy_machine(tmp_path):
     proc = tmp_path / "proc"
     # Us: pid 10 and its child 11; a stranger: pid 20.
     _fake_proc(proc, (100, 0, 0, 1000, 0, 0, 0, 0), {10: (1, 50), 11: (10, 20), 20: (1, 30)})
-    g = timing.Guard(roots={10}, proc=str(proc))
+    g = guard.Guard(roots={10}, proc=str(proc))
     g.mark("start")
     # Over the window: 400 jiffies in all; busy +200 of which ours +120 (10: +100, 11: +20), steal +20.
     _fake_proc(proc, (300, 0, 0, 1180, 0, 0, 0, 20), {10: (1, 150), 11: (10, 40), 20: (1, 110)}, load=1.5)
@@ -158,12 +158,12 @@ def test_guard_counts_others_and_steal_and_flags_a_busy_machine(tmp_path):
     assert res["available"] and res["others_cpu_share"] == pytest.approx(80 / 400)
     assert res["steal_share"] == pytest.approx(20 / 400) and res["others_share"] == pytest.approx(0.25)
     assert res["our_cpu_share"] == pytest.approx(120 / 400) and res["load1_max"] == 1.5 and res["busy"]
-    text = timing.busy_text(res)
+    text = guard.busy_text(res)
     assert "other processes used 20% of the machine's CPU and the hypervisor took 5% (steal)" in text
-    quiet = timing.Guard(roots={10}, proc=str(proc), busy_share=0.3)
+    quiet = guard.Guard(roots={10}, proc=str(proc), busy_share=0.3)
     quiet._marks = g._marks
-    assert not quiet.result()["busy"] and timing.busy_text(quiet.result()) is None
-    assert timing.Guard(proc=str(tmp_path / "none")).result()["available"] is False
+    assert not quiet.result()["busy"] and guard.busy_text(quiet.result()) is None
+    assert guard.Guard(proc=str(tmp_path / "none")).result()["available"] is False
 
 
 # ---------------------------------------------------------------- a real run's timed rounds

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli
-from harness.run import runner, summary
+from harness.run import run_dir, runner, summary
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNING = (REPO / "docs" / "running.md").read_text()  # the user guide's page on `make eval`
@@ -220,8 +220,8 @@ def test_resumed_run_records_its_sessions_and_says_so(tmp_path):
 def test_resume_accepts_a_run_json_written_before_units_counted_samples():
     old = [{"name": "t", "leaves": ["t"], "primary": None}]
     new = [{"name": "t", "leaves": ["t"], "primary": None, "samples": 3}]
-    assert runner._resume_value("units", old) == runner._resume_value("units", new)
-    assert runner._resume_value("limit", 3) == 3
+    assert run_dir._resume_value("units", old) == run_dir._resume_value("units", new)
+    assert run_dir._resume_value("limit", 3) == 3
 
 
 def test_resume_accepts_a_run_json_written_before_this_branch():
@@ -233,11 +233,11 @@ def test_resume_accepts_a_run_json_written_before_this_branch():
                       "data_sha256": "x", "max_gen_toks": 8}], "limit": 2, "shard": None,
            "models": [{"name": "d", "decoder": "d2f", "knobs": {}, "base": "/ckpt/base",
                        "resolved_knobs": {"t": {"steps": 8}}}]}
-    assert runner.settings_diff(old, new) == []
+    assert run_dir.settings_diff(old, new) == []
     changed = {**new, "models": [{**new["models"][0], "knobs": {"block_size": 4}}]}
-    assert runner.settings_diff(old, changed) == ["models"]
+    assert run_dir.settings_diff(old, changed) == ["models"]
     with_base = {**old, "models": [{**old["models"][0], "base": "/ckpt/other"}]}
-    assert runner.settings_diff(with_base, new) == ["models"]
+    assert run_dir.settings_diff(with_base, new) == ["models"]
 
 
 # ---------------------------------------------------------------- library noise

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.run.rounds import is_timed, speed_interval
+from harness.report.timed import is_timed, speed_interval
 from harness.run import stats
 
 ALPHA = 3.0  # W's penalty for accuracy below y_max (d3LLM)

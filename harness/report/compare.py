@@ -39,7 +39,7 @@ from harness.report.paper_report import NOT_MEASURED, _show_path, check_name, qu
 from harness.report.runset import InputError, _read, device_text, resolve_runs, run_parser
 from harness.run.summary import resumed, sessions
 from harness.run.store import atomic_dir, atomic_write_json, atomic_write_text
-from harness.run.rounds import is_timed, speed_interval
+from harness.report.timed import is_timed, speed_interval
 
 
 def _speed(met: dict, *path: str) -> Any:

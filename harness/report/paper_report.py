@@ -93,11 +93,11 @@ def _cell(met: dict, task: str, it: stats.Items | None) -> tuple[dict, dict]:
     of its quality and tokens/s (for the row's Avg interval; empty without per-item logs)."""
     q, n = quality_pct(met), _items(met)
     qiv = stats.quality_interval(it, None if q is None else q / 100, n, (task, "quality"))
-    from harness.run import rounds
+    from harness.report import timed
 
-    if rounds.is_timed(met):  # timed rounds (harness/run/timing.py): their interval, rounds resampled for Avg
-        tps_dist = rounds.rounds_dist(met, (task, met.get("model")))
-        got = rounds.speed_interval(met, "tokens_per_s")
+    if timed.is_timed(met):  # timed rounds (harness/run/timing.py): their interval, rounds resampled for Avg
+        tps_dist = timed.rounds_dist(met, (task, met.get("model")))
+        got = timed.speed_interval(met, "tokens_per_s")
         tiv = None if got is None else (got["lo"], got["hi"])
     else:
         tps_dist = stats.speed_dist(it, "tokens_per_s", task) if it is not None else None
@@ -106,7 +106,7 @@ def _cell(met: dict, task: str, it: stats.Items | None) -> tuple[dict, dict]:
             "tpf": ((met.get("speed") or {}).get("tpf") or {}).get("ratio_of_sums"),
             "quality_ci": None if qiv is None else qiv.scaled(100.0).to_dict(),
             "tokens_per_s_ci": None if tiv is None else {"lo": tiv[0], "hi": tiv[1], "method": "bootstrap"},
-            "timed": rounds.is_timed(met), "_run_dir": str(met["_run_dir"]) if met.get("_run_dir") else None,
+            "timed": timed.is_timed(met), "_run_dir": str(met["_run_dir"]) if met.get("_run_dir") else None,
             "quality_metric": met.get("quality_primary"), "run_id": met["_run_id"], "model_in_run": met.get("model"),
             "samples": _items(met), "failed": (met.get("failed") or {}).get("count", 0), "device": met.get("_device")}
     dists = {}
@@ -203,7 +203,7 @@ def speedup_summary(row: dict, ref: dict, keys: list[str], rs: RunSet | None = N
             # pass); rows timed apart have a ratio and no interval. A single pass's item bootstrap would not
             # mix with them.
             same = a.get("_run_dir") and a.get("_run_dir") == b.get("_run_dir")
-            from harness.run.rounds import ratio_in_run
+            from harness.report.timed import ratio_in_run
 
             got = ratio_in_run(a["_run_dir"], a["model_in_run"], b["model_in_run"], [a["task"]]) if same else None
             q = got and got["per_unit"][a["task"]]
@@ -223,7 +223,7 @@ def speedup_summary(row: dict, ref: dict, keys: list[str], rs: RunSet | None = N
     if both and all(k in timed_pairs for k in both):
         dirs = {timed_pairs[k][0].get("_run_dir") for k in both} | {timed_pairs[k][1].get("_run_dir") for k in both}
         if len(dirs) == 1:
-            from harness.run.rounds import ratio_in_run
+            from harness.report.timed import ratio_in_run
 
             a0, b0 = timed_pairs[both[0]]
             got = ratio_in_run(a0["_run_dir"], a0["model_in_run"], b0["model_in_run"],
@@ -461,7 +461,7 @@ def run_notes(rs: RunSet) -> list[str]:
 def timing_note(run: dict) -> str:
     """How a run's speed figures were timed (harness/run/timing.py), with the busy-machine flag."""
     from harness.run.rounds import load_timing
-    from harness.run.timing import busy_text
+    from harness.run.guard import busy_text
 
     timed = load_timing(Path(run["dir"]), run) if run.get("dir") else None
     if timed is None:

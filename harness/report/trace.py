@@ -102,8 +102,8 @@ def run_prompts(run_dir: Path, cfg: dict, task: str, index: int) -> tuple[str, d
 def _models(ns: argparse.Namespace, cfg: dict | None):
     """ModelSpecs from --models, else the run's models, else the default run's presets."""
     from harness.run.presets import DEFAULT_MODELS, ModelSpec
-    from harness.run.runner import InputError as RunnerInputError
-    from harness.run.runner import KnobHelp, parse_models
+    from harness.run.model_list import InputError as RunnerInputError
+    from harness.run.model_list import KnobHelp, parse_models
 
     try:
         if ns.models:
@@ -125,8 +125,8 @@ def decode_all(models, units: list[dict], leaf: str | None, prompts: dict[str, s
                settings: dict) -> list[dict]:
     """Decode the prompt with every model through the adapter; one trace entry per model."""
     from harness.run.lm_adapter import RefusionBenchLM
-    from harness.run.runner import InputError as RunnerInputError
-    from harness.run.runner import validate_models
+    from harness.run.model_list import InputError as RunnerInputError
+    from harness.run.model_check import validate_models
 
     try:
         specs = validate_models(models, units, settings["task_defaults"], seed=settings["seed"])

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: no checkpoint (config.json) in: {', '.join(missing)}", file=sys.stderr)
         return 2
-    from harness.run.runner import environment
+    from harness.run.environment import environment
 
     report = {"command": "python -m harness generate-eval " + " ".join(argv or []),
               "decoding": "transformers generate, greedy, max_new_tokens=96",

@@ -80,25 +80,16 @@ def checkpoint_knobs(info: CheckpointInfo, decoder: str) -> dict[str, Any]:
     """Decoder knobs a checkpoint sets for itself (below the task's settings and the model's knobs):
     - a family whose logits are shifted (Dream, harness/models/families.py) sets ``shift=true`` for the decoders that
       have the knob (fast_dllm, d2f), so Dream + Fast-dLLM / D2F read the logit at i-1 for token i;
-    - for ``dream``, the DreamGenerationConfig fields of its generation_config.json
-      (refusion.decoding.mdm.dream_generation_defaults);
-    - for ``diffusion_gemma``, config.json's canvas_length and the DiffusionGemmaGenerationConfig fields of its
-      generation_config.json (refusion.decoding.diffusion_gemma.generation_defaults).
+    - the decoding settings its own files hold, for the decoders registered with ``folder_knobs``
+      (refusion.decoding.checkpoint_defaults: Dream's generation_config.json; DiffusionGemma's config.json
+      canvas_length and generation_config.json), read from the base folder of an adapter.
     Reads JSON only, so it runs before the model is loaded; a bad value raises ValueError naming the file."""
-    from refusion.decoding import get_decoder
+    from refusion.decoding import checkpoint_defaults, get_decoder
 
     out: dict[str, Any] = {}
     if info.family.logit_shift and "shift" in get_decoder(decoder).knobs.names():
         out["shift"] = True
-    if decoder == "dream":
-        from refusion.decoding.mdm import dream_generation_defaults
-
-        folder = info.base.path if info.base is not None else info.path
-        out.update(dream_generation_defaults(folder))
-    if decoder == "diffusion_gemma":
-        from refusion.decoding.diffusion_gemma import generation_defaults
-
-        out.update(generation_defaults(info.path))
+    out.update(checkpoint_defaults(decoder, info.base.path if info.base is not None else info.path))
     return out
 
 

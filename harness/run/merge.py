@@ -33,7 +33,7 @@ class InputError(Exception):
 
 
 def _settings(cfg: dict) -> dict:
-    from harness.run.runner import RESUME_KEYS
+    from harness.run.run_dir import RESUME_KEYS
 
     out = {k: cfg.get(k) for k in (*RESUME_KEYS, *EXTRA_KEYS) if k != "shard"}
     # The documents are the data: the per-leaf counts and hash must agree, the shard's own count not.
@@ -189,7 +189,7 @@ def merge(dirs: list[Path], target: Path, allow_mixed: bool = False) -> Path:
                 atomic_write_json(tmp / "metrics" / f"{m['name']}__{u['name']}.json",
                                   _merged_metrics(runs, m["name"], u["name"], rows, target.name))
             atomic_write_json(tmp / "models" / m["name"] / "done.json", {"merged_from": [d.name for d, _ in runs]})
-    from harness.run.runner import finalize
+    from harness.run.finalize import finalize
 
     finalize(target)
     if len(hardware) > 1:

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from harness.run.store import atomic_write_json, read_json
-from harness.run import timing
+from harness.run import guard as guard_mod, timing
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
@@ -44,7 +43,7 @@ def settings_of(cfg: dict) -> dict:
     t.setdefault("items", timing.DEFAULT_ITEMS)
     t.setdefault("order", "abba")
     t.setdefault("memory", "auto")
-    t.setdefault("busy_share", timing.BUSY_SHARE)
+    t.setdefault("busy_share", guard_mod.BUSY_SHARE)
     return t
 
 
@@ -253,7 +252,7 @@ def apply_timing(timed: dict | None, cfg: dict, rows: list[dict]) -> dict:
     counts = sorted({len(v) for v in (timed.get("docs") or {}).values()})
     return {"mode": "interleaved", "rounds": t["rounds"], "order": t["order"], "items_setting": t["items"],
             "items": counts[0] if len(counts) == 1 else "-".join(map(str, (counts[0], counts[-1]))),
-            "memory": timed.get("memory"), "busy": busy, "guard": guard, "busy_text": timing.busy_text(guard),
+            "memory": timed.get("memory"), "busy": busy, "guard": guard, "busy_text": guard_mod.busy_text(guard),
             "clock": timed.get("clock"), "seconds": timed.get("seconds"), "mean_speedup_interval": means}
 
 
@@ -300,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in members:
                 if n not in loaded:
                     loaded[n] = ModelSide(specs[n], cfg, rows[n])
-            guard = timing.Guard(busy_share=float(t["busy_share"]), gpu_index=gpu)
+            guard = guard_mod.Guard(busy_share=float(t["busy_share"]), gpu_index=gpu)
             desc = "timed rounds" + (f" ({n} vs {ref})" if len(plan) > 1 else "")
             got = timing.run_rounds([loaded[n] for n in members], groups, rounds=int(t["rounds"]), order=t["order"],
                                     seed=int(cfg["seed"]), guard=guard, progress=not ns.no_progress, desc=desc)
@@ -319,63 +318,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-# ---------------------------------------------------------------- readers for the reports
-
-
-def is_timed(met: dict) -> bool:
-    """Whether a metrics file's wall-clock figures come from timed rounds."""
-    return ((met.get("speed") or {}).get("timing") or {}).get("mode") == "interleaved"
-
-
-def speed_interval(met: dict, figure: str) -> dict | None:
-    """The timed interval of a wall-clock figure of a metrics file (None for a single pass)."""
-    return (met.get("intervals") or {}).get(figure) if is_timed(met) else None
-
-
-def rounds_dist(met: dict, stream: object) -> "object | None":
-    """A bootstrap distribution of a timed tokens/s figure over its rounds (the median of resampled rounds;
-    for a row's average over tasks, resampled per task): None for a single pass."""
-    if not is_timed(met):
-        return None
-    import numpy as np
-
-    vals = np.asarray(met["speed"]["timing"].get("per_round_tokens_per_s") or [], dtype=float)
-    if vals.size < 2:
-        return None
-    g = timing._rng("rounds_dist", stream, vals.size)
-    return np.median(vals[g.integers(0, vals.size, size=(timing.BOOT, vals.size))], axis=1)
-
-
-_TIMED: dict[str, tuple[float, dict | None]] = {}
-
-
-def _timing_of(run_dir: str | Path) -> dict | None:
-    """timing.json of a run folder, read once per change (the reports ask for many pairs)."""
-    p = Path(run_dir) / "timing.json"
-    try:
-        mtime = p.stat().st_mtime
-    except OSError:
-        return None
-    key = str(p.resolve())
-    if key not in _TIMED or _TIMED[key][0] != mtime:
-        try:
-            _TIMED[key] = (mtime, read_json(p))
-        except (OSError, ValueError):
-            _TIMED[key] = (mtime, None)
-    return _TIMED[key][1]
-
-
-def ratio_in_run(run_dir: str | Path, model: str, ref: str, units: list[str]) -> dict | None:
-    """``model``'s tokens/s over ``ref``'s from one run's timed rounds, when one pass timed both: per unit
-    (``timing.ratio``) and their mean (``timing.mean_ratio``). None when the run has no such rounds."""
-    timed = _timing_of(run_dir)
-    if not timed or not timed.get("passes"):
-        return None
-    ps = next((p for p in timed["passes"] if model in p["sides"] and ref in p["sides"]), None)
-    if ps is None:
-        return None
-    per = {u: timing.ratio(ps["records"], model, ref, u) for u in units}
-    mean = timing.mean_ratio(ps["records"], model, ref, units) if units and all(per.values()) else None
-    return {"per_unit": per, "mean": mean}

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(ns)
     except Exception as e:  # noqa: BLE001 - sorted below: only the user's data and files get one line
-        from harness.run.runner import known_error
+        from harness.run.errors import known_error
 
         msg = None if ns.debug else known_error(e)
         if msg is None:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.run import timing
+from harness.run.guard import Guard
 from tasks.embedded import KINDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -234,7 +235,7 @@ def groups_of(items: list[Item]) -> dict[str, list[Item]]:
 
 
 def measure(items: list[Item], cur: Worker, base: Worker, progress: bool = True, flip: bool = False,
-            min_block_s: float = MIN_BLOCK_S, rounds: int = ROUNDS, guard: timing.Guard | None = None) -> dict:
+            min_block_s: float = MIN_BLOCK_S, rounds: int = ROUNDS, guard: Guard | None = None) -> dict:
     """The timing protocol over the two code versions: per (preset, kind) a block of its items, decoded by
     each side in turn in every round (ABBA; ``flip`` starts with the other side), after an untimed warm-up
     (harness/run/timing.py ``run_rounds``). Returns run_rounds' result plus both sides' tokens."""
@@ -297,7 +298,7 @@ def run(models: tuple[str, ...], commit: str | None, limit: int = AB_LIMIT, thre
         workers = [Worker(current, threads, "current"), Worker(tree, threads, f"baseline ({str(commit)[:12]})")]
         pids = {w.proc.pid for w in workers if getattr(w, "proc", None) is not None}
         # The guard counts the two workers as ours: the evaluation `make regress` runs beside them is a neighbour.
-        guard = timing.Guard(roots=pids or {os.getpid()}) if pids else None
+        guard = Guard(roots=pids or {os.getpid()}) if pids else None
         first = measure(items, *workers, progress=progress, min_block_s=min_block_s, rounds=rounds, guard=guard)
         rows = summarize(first, tolerance)
         bad = [r for r in rows if not r["ok"]]

@@ -37,6 +37,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from harness.run.guard import Guard
 from harness.run.presets import BENCH_MODELS
 from harness.run.store import atomic_write_json
 
@@ -122,7 +123,7 @@ def run_long_prompt(model, tokenizer, n: int, rounds: int = 9) -> dict:
 
     sides = [timing.FnSide(layout, {"long": [call(ids, {**LONG_KNOBS, "kv_layout": layout}) for ids in prompts]})
              for layout in ("packed", "replicated")]
-    got = timing.run_rounds(sides, ["long"], rounds=rounds, progress=False, guard=timing.Guard(),
+    got = timing.run_rounds(sides, ["long"], rounds=rounds, progress=False, guard=Guard(),
                             same_repeat=True)
     res = {"timing": {"rounds": rounds, "order": "abba", "guard": got["guard"]}}
     for side in sides:
@@ -241,7 +242,7 @@ def check_targets(results: dict) -> dict:
     return checks
 
 
-OUTSIDE_FORWARD_TARGET = 0.05  # issue 32: at most 5% of decode time outside model forwards, every decoder
+OUTSIDE_FORWARD_TARGET = 0.05  # at most 5% of decode time outside model forwards, every decoder
 
 
 def check_outside_forward(results: dict) -> dict:

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from harness.run.runner import environment
+    from harness.run.environment import environment
     from refusion.decoding import compiled
 
     compiled.BACKEND = ns.backend

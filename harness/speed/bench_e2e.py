@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(ns.prompts, ns.prompt_len, ns.gen_length, ns.slot_size) < 1:
         print("error: --prompts, --prompt-len, --gen-length and --slot-size must be >= 1", file=sys.stderr)
         return 2
-    from harness.run.runner import environment
+    from harness.run.environment import environment
     from refusion.decoding import make_knobs
 
     dtype = getattr(torch, ns.dtype)

@@ -243,7 +243,7 @@ def _environment(a: argparse.Namespace, device) -> dict:
     """The run's environment record, with the host note, the device's name and triton's version."""
     import torch
 
-    from harness.run.runner import environment
+    from harness.run.environment import environment
 
     env = {**environment(a.device, a.threads, 1, 0), "host": a.host,
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None}

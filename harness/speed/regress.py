@@ -166,7 +166,7 @@ def render(rows: list[dict], run_dir: Path, baseline_path: Path, speed: dict | N
                    f"Baseline commit `{speed.get('baseline_commit')}`; {speed.get('limit')} items per kind, "
                    f"{speed.get('rounds')} interleaved rounds (ABBA), wall time with CPU time beside it; "
                    f"{speed.get('seconds')} s.\n")
-        from harness.run.timing import busy_text
+        from harness.run.guard import busy_text
 
         g = speed.get("guard") or {}
         if g.get("available"):

@@ -213,7 +213,7 @@ def record(path: Path, key: str, model: str, step: int, tokens_seen: int | None,
 
 
 # What a run's curve was trained on: the data mixture and the budget, so curves of several models can be
-# checked for the same mixture and the same training tokens (issue #37).
+# checked for the same mixture and the same training tokens.
 TRAIN_FIELDS = ("steps", "batch_size", "lr", "seed", "open_share", "result_share", "number_share", "suffix_share",
                 "kind_weights")
 

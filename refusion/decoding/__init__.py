@@ -17,9 +17,9 @@ import torch
 
 from .ar import ArKnobs, ar
 from .d2f import D2fKnobs, d2f
-from .diffusion_gemma import DiffusionGemmaKnobs, diffusion_gemma
-from .knobs import Knobs
-from .mdm import DreamKnobs, FastDllmKnobs, LladaKnobs, dream, fast_dllm, llada
+from .diffusion_gemma import FOLDER_KNOBS as DIFFUSION_GEMMA_FOLDER_KNOBS, DiffusionGemmaKnobs, diffusion_gemma
+from .knobs import Knobs, folder_knobs
+from .mdm import DREAM_FOLDER_KNOBS, DreamKnobs, FastDllmKnobs, LladaKnobs, dream, fast_dllm, llada
 from .refusion import RefusionKnobs, refusion
 
 
@@ -72,6 +72,10 @@ class Decoder:
     for a model class of its own (``diffusion_gemma`` on DiffusionGemmaForBlockDiffusion); such a family then
     runs only its decoders (``check_attention``). None: any causal-LM family of its attention.
 
+    ``folder_knobs`` (optional): the knobs a checkpoint folder sets for itself, as file name -> {knob: key in
+    that file} (``knobs.folder_knobs``; Dream's generation_config.json, DiffusionGemma's config.json and
+    generation_config.json), read by ``checkpoint_defaults``.
+
     Calling it runs ``fn`` and checks the result's contract (``check_result``): a decoder that
     generated tokens without a counted forward is an error, never a TPF of 0."""
     name: str
@@ -82,6 +86,7 @@ class Decoder:
     masked_diffusion: bool
     grid: Grid | None = field(default=None)
     family: str | None = field(default=None)
+    folder_knobs: Mapping[str, Mapping[str, str]] | None = field(default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
@@ -146,14 +151,15 @@ DECODERS: dict[str, Decoder] = {}
 
 
 def register(name: str, fn: Callable, knobs: type[Knobs], *, batched: bool, causal: bool,
-             masked_diffusion: bool, grid: Grid | None = None, family: str | None = None) -> Decoder:
+             masked_diffusion: bool, grid: Grid | None = None, family: str | None = None,
+             folder_knobs: Mapping[str, Mapping[str, str]] | None = None) -> Decoder:
     """Add decoder ``name`` to ``DECODERS`` (ValueError if the name is taken) and return its entry; every
     flag must be given (see ``Decoder``), the parallelism ``grid`` of ``make frontier`` may be. Registering is
     enough to put it under tests/test_conformance.py and give it a frontier."""
     if name in DECODERS:
         raise ValueError(f"decoder {name!r} is already registered; registered: {', '.join(sorted(DECODERS))}")
     DECODERS[name] = Decoder(name=name, fn=fn, knobs=knobs, batched=batched, causal=causal,
-                             masked_diffusion=masked_diffusion, grid=grid, family=family)
+                             masked_diffusion=masked_diffusion, grid=grid, family=family, folder_knobs=folder_knobs)
     return DECODERS[name]
 
 
@@ -176,6 +182,7 @@ register("fast_dllm", fast_dllm, FastDllmKnobs, batched=True, causal=False, mask
                         "threshold 0.95, 0.9 (the paper's and the presets'), 0.7, 0.5: every masked token above it "
                         "is unmasked in a step"))
 register("dream", dream, DreamKnobs, batched=True, causal=False, masked_diffusion=True,
+         folder_knobs=DREAM_FOLDER_KNOBS,
          grid=Grid.over("tokens_per_step", (2, 4, 8), "tokens unmasked per step: the model's own steps (the preset: "
                         "one a step, steps = gen_length; the whole response is Dream's one block), then "
                         "tokens_per_step 2, 4, 8", own=True))
@@ -185,7 +192,7 @@ register("d2f", d2f, D2fKnobs, batched=True, causal=False, masked_diffusion=True
                         "active block above it is committed in a step"))
 # DiffusionGemma (refusion/decoding/diffusion_gemma.py) runs its own model class only (family).
 register("diffusion_gemma", diffusion_gemma, DiffusionGemmaKnobs, batched=True, causal=True, masked_diffusion=False,
-         family="diffusion_gemma",
+         family="diffusion_gemma", folder_knobs=DIFFUSION_GEMMA_FOLDER_KNOBS,
          grid=Grid.over("entropy_bound", (0.02, 0.1, 0.5, 2.0),
                         "entropy_bound 0.02, 0.1 (transformers' default), 0.5, 2.0: the sampled tokens of lowest "
                         "entropy are accepted in a step while their entropy sum minus the largest stays below it"))
@@ -197,6 +204,14 @@ def get_decoder(name: str) -> Decoder:
         return DECODERS[name]
     except KeyError:
         raise ValueError(f"unknown decoder {name!r}; valid decoders: {', '.join(sorted(DECODERS))}") from None
+
+
+def checkpoint_defaults(name: str, folder) -> dict[str, Any]:
+    """The knobs of decoder ``name`` that a checkpoint folder sets for itself (``Decoder.folder_knobs``), read
+    and validated by ``knobs.folder_knobs``; {} for a decoder that reads none. ValueError naming the file and
+    field for a value the knob rejects."""
+    entry = get_decoder(name)
+    return folder_knobs(folder, entry.knobs, dict(entry.folder_knobs)) if entry.folder_knobs else {}
 
 
 def check_attention(name: str, model_causal: bool, family: str | None = None) -> None:

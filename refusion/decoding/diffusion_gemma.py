@@ -44,12 +44,12 @@ tpf_decoder (generated tokens / decoder forwards: generate's own figure for a ba
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from .common import Meter, read_json_object, counted_call, cut_after_eos, eos_ids, is_eos, left_padding_mask, make_generator
+from .common import (Meter, counted_call, cut_after_eos, eos_ids, is_eos, left_padding_mask, make_generator,
+                     positions_from_mask)
 from .knobs import Knobs, gen_length, knob, seed
 
 # transformers' DiffusionGemmaGenerationConfig._get_default_generation_params (generation_diffusion_gemma.py
@@ -62,7 +62,7 @@ DEFAULT_STABILITY, DEFAULT_CONFIDENCE = 1, 0.005
 class DiffusionGemmaKnobs(Knobs):
     """Knobs of ``diffusion_gemma``, named as DiffusionGemmaGenerationConfig's fields (entropy_bound is its
     sampler_config.entropy_bound). Defaults: transformers' (module constants); a checkpoint's own
-    generation_config.json values are applied by the harness (``generation_defaults``)."""
+    generation_config.json values are applied by the harness (``FOLDER_KNOBS``)."""
     gen_length: int = gen_length(256)
     canvas_length: int | None = knob(None, "tokens per canvas (block); none = the model's config.canvas_length "
                                      "(256 released); a budget that is no multiple of it is decoded in whole "
@@ -89,34 +89,13 @@ class DiffusionGemmaKnobs(Knobs):
             raise ValueError(f"t_max must be > t_min {self.t_min}, got {self.t_max}")
 
 
-GENERATION_FIELDS = ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold")
-
-
-def generation_defaults(folder: str | Path) -> dict:
-    """The ``diffusion_gemma`` knobs a checkpoint folder sets for itself: config.json's canvas_length and the
-    DiffusionGemmaGenerationConfig fields of its generation_config.json (sampler_config.entropy_bound as
-    entropy_bound); absent or null fields are left out. ValueError naming the file for a value the knob
-    rejects or an unreadable file."""
-    out: dict = {}
-    for name in ("config.json", "generation_config.json"):
-        path = Path(folder) / name
-        if not path.is_file():
-            continue
-        data = read_json_object(path)
-        if name == "config.json":
-            found = {"canvas_length": data["canvas_length"]} if data.get("canvas_length") is not None else {}
-        else:
-            found = {k: data[k] for k in GENERATION_FIELDS if data.get(k) is not None}
-            sampler = data.get("sampler_config")
-            if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
-                found["entropy_bound"] = sampler["entropy_bound"]
-        for key, value in found.items():
-            try:
-                DiffusionGemmaKnobs.check_each({key: value})
-            except ValueError as e:
-                raise ValueError(f"{path}: field {e}") from None
-        out.update(found)
-    return out
+# The knobs a DiffusionGemma folder sets for itself: config.json's canvas_length and the
+# DiffusionGemmaGenerationConfig fields of its generation_config.json (sampler_config.entropy_bound as
+# entropy_bound). Read by ``knobs.folder_knobs`` through the registry.
+FOLDER_KNOBS = {"config.json": {"canvas_length": "canvas_length"},
+                "generation_config.json": {**{k: k for k in ("max_denoising_steps", "t_min", "t_max",
+                                                             "stability_threshold", "confidence_threshold")},
+                                           "entropy_bound": "sampler_config.entropy_bound"}}
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -177,82 +156,30 @@ def diffusion_gemma(
     del mask_token_id
     k = DiffusionGemmaKnobs.of(knobs, overrides, "diffusion_gemma")
     length = int(k.canvas_length or model.config.canvas_length)
-    n_canvas, steps = -(-k.gen_length // length), k.max_denoising_steps  # whole canvases, as generate (:652)
+    n_canvas = -(-k.gen_length // length)  # whole canvases, as generate (:652)
     eos = eos_ids(model, eos_token_id)
-    text = model.config.get_text_config()
-    vocab, device = int(text.vocab_size), input_ids.device
-    pad = left_padding_mask(input_ids, attention_mask).bool()  # [B, P]
+    vocab, device = int(model.config.get_text_config().vocab_size), input_ids.device
+    pad = left_padding_mask(input_ids, attention_mask)  # [B, P]
     batch = input_ids.shape[0]
     meter = Meter(model, ("encode", "denoise"))
-    meter.track(batch, k.gen_length, device, steps=n_canvas * steps)
+    meter.track(batch, k.gen_length, device, steps=n_canvas * k.max_denoising_steps)
     rng = _Rows([make_generator(device, k.seed) for _ in range(batch)], vocab, length, device)
-    encoder = model.model.encoder
-    embed_dtype = model.model.decoder.embed_tokens.weight.dtype
 
     live = list(range(batch))  # rows still decoding, in batch order
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    new_ids, seen = input_ids, pad  # tokens to encode [b, q]; 2-D mask of cache + them [b, kv]
+    new_ids, seen = input_ids, pad.bool()  # tokens to encode [b, q]; 2-D mask of cache + them [b, kv]
     n_real = pad.sum(-1)  # [B] real tokens per row (prompt, then canvases)
-    enc_pos = (pad.long().cumsum(-1) - 1).clamp(min=0)  # [B, P] positions from each row's first real token
+    enc_pos = positions_from_mask(pad)  # [B, P] positions from each row's first real token
     out: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     counts = {"canvases": 0, "denoise_steps": 0, "early_stops": 0}
     for c in range(n_canvas):
-        # encode (generate 1.a): the tokens not yet in the cache write their KV
-        masks = encoder.create_masks_for_generate(
-            config=model.config, inputs_embeds=torch.empty((len(live), new_ids.shape[1], 0), dtype=embed_dtype,
-                                                          device=device),
-            attention_mask=seen, cache=cache, position_ids=enc_pos)
-        counted_call(meter, "encode", lambda: encoder(input_ids=new_ids, attention_mask=masks, cache=cache,
-                                                      position_ids=enc_pos))
-        meter.kv(cache)
-
-        # start (1.b): a random canvas per row; the decoder sees the cache and the whole canvas
-        canvas = rng.canvas(live)  # [b, L]
-        dec_seen = torch.nn.functional.pad(seen, (0, length), value=True)  # [b, kv + L]
-        dec_mask = model.model.decoder.create_diffusion_decoder_attention_mask(
-            config=model.config, inputs_embeds=canvas.unsqueeze(-1), cache=cache, decoder_attention_mask=dec_seen)
+        _encode(model, meter, cache, new_ids, seen, enc_pos)
         dec_pos = n_real[live, None] + torch.arange(length, device=device)  # [b, L]
-        argmax, cond = canvas, None  # argmax canvas [b, L]; self-conditioning logits [b, L, V] (None at first)
-        done = torch.zeros(len(live), dtype=torch.bool, device=device)  # stopped denoising
-        held = torch.zeros(len(live), length, dtype=torch.long, device=device)  # forward since which argmax holds
-        history = None  # [S, b, L] the last S argmax canvases (StableAndConfidentStoppingCriteria)
-        ran = torch.zeros(len(live), dtype=torch.long, device=device)  # decoder steps per row
-        for step in range(steps, 0, -1):  # denoise (1.c): n = N .. 1
-            ran += ~done
-            logits = counted_call(meter, "denoise", lambda: model(
-                decoder_input_ids=canvas, self_conditioning_logits=cond, decoder_attention_mask=dec_mask,
-                cache=cache, decoder_position_ids=dec_pos).logits.float(), check=True)  # [b, L, V]
-            scaled = logits / temperature(k.t_min, k.t_max, step, steps)
-            probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
-            active = [b for b, d in zip(live, done.tolist()) if not d]  # rows that draw (alone: still looping)
-            idx = [i for i, d in enumerate(done.tolist()) if not d]
-            sampled = canvas.clone()
-            sampled[idx] = rng.sample(probs[idx], active)
-            new_argmax = scaled.argmax(-1)
-            accepted = accept_mask(scaled, k.entropy_bound)
-            fresh = canvas.clone()
-            fresh[idx] = rng.canvas(active)
-            new_canvas = torch.where(accepted, sampled, fresh)
-            if bool(done.any()):  # rows that stopped keep canvas, argmax and conditioning (:1056-1061)
-                new_argmax = torch.where(done[:, None], argmax, new_argmax)
-                new_canvas = torch.where(done[:, None], canvas, new_canvas)
-                scaled = torch.where(done[:, None, None], cond, scaled)
-            changed = new_argmax != argmax if cond is not None else torch.ones_like(held, dtype=torch.bool)
-            held = torch.where(changed & ~done[:, None], meter.calls - 1, held)
-            done, history = _stop(done, history, new_argmax, scaled, k)
-            canvas, argmax, cond = new_canvas, new_argmax, scaled.to(embed_dtype)
-            if bool(done.all()):
-                break
+        argmax, held, ran = _denoise(model, meter, cache, seen, dec_pos, live, rng, k)
         counts["canvases"] += len(live)
         counts["denoise_steps"] += int(ran.sum())
-        counts["early_stops"] += int((ran < steps).sum())
-
-        # commit (1.d-e): the argmax canvas; an EOS ends the row
-        ended = is_eos(argmax, eos).any(-1).tolist()
-        for i, b in enumerate(live):
-            out[b].append(argmax[i])
-            meter.commit(b, range(c * length, (c + 1) * length), held[i].tolist(), ["denoise"] * length)
-        keep = [i for i, e in enumerate(ended) if not e]
+        counts["early_stops"] += int((ran < k.max_denoising_steps).sum())
+        keep = _commit(meter, out, live, argmax, held, c, eos)
         if not keep or c == n_canvas - 1:
             break
         # next canvas (1.f): the rows that go on; the canvas is what the encoder reads next
@@ -266,6 +193,80 @@ def diffusion_gemma(
     stats = meter.finish(responses, canvas_length=length, **counts)
     stats["tpf_decoder"] = stats["generated_tokens"] / stats["nfe_denoise"] if stats["nfe_denoise"] else 0.0
     return responses, stats
+
+
+def _encode(model, meter: Meter, cache: DynamicCache, new_ids: torch.Tensor, seen: torch.Tensor,
+            positions: torch.Tensor) -> None:
+    """Encode (generate's step 1.a): one encoder forward of the tokens not yet in the cache, new_ids [b, q] at
+    ``positions`` [b, q], writing their KV; ``seen`` [b, kv] is the 2-D mask of the cache and them."""
+    encoder = model.model.encoder
+    embed_dtype = model.model.decoder.embed_tokens.weight.dtype
+    masks = encoder.create_masks_for_generate(
+        config=model.config, inputs_embeds=torch.empty((new_ids.shape[0], new_ids.shape[1], 0), dtype=embed_dtype,
+                                                      device=new_ids.device),
+        attention_mask=seen, cache=cache, position_ids=positions)
+    counted_call(meter, "encode", lambda: encoder(input_ids=new_ids, attention_mask=masks, cache=cache,
+                                                  position_ids=positions))
+    meter.kv(cache)
+
+
+def _denoise(model, meter: Meter, cache: DynamicCache, seen: torch.Tensor, positions: torch.Tensor,
+             live: list[int], rng: _Rows, k: DiffusionGemmaKnobs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Start (1.b) and denoise (1.c) one canvas of the ``live`` rows: a random canvas, then decoder forwards
+    with the step counter n = N .. 1 until every row stops. The decoder reads the cache (``seen`` [b, kv] its
+    mask) and the whole canvas at ``positions`` [b, L]. Returns the last argmax canvas [b, L], the decoder
+    forward since which each position's argmax held [b, L], and the steps each row ran [b]."""
+    device, length, steps = positions.device, positions.shape[1], k.max_denoising_steps
+    embed_dtype = model.model.decoder.embed_tokens.weight.dtype
+    canvas = rng.canvas(live)  # [b, L]
+    dec_seen = torch.nn.functional.pad(seen, (0, length), value=True)  # [b, kv + L]
+    dec_mask = model.model.decoder.create_diffusion_decoder_attention_mask(
+        config=model.config, inputs_embeds=canvas.unsqueeze(-1), cache=cache, decoder_attention_mask=dec_seen)
+    argmax, cond = canvas, None  # argmax canvas [b, L]; self-conditioning logits [b, L, V] (None at first)
+    done = torch.zeros(len(live), dtype=torch.bool, device=device)  # stopped denoising
+    held = torch.zeros(len(live), length, dtype=torch.long, device=device)  # forward since which argmax holds
+    history = None  # [S, b, L] the last S argmax canvases (StableAndConfidentStoppingCriteria)
+    ran = torch.zeros(len(live), dtype=torch.long, device=device)  # decoder steps per row
+    for step in range(steps, 0, -1):
+        ran += ~done
+        logits = counted_call(meter, "denoise", lambda: model(
+            decoder_input_ids=canvas, self_conditioning_logits=cond, decoder_attention_mask=dec_mask,
+            cache=cache, decoder_position_ids=positions).logits.float(), check=True)  # [b, L, V]
+        scaled = logits / temperature(k.t_min, k.t_max, step, steps)
+        probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+        active = [b for b, d in zip(live, done.tolist()) if not d]  # rows that draw (alone: still looping)
+        idx = [i for i, d in enumerate(done.tolist()) if not d]
+        sampled = canvas.clone()
+        sampled[idx] = rng.sample(probs[idx], active)
+        new_argmax = scaled.argmax(-1)
+        accepted = accept_mask(scaled, k.entropy_bound)
+        fresh = canvas.clone()
+        fresh[idx] = rng.canvas(active)
+        new_canvas = torch.where(accepted, sampled, fresh)
+        if bool(done.any()):  # rows that stopped keep canvas, argmax and conditioning (:1056-1061)
+            new_argmax = torch.where(done[:, None], argmax, new_argmax)
+            new_canvas = torch.where(done[:, None], canvas, new_canvas)
+            scaled = torch.where(done[:, None, None], cond, scaled)
+        changed = new_argmax != argmax if cond is not None else torch.ones_like(held, dtype=torch.bool)
+        held = torch.where(changed & ~done[:, None], meter.calls - 1, held)
+        done, history = _stop(done, history, new_argmax, scaled, k)
+        canvas, argmax, cond = new_canvas, new_argmax, scaled.to(embed_dtype)
+        if bool(done.all()):
+            break
+    return argmax, held, ran
+
+
+def _commit(meter: Meter, out: list[list[torch.Tensor]], live: list[int], argmax: torch.Tensor,
+            held: torch.Tensor, c: int, eos: tuple[int, ...]) -> list[int]:
+    """Commit (1.d-e) canvas ``c`` of the ``live`` rows: each row's argmax canvas [b, L] joins its response
+    ``out``, every position counted from the forward since which it held. Returns the indices into ``live``
+    of the rows that go on (an EOS in the canvas ends a row)."""
+    length = argmax.shape[1]
+    ended = is_eos(argmax, eos).any(-1).tolist()
+    for i, b in enumerate(live):
+        out[b].append(argmax[i])
+        meter.commit(b, range(c * length, (c + 1) * length), held[i].tolist(), ["denoise"] * length)
+    return [i for i, e in enumerate(ended) if not e]
 
 
 def _stop(done: torch.Tensor, history: torch.Tensor | None, argmax: torch.Tensor, scaled: torch.Tensor,

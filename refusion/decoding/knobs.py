@@ -152,3 +152,36 @@ def compile_knob() -> Any:
     """The ``compile`` knob every decoder has (docs/design.md "Compiled decoding"; off by default)."""
     return knob(False, "run the model forward under torch.compile with static shapes (bucketed queries, a "
                        "preallocated KV cache; same tokens); off = the paper's eager setting")
+
+
+def folder_knobs(folder, knobs: type[Knobs], sources: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """The knobs a checkpoint folder sets for itself, read from its JSON files and validated one way for every
+    family. ``sources``: file name (config.json, generation_config.json) -> {knob: its key in that file}, a
+    dotted key reaching into a nested object (``sampler_config.entropy_bound``). Absent or null values are left
+    out (null means "off" or "the default" in these files); a missing file sets nothing; later files win. A
+    value its knob rejects (its range, then the rules across knobs with the others at their defaults) or an
+    unreadable file raises ValueError naming the file and the field."""
+    from pathlib import Path
+
+    from .common import read_json_object
+
+    out: dict[str, Any] = {}
+    for name, keys in sources.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        data = read_json_object(path)
+        found: dict[str, Any] = {}
+        for knob_name, key in keys.items():
+            value: Any = data
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None:
+                found[knob_name] = value
+        try:
+            knobs.check_each(found)
+            knobs(**{**out, **found})  # the rules across knobs (Knobs.check), the rest at their defaults
+        except ValueError as e:
+            raise ValueError(f"{path}: field {e}") from None
+        out.update(found)
+    return out

@@ -23,7 +23,6 @@ the answer can no longer change), ``top_p_filter`` / ``top_k_filter``, and the k
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -33,7 +32,6 @@ from .common import (
     cache_keep,
     choose,
     cut_after_eos,
-    read_json_object,
     eos_ids,
     forward,
     is_eos,
@@ -48,7 +46,7 @@ from .common import (
 from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
 
 __all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "as_float32", "block_length_knob",
-           "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "dream_generation_defaults",
+           "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "DREAM_FOLDER_KNOBS",
            "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "propose", "settled", "settled_row",
            "steps_knob", "steps_of",
            "stop_at_eos_knob", "tokens_per_step_knob", "top_k_filter", "top_open", "top_p_filter"]
@@ -210,27 +208,12 @@ class DreamKnobs(Knobs):
             raise ValueError(f"eps must be in [0, 1), got {self.eps}")
 
 
-# DreamGenerationConfig fields that are DreamKnobs of the same name and meaning. max_new_tokens is not
-# among them: an lm-eval request carries its own budget (gen_length), as Dream's own eval passes it.
-DREAM_GENERATION_FIELDS = ("steps", "alg", "alg_temp", "eps", "temperature", "top_p", "top_k")
-
-
-def dream_generation_defaults(folder: str | Path) -> dict:
-    """The ``dream`` knobs a checkpoint folder's generation_config.json sets: its DreamGenerationConfig
-    fields (Dream's ``from_pretrained`` loads that file into ``model.generation_config``). Fields absent
-    or null are left out (null means off for alg_temp / top_p / top_k, as the knob defaults do); {} when
-    the folder has no such file. A value the knob rejects raises ValueError naming the file and field."""
-    path = Path(folder) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    data = read_json_object(path)
-    found = {k: data[k] for k in DREAM_GENERATION_FIELDS if data.get(k) is not None}
-    for name, value in found.items():
-        try:
-            DreamKnobs(**{name: value})
-        except ValueError as e:
-            raise ValueError(f"{path}: field {e}") from None
-    return found
+# The knobs a Dream folder sets for itself: the DreamGenerationConfig fields of its generation_config.json
+# that are DreamKnobs of the same name and meaning (Dream's ``from_pretrained`` loads that file into
+# ``model.generation_config``). max_new_tokens is not among them: an lm-eval request carries its own budget
+# (gen_length), as Dream's own eval passes it. Read by ``knobs.folder_knobs`` through the registry.
+DREAM_FOLDER_KNOBS = {"generation_config.json": {k: k for k in ("steps", "alg", "alg_temp", "eps", "temperature",
+                                                                  "top_p", "top_k")}}
 
 
 def masked_start(model, input_ids, attention_mask, gen_length, mask):

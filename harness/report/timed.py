@@ -1,0 +1,67 @@
+"""Readers of a run's timed rounds for the reports: whether a metrics file's wall-clock figures are timed,
+their intervals, a bootstrap distribution over rounds, and one model's speedup over another from one
+run's timing.json (the rounds themselves: harness/run/rounds.py; the statistics: harness/run/timing.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.run import timing
+from harness.run.store import read_json
+
+
+def is_timed(met: dict) -> bool:
+    """Whether a metrics file's wall-clock figures come from timed rounds."""
+    return ((met.get("speed") or {}).get("timing") or {}).get("mode") == "interleaved"
+
+
+def speed_interval(met: dict, figure: str) -> dict | None:
+    """The timed interval of a wall-clock figure of a metrics file (None for a single pass)."""
+    return (met.get("intervals") or {}).get(figure) if is_timed(met) else None
+
+
+def rounds_dist(met: dict, stream: object) -> "object | None":
+    """A bootstrap distribution of a timed tokens/s figure over its rounds (the median of resampled rounds;
+    for a row's average over tasks, resampled per task): None for a single pass."""
+    if not is_timed(met):
+        return None
+    import numpy as np
+
+    vals = np.asarray(met["speed"]["timing"].get("per_round_tokens_per_s") or [], dtype=float)
+    if vals.size < 2:
+        return None
+    g = timing._rng("rounds_dist", stream, vals.size)
+    return np.median(vals[g.integers(0, vals.size, size=(timing.BOOT, vals.size))], axis=1)
+
+
+_TIMED: dict[str, tuple[float, dict | None]] = {}
+
+
+def _timing_of(run_dir: str | Path) -> dict | None:
+    """timing.json of a run folder, read once per change (the reports ask for many pairs)."""
+    p = Path(run_dir) / "timing.json"
+    try:
+        mtime = p.stat().st_mtime
+    except OSError:
+        return None
+    key = str(p.resolve())
+    if key not in _TIMED or _TIMED[key][0] != mtime:
+        try:
+            _TIMED[key] = (mtime, read_json(p))
+        except (OSError, ValueError):
+            _TIMED[key] = (mtime, None)
+    return _TIMED[key][1]
+
+
+def ratio_in_run(run_dir: str | Path, model: str, ref: str, units: list[str]) -> dict | None:
+    """``model``'s tokens/s over ``ref``'s from one run's timed rounds, when one pass timed both: per unit
+    (``timing.ratio``) and their mean (``timing.mean_ratio``). None when the run has no such rounds."""
+    timed = _timing_of(run_dir)
+    if not timed or not timed.get("passes"):
+        return None
+    ps = next((p for p in timed["passes"] if model in p["sides"] and ref in p["sides"]), None)
+    if ps is None:
+        return None
+    per = {u: timing.ratio(ps["records"], model, ref, u) for u in units}
+    mean = timing.mean_ratio(ps["records"], model, ref, units) if units and all(per.values()) else None
+    return {"per_unit": per, "mean": mean}
