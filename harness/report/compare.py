@@ -165,9 +165,9 @@ WALL = {"tokens_per_s": "per_round_tokens_per_s", "latency_p50_s": "per_round_la
         "latency_p90_s": "per_round_latency_p90_s", "speedup": None}
 NOT_TESTABLE = "not testable: one timed pass per run"
 # Absolute wall-clock figures of two runs are not judged: the machine's own speed between the runs is in
-# neither run's rounds (identical code, two idle runs a minute apart on one shared 2-core machine: ar x1.21 and
-# refusion x1.43 on the same items, CPU time alike). A run's speedup over its own reference is measured
-# interleaved, and that is what is judged between runs.
+# neither run's rounds (a shared machine's speed can move by tens of percent between two idle runs of the same
+# code, docs/history.md). A run's speedup over its own reference is measured interleaved, and that is what is
+# judged between runs.
 NOT_JUDGED = "not judged across runs: absolute speed moves with the machine between runs; the speedup is judged"
 
 

@@ -338,8 +338,8 @@ def items_auto(docs: int, rounds: int = DEFAULT_ROUNDS, share: float = ROUNDS_SH
     ``cap``, so that the rounds re-decode about ``share`` of what the decoding pass decoded (each timed item is
     decoded once per round). It depends on the run's shape only (the task's document count and the rounds),
     never on a measured time, so every run of one setting, on any machine, times the same items (a
-    time-based choice moved with the machine: two idle runs of one command timed 8 and 16 items); and it
-    costs every model the same fraction of its own pass, a slow row as much as a fast one."""
+    time-based choice would move with the machine's speed); and it costs every model the same fraction of its
+    own pass, a slow row as much as a fast one."""
     if docs < 1 or rounds < 1:
         return 1
     return max(1, min(cap, int(docs * share // rounds)))
