@@ -169,7 +169,8 @@ def _triton_grid(env: dict, device: str, dtype: str, folder: Path, assert_close)
 
 def test_triton_kernel_matches_reference_in_the_interpreter(tmp_path, assert_close):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     rows = _triton_grid(env, "cpu", "float32", tmp_path, assert_close)
     splits = sum(1 for r in rows if "splits" in r)  # split-KV runs of the layouts with a prefix > 16 keys
     assert splits == 2 * len(HEADS)
@@ -182,7 +183,8 @@ def test_triton_kernel_matches_reference_in_the_interpreter(tmp_path, assert_clo
 def test_triton_kernel_matches_reference_on_cuda(dtype, tmp_path, assert_close):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
+    # The project first, then whatever the caller put on the path (packages carried beside an image's own).
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     _triton_grid(env, "cuda", dtype, tmp_path, assert_close)
 
 
