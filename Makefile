@@ -5,8 +5,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
-# The torch pin lives in pyproject.toml only; install it first so pip takes the
-# local CPU build instead of resolving a multi-GB CUDA one.
+# The torch pin lives in pyproject.toml only. It is installed first, alone, so the build is settled before
+# anything else: a torch==<pin> already in .venv (a build you installed yourself, CPU or CUDA) is kept, and
+# otherwise pip takes the build its configured index serves -- from PyPI on Linux x86-64, the CUDA one; a
+# machine whose pip configuration offers a local CPU wheel (find-links), as CI's does, gets that one
+# (docs/install.md "Which torch").
 TORCH_PIN := $(shell grep -oE '"torch==[^"]+"' pyproject.toml | tr -d '"')
 
 TASK ?= embedded

@@ -315,7 +315,7 @@ def test_loading_an_embedded_task_logs_no_metadata_hint():
 
 
 def _readme_lm_eval_command() -> list[str]:
-    cmds = re.findall(r"`(python -m harness\.lm_eval_cli run [^`]+)`", RUNNING)
+    cmds = re.findall(r"`((?:\.venv/bin/)?python -m harness\.lm_eval_cli run [^`]+)`", RUNNING)
     assert len(cmds) == 1, cmds
     return shlex.split(cmds[0])
 
@@ -358,7 +358,8 @@ def test_readme_table1_recipe_is_nine_rows_in_one_run():
     rows, with enable_thinking=false as Qwen3's and ReFusion's own setting; one `make eval` runs them."""
     from harness.run.model_list import load_models_file
 
-    block = TABLE1.split("## Regenerate Table 1")[1].split("```bash")[1].split("```")[0]
+    section = TABLE1.split("## Regenerate Table 1")[1].split("\n## ")[0]
+    block = next(b.split("```")[0] for b in section.split("```bash")[1:] if "make report" in b.split("```")[0])
     joined = re.sub(r"\\\n\s*", "", block)
     evals = [ln for ln in joined.splitlines() if "make eval" in ln]
     assert len(evals) == 1, evals

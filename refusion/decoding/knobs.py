@@ -11,6 +11,12 @@ anything is written, and the decoder receives it ready-made.
 What is not a knob: the special token ids (``eos_token_id``, ``mask_token_id``: they come
 from the tokenizer or the model config and are keyword arguments of the decoder call) and
 test hooks (``on_commit``), which no command line can set.
+
+Shared knob makers (``gen_length``, ``temperature``, ``seed``, ``compile_knob``) give a knob the
+same meaning and help wherever a decoder declares it; a decoder has only the knobs its class
+declares. ``compile`` (``compile_knob``, docs/design.md "Compiled decoding") is declared by
+``ar``, ``refusion``, ``llada``, ``fast_dllm``, ``dream`` and ``d2f``, not by ``diffusion_gemma``,
+whose forwards always run eagerly (``python -m harness knobs diffusion_gemma`` lists no ``compile``).
 """
 
 from __future__ import annotations
