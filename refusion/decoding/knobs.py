@@ -155,7 +155,8 @@ def seed() -> Any:
 
 
 def compile_knob() -> Any:
-    """The ``compile`` knob every decoder has (docs/design.md "Compiled decoding"; off by default)."""
+    """The ``compile`` knob of every decoder but ``diffusion_gemma`` (docs/design.md "Compiled decoding"; off by
+    default)."""
     return knob(False, "run the model forward under torch.compile with static shapes (bucketed queries, a "
                        "preallocated KV cache; same tokens); off = the paper's eager setting")
 
