@@ -1,0 +1,388 @@
+"""Peak decode memory at released model size, weights excluded (issue 55), with no real weights and no real
+compute: the released architectures are built under ``FakeTensorMode`` (every tensor has a shape, a dtype
+and a storage of the right ``nbytes``, but no data), and each decoder's largest forwards -- its *phases* --
+are driven through the same dispatch tracker that measures real decodes (harness/run/memory.py).
+
+    table = released_table(batches=(1, 8), prompt=256, gen=512)
+    table["models"]["refusion-8b"]["decoders"]["refusion"]["8"]["peak_bytes"]
+
+    python -m harness.speed.memory_estimate --out results/memory_released.json
+
+**The estimate** of a decoder at (batch, prompt, gen) is the largest phase peak. A phase builds the state the
+decoder holds when that forward runs -- its KV cache at that length (zeros in the model's dtype), the
+previous step's logits where the decoder still holds them -- *inside* the tracked region, then runs the
+forward and the decoder's work on its logits (common.forward's float32 copy and finiteness reduction, the
+softmax / max of a greedy pick, Dream's entropy, a cache commit). So a phase's peak is live KV at that phase
+plus that forward's peak of new storages. Phases (B batch, P prompt, G gen, L slot size, K block length):
+
+- ``ar``: prefill (P tokens, logits [B, P, V]); step (two one-token steps ending with the cache at P+G-1,
+  the first step's logits [B, 1, V] alive during the second, as in the decoder's loop).
+- ``refusion``: plan (the first round: prompt + every slot as masks, [B, P+G] in one stacked call, logits
+  [B, P+G, V]; each row's prompt KV committed; worst case every slot picked: the drafts' logits gathered
+  [G, V] and softmaxed); verify (the first global verify: rows' caches at P, the stacked call's padded copy
+  of them, the drafts [B, G]; every draft accepted and committed); late (rows' caches at P+G-L: plan and
+  verify of the last slot, stacked copy included). A batch of one runs on its own cache (no stacked copy).
+- ``llada`` / ``dream``: two full forwards over [B, P+G] with no cache (the first step's float32 logits are
+  still held while the second runs); LLaDA softmaxes a block [B, K, V], Dream the open columns [B, G, V]
+  (the second step's G-1 columns gathered first) and computes their entropy.
+- ``fast_dllm`` (dual cache): full (a block's first forward over [B, P+G] writing the cache, then the
+  prefix + suffix kept: the first block's suffix is copied); cached (two block steps [B, K] against the
+  cache at P+G-K).
+
+**What it leaves out**: everything the tracker leaves out (harness/run/memory.py: allocator caching and
+rounding, kernels' scratch, the interpreter), the weights (``weights_bytes`` beside), data-dependent work the
+phases do not replay (ReFusion's parallel infill with the slot KV kept aside -- smaller than the late phase's
+whole cache --, an argmax that lands on the mask id and is redone, EOS handling), the decoders' small host-side
+bookkeeping tensors ([B, G] token buffers), and Fast-dLLM's Dream shift (same shapes, one position over).
+Prompts are of one length (no padding): the decoders' 2-D padding masks are all ones, which transformers
+reads and drops (SDPA then runs with ``is_causal`` or no mask, and GQA without repeating the KV heads); fake
+tensors cannot be read, so the phases hand the model None, the same outcome. A left-padded batch would add
+its masks [B, 1, q, kv] and, with grouped KV heads, each layer's repeated keys / values. ReFusion's explicit
+visibility masks are built and passed as the decoder does. Attention runs the kernel the CPU picks for fake
+tensors (SDPA's flash attention for CPU, every phase: no [q, kv] score matrix), as the fused kernels a GPU
+picks; the estimate is of CPU-style dispatch with bfloat16 storage sizes.
+
+tests/test_memory.py checks the fake estimate against the same phases run with real tensors on the tiny
+checkpoints (within 5%; they agree to the byte), and the phases' maximum against the real decoders' measured
+peaks (within 5%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import DynamicCache
+
+from harness.models.checkpoints import build_config, inspect_checkpoint
+from harness.models.families import FAMILIES
+from harness.run.memory import LEAVES_OUT, DecodeMemory, weights_bytes
+from harness.run.store import atomic_write_json
+from refusion.decoding.common import additive_mask, cache_append, cache_from, cache_keep, positions_from_mask
+from refusion.decoding.mdm import FastDllmKnobs
+from refusion.decoding.refusion import RefusionKnobs
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One decode's size: batch, prompt and response length; ReFusion's slot size and the block length of
+    LLaDA / Fast-dLLM, by default the decoders' own knob defaults."""
+    batch: int
+    prompt: int
+    gen: int
+    slot_size: int = RefusionKnobs.slot_size
+    block_length: int = FastDllmKnobs.block_length
+
+
+@dataclass(frozen=True)
+class Released:
+    family: str       # harness/models/families.py
+    config: dict      # the published config.json fields the family maps (Family.to_config)
+    decoders: tuple[str, ...]
+    source: str
+
+
+RELEASED = {
+    "refusion-8b": Released("refusion", dict(
+        model_type="qwen3", auto_map={"AutoModelForCausalLM": "modeling_qwen3_refusion.Qwen3ForCausalLM"},
+        vocab_size=151671, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, max_position_embeddings=40960),
+        ("refusion", "ar"), "Qwen3-8B shape, ReFusion's vocabulary 151671 (families.py)"),
+    "llada-8b": Released("llada", dict(
+        model_type="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
+        vocab_size=126464, embedding_size=126464, max_sequence_length=4096, rope_theta=500000.0,
+        weight_tying=False, mask_token_id=126336), ("llada", "fast_dllm"),
+        "GSAI-ML/LLaDA-8B-Instruct config.json fields (OLMo-style), as LlamaForCausalLM"),
+    "dream-7b": Released("dream", dict(
+        model_type="Dream", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=131072),
+        ("dream", "fast_dllm"), "Qwen2.5-7B shape (qkv bias), as Qwen2ForCausalLM"),
+}
+# The decoders each committed tiny checkpoint runs (checkpoints/tiny/<name>), for the fake-vs-real check.
+TINY_DECODERS = {"ar": ("ar",), "refusion": ("refusion", "ar"), "mdm": ("llada", "fast_dllm"),
+                 "dream": ("dream", "fast_dllm")}
+
+
+# ---------------------------------------------------------------- models with no data
+
+
+def fake_model(family: str, raw: dict, dtype: torch.dtype, mode: FakeTensorMode):
+    """The family's transformers class for a published config, its parameters fake tensors of ``dtype``."""
+    import transformers
+
+    fam = FAMILIES[family]
+    cfg = build_config(fam, copy.deepcopy(raw))
+    with mode:
+        return getattr(transformers, fam.model_class)._from_config(cfg, dtype=dtype).eval()
+
+
+def fake_tiny(folder, mode: FakeTensorMode):
+    """A committed checkpoint folder's model (its family, config and dtype) with fake parameters."""
+    info = inspect_checkpoint(folder)
+    dtype = getattr(torch, info.config.get("dtype") or info.config.get("torch_dtype") or "float32")
+    return fake_model(info.family.name, info.config, dtype, mode)
+
+
+# ---------------------------------------------------------------- the phases' pieces
+
+
+def _dims(model) -> tuple[int, int, int]:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim
+
+
+def _cache(model, batch: int, length: int):
+    """A DynamicCache holding ``length`` tokens of KV per layer: keys / values [batch, kv_heads, length, d]."""
+    layers, heads, d = _dims(model)
+    shape = (batch, heads, length, d)
+    return cache_from(model, [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+                              for _ in range(layers)])
+
+
+def _forward(model, ids, pos, *, mask=None, visible=None, cache=None) -> torch.Tensor:
+    """common.forward's tensors: the model call, float32 logits [B, q, V] and check_finite's reduction
+    (made while the model's output is still held, as there)."""
+    if visible is not None:
+        sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        mask = visible[:, None] if sdpa else additive_mask(visible, model.dtype)
+    out = model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None)
+    logits = out.logits.float()
+    logits.amax(-1)  # [B, q]
+    return logits
+
+
+def _pick(logits: torch.Tensor) -> torch.Tensor:
+    """A greedy pick's tensors: softmax [..., V], then its max -> tokens [...]."""
+    return torch.softmax(logits, -1).max(-1)[1]
+
+
+def _tokens(batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, padding mask, positions), each [batch, n]; token 4 everywhere (any id: values change no size).
+    The mask is all ones (prompts of one length): the phases build it as the decoders do but hand the model
+    None, which is what transformers makes of an all-ones mask after reading it (fake tensors cannot be read)."""
+    ids = torch.full((batch, n), 4, dtype=torch.long)
+    mask = torch.ones(batch, n, dtype=torch.long)
+    return ids, mask, positions_from_mask(mask)
+
+
+def _entropy_propose(logits: torch.Tensor) -> None:
+    """mdm.dream_propose's tensors for alg entropy: softmax [..., V], its max, the entropy's temporaries."""
+    probs = logits.softmax(-1)
+    probs.max(-1)
+    (probs * torch.log(probs + 1e-10)).sum(-1)
+
+
+def _visible(batch: int, cached: int, q: int) -> torch.Tensor:
+    """Bool [batch, q, cached + q]: everything cached, causal among the query (ReFusion's dense pattern)."""
+    vis = torch.ones(q, cached + q, dtype=torch.bool).tril(cached)
+    return vis.expand(batch, -1, -1)
+
+
+# ---------------------------------------------------------------- phases
+
+
+def ar_prefill(model, s: Shape) -> None:
+    ids, _, pos = _tokens(s.batch, s.prompt)
+    cache = DynamicCache(config=model.config)
+    logits = _forward(model, ids, pos, cache=cache)[:, -1]  # [B, V]
+    _pick(logits)
+
+
+def ar_step(model, s: Shape) -> None:
+    start = s.prompt + max(s.gen - 3, 0)
+    cache = _cache(model, s.batch, start)
+    logits = torch.zeros(s.batch, model.config.vocab_size)  # the step before's [B, V]
+    for n in (start, start + 1):  # the second step runs while the first step's logits are held
+        tok = _pick(logits)
+        pos = torch.full((s.batch, 1), n, dtype=torch.long)
+        # the decoder hands the model its padding mask [B, n + 1], all ones: transformers makes None of it
+        logits = _forward(model, tok[:, None], pos, cache=cache)[:, -1]
+    _pick(logits)
+
+
+def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int) -> list[torch.Tensor]:
+    """refusion.stacked_call's tensors for every row asking q tokens after its cache (the rows' caches are
+    equally long): one row runs on its own cache, cropped straight back; several run on a padded copy of all
+    their caches. Then each row commits the KV of its first ``commit`` query tokens (``cache_append``: a copy).
+    Returns per row its logits [1, q, V]."""
+    t = rows[0].get_seq_length()
+    ids = torch.full((s.batch, q), 4, dtype=torch.long)
+    pos = torch.arange(pos_from, pos_from + q).expand(s.batch, -1)
+    if s.batch == 1:
+        logits = _forward(model, ids, pos, visible=_visible(1, t, q), cache=rows[0])
+        answers = [(logits, [(lay.keys[:, :, -q:], lay.values[:, :, -q:]) for lay in rows[0].layers])]
+        rows[0].crop(-q)
+    else:
+        vis = torch.zeros(s.batch, q, t + q, dtype=torch.bool)
+        vis[:] = _visible(s.batch, t, q)
+        parts = None
+        if t:
+            layers, heads, d = _dims(model)
+            parts = [tuple(torch.zeros(s.batch, heads, t, d, dtype=model.dtype) for _ in "kv") for _ in range(layers)]
+            for b, row in enumerate(rows):
+                for (k, v), lay in zip(parts, row.layers):
+                    k[b], v[b] = lay.keys[0], lay.values[0]
+        stacked = cache_from(model, parts)
+        logits = _forward(model, ids, pos, visible=vis, cache=stacked)
+        answers = [(logits[b:b + 1], [(lay.keys[b:b + 1, :, t:], lay.values[b:b + 1, :, t:]) for lay in stacked.layers])
+                   for b in range(s.batch)]
+    if commit:
+        for row, (_, kv) in zip(rows, answers):
+            cache_append(row, [[(k[:, :, :commit], v[:, :, :commit]) for k, v in kv]])
+    return [lg for lg, _ in answers]
+
+
+def refusion_plan(model, s: Shape) -> None:
+    rows = [DynamicCache(config=model.config) for _ in range(s.batch)]
+    m = -(-s.gen // s.slot_size)  # slots, all masked
+    for logits in _stacked(model, s, rows, s.prompt + m * s.slot_size, 0, s.prompt):  # the prompt's KV committed
+        lg = logits[0, s.prompt:].view(m, s.slot_size, -1)  # [m, L, V]
+        _pick(lg[:, 0])  # the slots' first tokens
+        _pick(lg[torch.arange(m)])  # worst case: every slot picked, its drafts [m, L, V] gathered
+
+
+def refusion_verify(model, s: Shape) -> None:
+    rows = [_cache(model, 1, s.prompt) for _ in range(s.batch)]
+    q = -(-s.gen // s.slot_size) * s.slot_size  # every slot drafted
+    for logits in _stacked(model, s, rows, q, s.prompt, q):  # worst case: every draft accepted and committed
+        _pick(logits[0, :-1])
+
+
+def refusion_late(model, s: Shape) -> None:
+    t = s.prompt + -(-s.gen // s.slot_size) * s.slot_size - s.slot_size
+    rows = [_cache(model, 1, t) for _ in range(s.batch)]
+    for logits in _stacked(model, s, rows, s.slot_size, t, 0):  # plan of the last slot
+        _pick(logits[0])
+    for logits in _stacked(model, s, rows, s.slot_size, t, s.slot_size):  # its verify and commit
+        _pick(logits[0, :-1])
+
+
+def llada_step(model, s: Shape) -> None:
+    ids, _, pos = _tokens(s.batch, s.prompt + s.gen)
+    lo = s.prompt
+    logits = None
+    for _ in range(2):  # the first step's logits (a view of all of them) are held while the second runs
+        logits = _forward(model, ids, pos)[:, lo:lo + s.block_length]
+        _pick(logits)
+
+
+def dream_step(model, s: Shape) -> None:
+    ids, _, pos = _tokens(s.batch, s.prompt + s.gen)
+    logits = None
+    for open_cols in (s.gen, s.gen - 1):
+        logits = _forward(model, ids, pos)[:, s.prompt - 1:-1]  # [B, G, V] view
+        if open_cols < s.gen:
+            logits = logits[:, torch.arange(open_cols)]  # the open columns gathered
+        _entropy_propose(logits)
+
+
+def fast_dllm_full(model, s: Shape) -> None:
+    ids, _, pos = _tokens(s.batch, s.prompt + s.gen)
+    lo, hi, total = s.prompt, s.prompt + s.block_length, s.prompt + s.gen
+    cache = DynamicCache(config=model.config)
+    logits = _forward(model, ids, pos, cache=cache)[:, lo:hi]
+    cache_keep(cache, lo, torch.arange(hi - lo, total - lo))  # the first block: the suffix copied
+    _pick(logits)
+
+
+def fast_dllm_cached(model, s: Shape) -> None:
+    ids, mask, pos = _tokens(s.batch, s.prompt + s.gen)
+    lo, hi, total = s.prompt, s.prompt + s.block_length, s.prompt + s.gen
+    cache = _cache(model, s.batch, total - s.block_length)
+    torch.cat([mask[:, :lo], mask[:, hi:], mask[:, lo:hi]], 1)  # the mask in cache order (all ones: None)
+    window = torch.arange(s.block_length)
+    logits = None
+    for _ in range(2):
+        logits = _forward(model, ids[:, lo:hi], pos[:, lo:hi], cache=cache)[:, window]
+        cache_keep(cache, lo + total - hi)
+        _pick(logits)
+
+
+PHASES: dict[str, dict[str, Callable]] = {
+    "ar": {"prefill": ar_prefill, "step": ar_step},
+    "refusion": {"plan": refusion_plan, "verify": refusion_verify, "late": refusion_late},
+    "llada": {"step": llada_step},
+    "dream": {"step": dream_step},
+    "fast_dllm": {"full": fast_dllm_full, "cached": fast_dllm_cached},
+}
+
+
+# ---------------------------------------------------------------- estimates
+
+
+def phase_peaks(model, decoder: str, s: Shape, mode: FakeTensorMode | None = None) -> dict[str, dict]:
+    """Each phase of ``decoder`` run under its own DecodeMemory (and ``mode``, the fake mode of a fake model):
+    phase -> {"peak_bytes", "breakdown"}."""
+    out = {}
+    for name, phase in PHASES[decoder].items():
+        with mode if mode is not None else contextlib.nullcontext(), torch.no_grad(), DecodeMemory(model) as mem:
+            phase(model, s)
+        r = mem.result()
+        out[name] = {"peak_bytes": r["peak_bytes"], "breakdown": r["breakdown"]}
+    return out
+
+
+def estimate(model, decoder: str, s: Shape, mode: FakeTensorMode | None = None) -> dict:
+    """{"peak_bytes": the largest phase peak, "phase": its name, "breakdown": its breakdown, "phases":
+    phase -> peak bytes}."""
+    peaks = phase_peaks(model, decoder, s, mode)
+    top = max(peaks, key=lambda p: peaks[p]["peak_bytes"])
+    return {"peak_bytes": peaks[top]["peak_bytes"], "phase": top, "breakdown": peaks[top]["breakdown"],
+            "phases": {p: v["peak_bytes"] for p, v in peaks.items()}}
+
+
+def released_table(batches=(1, 8), prompt: int = 256, gen: int = 512, models=None,
+                   dtype: torch.dtype = torch.bfloat16) -> dict:
+    """{"models": {model: {"weights_bytes", "source", "decoders": {decoder: {str(batch): estimate}}}},
+    "settings": ...} for the RELEASED models (all, or those named in ``models``)."""
+    table: dict = {}
+    for name in models or RELEASED:
+        rel = RELEASED[name]
+        mode = FakeTensorMode()
+        model = fake_model(rel.family, rel.config, dtype, mode)
+        table[name] = {"weights_bytes": weights_bytes(model), "source": rel.source, "decoders": {
+            dec: {str(b): estimate(model, dec, Shape(b, prompt, gen), mode) for b in batches}
+            for dec in rel.decoders}}
+    knobs = Shape(1, prompt, gen)
+    settings = {"batches": list(batches), "prompt": prompt, "gen": gen, "dtype": str(dtype).removeprefix("torch."),
+                "slot_size": knobs.slot_size, "block_length": knobs.block_length}
+    return {"models": table, "settings": settings,
+            "method": "fake tensors at released size through the dispatch tracker; peak = max over phases of live "
+                      "KV + the phase forward's new storages; weights excluded",
+            "leaves_out": LEAVES_OUT}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.speed.memory_estimate", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="results/memory_released.json")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--gen", type=int, default=512)
+    ap.add_argument("--models", nargs="+", choices=sorted(RELEASED), default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    table = released_table(tuple(args.batches), args.prompt, args.gen, args.models)
+    atomic_write_json(args.out, table)
+    for model, entry in table["models"].items():
+        print(f"{model}: weights {_gib(entry['weights_bytes'])}")
+        for dec, per_batch in entry["decoders"].items():
+            cells = ", ".join(f"batch {b}: {_gib(e['peak_bytes'])} ({e['phase']})" for b, e in per_batch.items())
+            print(f"  {dec}: {cells}")
+    print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
