@@ -1,4 +1,4 @@
-"""Peak decode memory of one decoder call (issue 55): how many bytes of tensors the call itself made live at
+"""Peak decode memory of one decoder call: how many bytes of tensors the call itself made live at
 once, with a breakdown at that moment into KV cache, logits and everything else.
 
     with DecodeMemory(model) as mem:

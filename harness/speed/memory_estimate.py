@@ -1,4 +1,4 @@
-"""Peak decode memory at released model size, weights excluded (issue 55), with no real weights and no real
+"""Peak decode memory at released model size, weights excluded, with no real weights and no real
 compute: the released architectures are built under ``FakeTensorMode`` (every tensor has a shape, a dtype
 and a storage of the right ``nbytes``, but no data), and each decoder's largest forwards -- its *phases* --
 are driven through the same dispatch tracker that measures real decodes (harness/run/memory.py).
