@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 TASKS = ("embedded_math", "embedded_code")
 
 
-def fake_run(root: Path, tps: dict[str, float], nfe: int = 40, quality: float = 0.5, kv: int = 4096) -> Path:
+def fake_run(root: Path, tps: dict[str, float], nfe: int = 40, quality: float = 0.5, kv: int = 4096,
+             peak: dict[str, int] | None = None) -> Path:
     """A finished run folder with the regression check's models: metrics files as the worker writes them."""
     run = root / "run"
     (run / "metrics").mkdir(parents=True)
@@ -29,7 +30,8 @@ def fake_run(root: Path, tps: dict[str, float], nfe: int = 40, quality: float = 
             gen = 100
             (run / "metrics" / f"{m}__{t}.json").write_text(json.dumps({
                 "quality": {"exact_match,extract": quality}, "quality_primary": "exact_match,extract",
-                "memory": {"kv_peak_bytes": kv},
+                "memory": {"kv_peak_bytes": kv, "decode_peak_bytes": (peak or {}).get(m, 65536),
+                           "decode_retained_bytes": 512},
                 "speed": {"generated_tokens": {"total": gen}, "nfe": {"total": nfe},
                           "tpf": {"ratio_of_sums": gen / nfe}, "tokens_per_s": {"ratio_of_sums": tps[m]}}}))
     return run
@@ -41,7 +43,9 @@ BASE_TPS = {"ar": 100.0, "refusion": 300.0, "llada": 20.0, "fast_dllm": 80.0, "d
 def test_figures_are_the_deterministic_ones(tmp_path):
     f = regress.figures(fake_run(tmp_path, BASE_TPS))
     assert f["deterministic"]["refusion/embedded_math"] == {"quality": 0.5, "generated_tokens": 100, "nfe": 40,
-                                                            "tpf": 2.5, "kv_peak_bytes": 4096}
+                                                            "tpf": 2.5, "kv_peak_bytes": 4096,
+                                                            "decode_peak_bytes": 65536,
+                                                            "decode_retained_bytes": 512}
     assert f["tokens_per_s"]["refusion/embedded_code"] == 300.0  # kept for information, never compared
 
 
@@ -69,6 +73,15 @@ def test_compare_is_exact_and_ignores_speed(tmp_path):
 
 def _main(*argv: str) -> int:
     return regress.main(list(argv))
+
+
+def test_a_leak_in_one_decoder_fails_its_memory_figures_only(tmp_path):
+    """One decoder's decode peak grew (every step's logits kept): its decode_peak_bytes fail on every task, and
+    nothing else does."""
+    base = regress.figures(fake_run(tmp_path / "a", BASE_TPS))
+    leaky = regress.figures(fake_run(tmp_path / "b", BASE_TPS, peak={"refusion": 65536 + 4 * 915 * 40}))
+    bad = sorted(r["figure"] for r in regress.compare(base, leaky) if not r["ok"])
+    assert bad == [f"refusion/{t} decode_peak_bytes" for t in sorted(TASKS)]
 
 
 def test_missing_and_corrupt_baseline_exit_2(tmp_path, capsys):

@@ -241,7 +241,9 @@ def test_figures_have_the_expected_series(tmp_path):
     assert len(ax("tpf_embedded.png").containers) == 4
     assert len(ax("latency.png").lines) == 4
     mem = figs["memory.png"][0]
+    # runs without a memory pass: the process's peak RSS beside the KV cache, one bar each
     assert [len(a.containers) for a in mem.axes] == [1, 1] and len(mem.axes[0].containers[0]) == 4
+    assert "peak RSS (process)" in mem.axes[0].get_xlabel()
     for fig, _ in figs.values():
         for a in fig.axes:
             assert a.get_xlabel() and a.get_ylabel()

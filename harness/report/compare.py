@@ -5,7 +5,7 @@
     python -m harness compare                              # the two newest runs under --runs-root
 
 For every model name and benchmark measured in the runs, each figure (quality, tokens/s, TPF,
-NFE, latency p50/p90, peak memory, the run's own speedup over its AR model) is shown per run with
+NFE, latency p50/p90, decode peak memory and weights, the run's own speedup over its AR model) is shown per run with
 its 95% interval, and with its ratio to the first run. Where two runs measured the same items,
 the ratio is a paired test (harness/run/stats.py): McNemar's exact test for quality, a paired
 bootstrap for the speed figures (interval and p-value); a row "differs" only where p < 0.05, and
@@ -50,8 +50,14 @@ def _speed(met: dict, *path: str) -> Any:
 
 
 def _memory_mib(met: dict) -> float | None:
-    mem = met.get("memory") or {}
-    v = mem.get("gpu_peak_bytes") or mem.get("peak_rss_bytes")
+    """The decode peak (the memory pass) in MiB; a run without one has no figure here (its RSS is the
+    interpreter, the libraries and the weights, not decoding)."""
+    v = (met.get("memory") or {}).get("decode_peak_bytes")
+    return None if v is None else v / 2**20
+
+
+def _weights_mib(met: dict) -> float | None:
+    v = (met.get("memory") or {}).get("weights_bytes")
     return None if v is None else v / 2**20
 
 
@@ -63,7 +69,8 @@ FIGURES: list[tuple[str, str, Callable[[dict], Any], str]] = [
     ("nfe_mean", "forwards per sample (NFE)", lambda m: _speed(m, "nfe", "mean"), ".1f"),
     ("latency_p50_s", "latency p50 (s per sample)", lambda m: _speed(m, "latency_s", "p50"), ".3f"),
     ("latency_p90_s", "latency p90 (s per sample)", lambda m: _speed(m, "latency_s", "p90"), ".3f"),
-    ("peak_memory_mib", "peak memory (MiB: GPU when measured, else process RSS)", _memory_mib, ".0f"),
+    ("decode_peak_mib", "decode peak MiB (tensor bytes of one decoder call; the memory pass)", _memory_mib, ".2f"),
+    ("weights_mib", "weights MiB", _weights_mib, ".2f"),
     ("speedup", "speedup over the run's own AR model (x)", lambda m: (m.get("speedup") or {}).get("tokens_per_s"),
      ".2f"),
 ]

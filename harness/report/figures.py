@@ -148,19 +148,30 @@ def _in_unit(values: list[float | None]) -> tuple[list[float], str]:
 
 
 def memory_bars(title: str, models: list[str], peak_bytes: list[float | None], peak_label: str,
-                kv_bytes: list[float | None], colors: dict | None = None) -> Figure:
-    """Two panels: peak process (or GPU) memory and the decoder's peak KV-cache bytes, per model."""
+                second_bytes: list[float | None], colors: dict | None = None, second_label: str = "peak KV cache",
+                breakdown: list[dict | None] | None = None) -> Figure:
+    """Two panels per model: its peak (the decode peak, split into KV cache / logits / other when ``breakdown``
+    gives the parts; or the process's or GPU's peak) and ``second_bytes`` (the weights beside a decode peak,
+    else the decoder's peak KV-cache bytes)."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI, layout="constrained", sharey=True)
     peak, pu = _in_unit(peak_bytes)
-    kv, ku = _in_unit(kv_bytes)
+    second, su = _in_unit(second_bytes)
     # Horizontal bars: model names stay readable however many there are.
     shades = [_color(colors, name, i) for i, name in enumerate(models)]  # each model its report colour
-    a1.barh(models, peak, color=shades, label=peak_label)
+    if breakdown and any(breakdown):
+        scale = [p / b if b else 0.0 for p, b in zip(peak, (v or 0 for v in peak_bytes))]
+        left = [0.0] * len(models)
+        for part, hatch, alpha in (("kv_cache", "//", 1.0), ("logits", "..", 0.7), ("other", "", 0.4)):
+            width = [((d or {}).get(part) or 0) * k for d, k in zip(breakdown, scale)]
+            a1.barh(models, width, left=left, color=shades, hatch=hatch, alpha=alpha, label=part.replace("_", " "))
+            left = [x + w for x, w in zip(left, width)]
+    else:
+        a1.barh(models, peak, color=shades, label=peak_label)
     a1.set_xlabel(f"{peak_label} ({pu})")
     a1.set_ylabel("model / decoder")
     a1.invert_yaxis()  # run order, top to bottom
-    a2.barh(models, kv, color=shades, hatch="//", label="peak KV cache")
-    a2.set_xlabel(f"peak KV cache ({ku})")
+    a2.barh(models, second, color=shades, hatch="//", label=second_label)
+    a2.set_xlabel(f"{second_label} ({su})")
     a2.set_ylabel("model / decoder")
     for a in (a1, a2):
         a.tick_params(axis="y", labelsize=8)
@@ -217,20 +228,28 @@ def _avg_detail(row: dict) -> str:
                                  ", ".join(devices)) if x)
 
 
-def _memory(rs) -> tuple[list[str], list[float | None], str, list[float | None]]:
-    gpu = any((met.get("memory") or {}).get("gpu_peak_bytes") for met in rs.metrics.values())
-    key, label = ("gpu_peak_bytes", "peak GPU memory") if gpu else ("peak_rss_bytes", "peak RSS")
-    names, peak, kv = [], [], []
+def _memory(rs) -> dict:
+    """What the memory figure draws: the decode peak (the memory pass) with its breakdown and the weights when
+    the runs measured it; else the GPU's or the process's peak beside the decoder's KV-cache bytes."""
+    mems = [met.get("memory") or {} for met in rs.metrics.values()]
+    if any(m.get("decode_peak_bytes") for m in mems):
+        key, label, second, second_label = "decode_peak_bytes", "decode peak", "weights_bytes", "weights"
+    elif any(m.get("gpu_peak_bytes") for m in mems):
+        key, label, second, second_label = "gpu_peak_bytes", "peak GPU memory", "kv_peak_bytes", "peak KV cache"
+    else:
+        key, label, second, second_label = "peak_rss_bytes", "peak RSS (process)", "kv_peak_bytes", "peak KV cache"
+    out = {"names": [], "peak": [], "label": label, "second": [], "second_label": second_label, "breakdown": []}
     for m in rs.models:
-        mets = [met for (name, _), met in rs.metrics.items() if name == m["name"]]
+        mets = [met.get("memory") or {} for (name, _), met in rs.metrics.items() if name == m["name"]]
         if not mets:
             continue
-        p = [met["memory"][key] for met in mets if (met.get("memory") or {}).get(key)]
-        k = [met["memory"]["kv_peak_bytes"] for met in mets if (met.get("memory") or {}).get("kv_peak_bytes")]
-        names.append(m["name"])
-        peak.append(max(p) if p else None)
-        kv.append(max(k) if k else None)
-    return names, peak, label, kv
+        top = max((x for x in mets if x.get(key)), key=lambda x: x[key], default={})
+        sec = [x[second] for x in mets if x.get(second)]
+        out["names"].append(m["name"])
+        out["peak"].append(top.get(key))
+        out["second"].append(max(sec) if sec else None)
+        out["breakdown"].append(top.get("decode_breakdown") if key == "decode_peak_bytes" else None)
+    return out
 
 
 def _slug(name: str) -> str:
@@ -337,11 +356,15 @@ def build_all(rs, data: dict) -> dict[str, tuple[Figure, str]]:
     if lat:
         figs["latency.png"] = (latency_cdf(f"Decode latency per sample (all tasks of {who})\n{where}", lat, colors),
                                "Latency distribution per decoder (CDF of per-sample decode seconds)")
-    names, peak, label, kv = _memory(rs)
-    if names:
-        figs["memory.png"] = (memory_bars(f"Peak memory per decoder ({label}, KV cache)\n{where}", names, peak, label,
-                                          kv, colors),
-                              f"Peak memory per decoder ({label} and peak KV cache)")
+    mem = _memory(rs)
+    if mem["names"]:
+        what = f"{mem['label']} and {mem['second_label']}"
+        figs["memory.png"] = (memory_bars(f"Memory per decoder ({what})\n{where}", mem["names"], mem["peak"],
+                                          mem["label"], mem["second"], colors, mem["second_label"], mem["breakdown"]),
+                              f"Memory per decoder ({what}"
+                              + ("; the decode peak split into KV cache, logits and other: the memory pass's "
+                                 "tensor bytes)" if mem["label"] == "decode peak" else
+                                 "; no memory pass in these runs: the peak is not the decode's own)"))
     return figs
 
 

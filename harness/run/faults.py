@@ -22,6 +22,10 @@ real run meet a fault at a chosen place, however fast the machine is. Keys:
   confidences never pass a threshold (all logits equal, as the conformance suite's ``budget`` rule builds it)
   under a forward budget cut to N forwards a row (``common.FORWARDS_PER_TOKEN``/``FORWARDS_EXTRA``), so the
   decoder's own budget check stops it as it would stop a sample that never ends;
+- ``"leak": {"decoders": ["refusion", ...]}``: every call of those decoders keeps every forward's logits
+  until the call ends (a forward hook appends them to a list): the leak a trace added to a decoder would
+  make. Tokens do not change; the memory pass's decode peak grows, which ``make regress`` must catch on that
+  decoder's figures alone;
 - ``"enospc": "SITE"``: the first write whose file name contains SITE fails with ENOSPC halfway
   (``store.maybe_fail_write``; once per process);
 - ``"pause": "POINT"``: the process prints ``paused at POINT`` to stderr and waits for a signal at a
@@ -105,8 +109,9 @@ def _doc(item: dict) -> str:
 
 
 @contextlib.contextmanager
-def injected_decode_faults(model, items: list[dict]) -> Iterator[None]:
-    """Test hook: raise or poison this decoder call as ``FAULTS_ENV`` asks for these items (module doc)."""
+def injected_decode_faults(model, items: list[dict], decoder: str | None = None) -> Iterator[None]:
+    """Test hook: raise, poison or leak in this decoder call as ``FAULTS_ENV`` asks for these items and this
+    ``decoder`` (module doc)."""
     faults = injected()
     oom = faults.get("oom") or {}
     if len(items) >= int(oom.get("min_batch", 10**9)) or any(_doc(it) in oom.get("docs", ()) for it in items):
@@ -116,9 +121,11 @@ def injected_decode_faults(model, items: list[dict]) -> Iterator[None]:
     nan, stall = faults.get("nan") or {}, faults.get("stall") or {}
     poisoned = any(_doc(it) in nan.get("docs", ()) for it in items)
     stalled = any(_doc(it) in stall.get("docs", ()) for it in items)
-    if not (poisoned or stalled):
+    leaking = decoder is not None and decoder in (faults.get("leak") or {}).get("decoders", ())
+    if not (poisoned or stalled or leaking):
         yield
         return
+    kept: list = []  # the leak: every forward's logits, alive until the call ends
     import torch
 
     from refusion.decoding import common
@@ -132,6 +139,8 @@ def injected_decode_faults(model, items: list[dict]) -> Iterator[None]:
             out.logits = out.logits.float().fill_(float("nan"))
         elif stalled:
             out.logits = torch.zeros_like(out.logits)  # every confidence 1/V: no threshold is ever passed
+        if leaking:
+            kept.append(out.logits)
         return out
 
     handles = [model.register_forward_hook(poison)]
@@ -147,6 +156,7 @@ def injected_decode_faults(model, items: list[dict]) -> Iterator[None]:
         for handle in handles:
             handle.remove()
         common.FORWARDS_PER_TOKEN, common.FORWARDS_EXTRA = saved
+        kept.clear()
 
 
 # ---------------------------------------------------------------- a full disk

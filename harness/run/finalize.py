@@ -38,10 +38,14 @@ def finalize(run_dir: Path) -> dict:
         atomic_write_json(run_dir / "run.json", {**read_json(run_dir / "run.json"),
                                                  "timing_result": {k: v for k, v in timed.items()
                                                                    if k != "mean_speedup_interval"}})
+    from harness.run.memory_pass import apply_memory
+
+    memory = apply_memory(run_dir, cfg, rows)  # the memory pass's decode peaks, when the run has them
     for r in rows:
         atomic_write_json(run_dir / "metrics" / f"{r['model']}__{r['task']}.json", r)
     result = summary.summary(cfg, rows, summary.warmup_compile(run_dir, cfg), mean_intervals)
     result["timing"] = {k: v for k, v in timed.items() if k != "mean_speedup_interval"}
+    result["memory_pass"] = None if memory is None else {"settings": memory["settings"], "docs": memory["docs"]}
     atomic_write_json(run_dir / "summary.json", result)
     atomic_write_text(run_dir / "summary.md", summary.markdown(result))
     return result

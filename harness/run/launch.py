@@ -130,6 +130,31 @@ def timed_rounds(run_dir: Path, cfg: dict) -> int | None:
     return None
 
 
+def memory_pass(run_dir: Path, cfg: dict) -> None:
+    """The memory pass (harness/run/memory_pass.py, its own process), unless memory.json holds it for these
+    settings already (a resumed run) or it is off (``--memory-items 0``). A failed pass is a warning: quality,
+    counts and speed are kept, and the summary says the decode peak was not measured."""
+    from harness.run.memory_pass import load_memory, settings_of
+
+    want = cfg.get("memory_pass") or {}
+    old = read_json(run_dir / "run.json")
+    if old.get("memory_pass") != want:  # a resumed run with other settings: run.json says what memory.json holds
+        atomic_write_json(run_dir / "run.json", {**old, "memory_pass": want})
+    if int(settings_of(cfg)["items"]) < 1:
+        return
+    if load_memory(run_dir, cfg) is not None:
+        print("memory pass: already measured, kept", file=sys.stderr)
+        return
+    print(f"memory pass: {settings_of(cfg)['items']} call(s) per task and model under the tensor tracker",
+          file=sys.stderr)
+    # The fault hooks stay: a call that faults is retried once, then named and left out of the peak.
+    rc = run_child([sys.executable, "-m", "harness.run.memory_pass", "--run-dir", str(run_dir)], run_dir,
+                   ".tmp-memory")
+    if rc != 0:
+        print(f"warning: the memory pass failed (exit {rc}); the decode peak is not measured: rerun with --run-id "
+              f"{run_dir.name} to measure it", file=sys.stderr)
+
+
 def _worker_port(launch: dict) -> int:
     # One machine: a port of its own per runner, so two runs side by side do not meet; several machines
     # must agree on it, so accelerate's usual port unless given.

@@ -46,6 +46,10 @@ class DecoderCall:
         self._warm = not warmup
         self.warmup_s: float | None = None
         self.warmup_compile = {"compilations": 0, "compile_s": 0.0}  # what the warm-up call compiled
+        # The memory pass (harness/run/memory_pass.py): each call's peak decode memory under the tracker of
+        # harness/run/memory.py, the warm-up call left out; ``last_memory`` holds the last call's.
+        self.memory = False
+        self.last_memory: dict | None = None
 
     def knob_obj(self, knobs: dict[str, Any]):
         """The decoder's knob dataclass for one knob dict (validated once, then reused)."""
@@ -104,7 +108,18 @@ class DecoderCall:
             self._warm = True
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        (tokens, stats), wall, cpu = clock(lambda: self.decoder(self.model, ids, mask, knobs, **special), self.sync)
+        if self.memory:
+            from harness.run.memory import DecodeMemory
+
+            # Compiled forwards are invisible to the dispatch tracker: on CUDA the allocator alone measures them.
+            compiled = bool(getattr(knobs, "compile", False))
+            with DecodeMemory(self.model, dispatch=not (compiled and self.device.type == "cuda")) as mem:
+                (tokens, stats), wall, cpu = clock(lambda: self.decoder(self.model, ids, mask, knobs, **special),
+                                                   self.sync)
+            self.last_memory = mem.result()
+        else:
+            (tokens, stats), wall, cpu = clock(lambda: self.decoder(self.model, ids, mask, knobs, **special),
+                                               self.sync)
         gpu_peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return tokens, stats, wall, cpu, gpu_peak
 
@@ -113,7 +128,7 @@ class DecoderCall:
         from harness.run.faults import injected_decode_faults
 
         prompts, ids, mask = self._encode(items)
-        with injected_decode_faults(self.model, items):  # a test hook; nothing unless REFUSION_BENCH_FAULTS asks
+        with injected_decode_faults(self.model, items, self.decoder_name):  # a test hook; nothing unless REFUSION_BENCH_FAULTS asks
             tokens, stats, wall, cpu, gpu_peak = self._timed_call(ids, mask, len(prompts[0]),
                                                              self.knob_obj(items[0]["knobs"]))
         out = []

@@ -118,6 +118,7 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
         self.vocab = vocab
         self.live_bytes = self.peak_bytes = self.peak_at = self.clock = self.allocations = 0
+        self.retained_bytes = 0
         self._live: dict[int, tuple[weakref.ref, _Record]] = {}
         self._at_peak: list[_Record] = []  # freed after the current peak, live at it
         self.closed = False
@@ -197,7 +198,9 @@ class StorageTracker(TorchDispatchMode):
                     entry[1].kind = kind
 
     def close(self) -> dict[str, int]:
-        """Stop counting; the breakdown of the storages live at the peak (sums to ``peak_bytes``)."""
+        """Stop counting; the breakdown of the storages live at the peak (sums to ``peak_bytes``). The bytes
+        still live now are ``retained_bytes``: what the call handed back or left behind."""
+        self.retained_bytes = self.live_bytes
         self.closed = True
         at_peak = [rec for _, rec in self._live.values() if rec.born <= self.peak_at] + self._at_peak
         out = {k: sum(rec.nbytes for rec in at_peak if rec.kind == k) for k in ("kv_cache", "logits")}
@@ -272,10 +275,12 @@ class DecodeMemory:
         self._cuda_start = 0
 
     def _mark_caches(self, kwargs: dict, output: Any = None) -> None:
+        # An output's fields by their keys: reading a deprecated alias attribute (past_key_values) warns.
+        fields = set(output.keys()) if output is not None and hasattr(output, "keys") else set()
         for k in CACHE_KEYWORDS:
             self.tracker.mark(list(cache_tensors(kwargs.get(k))), "kv_cache")
-            if output is not None:
-                self.tracker.mark(list(cache_tensors(getattr(output, k, None))), "kv_cache")
+            if k in fields:
+                self.tracker.mark(list(cache_tensors(output[k])), "kv_cache")
 
     def _install_hooks(self) -> None:
         if self.head is not None:
@@ -307,19 +312,22 @@ class DecodeMemory:
                 h.remove()
             self._hooks.clear()
             breakdown = self.tracker.close()
-        cuda_peak = None
+        cuda_peak = cuda_retained = None
         if self.cuda:
             torch.cuda.synchronize(self.device)
             cuda_peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_start
-        self._result = self._build(breakdown, cuda_peak)
+            cuda_retained = torch.cuda.memory_allocated(self.device) - self._cuda_start
+        self._result = self._build(breakdown, cuda_peak, cuda_retained)
         if isinstance(exc, RuntimeError) and self.tracker is not None and "torch.compile" in str(exc):
             raise RuntimeError("DecodeMemory: compiled decoding cannot run under the dispatch tracker (torch.compile "
                                "skips every frame while a dispatch mode is active); measure the eager decoder, or "
                                "on CUDA use DecodeMemory(model, dispatch=False)") from exc
 
-    def _build(self, breakdown: dict | None, cuda_peak: int | None) -> dict:
+    def _build(self, breakdown: dict | None, cuda_peak: int | None, cuda_retained: int | None = None) -> dict:
         t = self.tracker
         out = {"peak_bytes": cuda_peak if cuda_peak is not None else t.peak_bytes,
+               # still live when the call ended: its outputs, and whatever it leaked (kept past its own use)
+               "retained_bytes": cuda_retained if cuda_retained is not None else t.retained_bytes,
                "method": METHOD_CUDA if cuda_peak is not None else METHOD_DISPATCH,
                "breakdown": breakdown, "weights_bytes": weights_bytes(self.model), "device": str(self.device),
                "leaves_out": LEAVES_OUT}
@@ -328,7 +336,7 @@ class DecodeMemory:
         return out
 
     def result(self) -> dict:
-        """{"peak_bytes", "method", "breakdown" {kv_cache, logits, other} (None without the tracker),
+        """{"peak_bytes", "retained_bytes", "method", "breakdown" {kv_cache, logits, other} (None without the tracker),
         "weights_bytes", "device", "leaves_out", and with the tracker "dispatch_peak_bytes", "allocations"}."""
         if self._result is None:
             raise RuntimeError("DecodeMemory.result() is ready once the with-block has ended")

@@ -141,21 +141,26 @@ class ModelSide:
                               "knobs": r["knobs"], "task": r["task"], "doc_id": r["doc_id"], "idx": i})
             self.batches[unit] = [items[j:j + bs] for j in range(0, len(items), bs)]
 
+    def decode(self, batch: list[dict], what: str) -> list[dict]:
+        """One decoder call of a batch of prepared requests; TimingMismatch unless every row gives its decoding
+        pass's tokens (``what`` names the pass: timed, memory)."""
+        recs = self.lm.call.run(batch, rank=0)
+        for rec in recs:
+            want = self.expected[(rec["task"], rec["doc_id"])]
+            if rec["tokens"] != want:
+                at = next((i for i, (a, b) in enumerate(zip(rec["tokens"], want)) if a != b),
+                          min(len(rec["tokens"]), len(want)))
+                raise timing.TimingMismatch(
+                    f"model {self.name!r}: the {what} decode of {rec['task']} document {rec['doc_id']} gave "
+                    f"other tokens than its decoding pass (first difference at token {at}: "
+                    f"{len(rec['tokens'])} vs {len(want)} tokens); figures of other tokens would not be this run's")
+        return recs
+
     def block(self, group: str, repeat: int) -> list[dict]:
         calls: list[dict] = []
         for rep in range(repeat):
             for ci, batch in enumerate(self.batches[group]):
-                recs = self.lm.call.run(batch, rank=0)
-                for rec in recs:
-                    want = self.expected[(rec["task"], rec["doc_id"])]
-                    if rec["tokens"] != want:
-                        at = next((i for i, (a, b) in enumerate(zip(rec["tokens"], want)) if a != b),
-                                  min(len(rec["tokens"]), len(want)))
-                        raise timing.TimingMismatch(
-                            f"model {self.name!r}: the timed decode of {rec['task']} document {rec['doc_id']} gave "
-                            f"other tokens than its decoding pass (first difference at token {at}: "
-                            f"{len(rec['tokens'])} vs {len(want)} tokens); speed figures of other tokens would "
-                            "not be this run's")
+                recs = self.decode(batch, "timed")
                 call = {"wall_s": recs[0]["batch_wall_s"], "cpu_s": sum(r["cpu_s"] for r in recs),
                         "tokens": sum(r["generated_tokens"] for r in recs)}
                 if rep == 0:

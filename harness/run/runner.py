@@ -44,7 +44,8 @@ from harness.run import cluster, summary
 from harness.run.faults import STOP_SIGNALS
 from harness.run.finalize import finalize
 from harness.run.guard import BUSY_SHARE
-from harness.run.launch import Stopped, die_with_parent, raise_stopped, run_models, timed_rounds
+from harness.run.launch import Stopped, die_with_parent, memory_pass, raise_stopped, run_models, timed_rounds
+from harness.run.memory_pass import DEFAULT_ITEMS as MEMORY_ITEMS
 from harness.run.model_check import compile_settings, describe_resolved, dtype_warning, validate_models
 from harness.run.model_list import InputError, KnobHelp, load_models_file, parse_models, template_args
 from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS
@@ -122,6 +123,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true",
                    help="on an error, show the full traceback instead of the one-line message")
     _timing_arguments(p)
+    p.add_argument("--memory-items", type=int, default=MEMORY_ITEMS,
+                   help="calls per task and model of the memory pass, which measures peak decode memory under a tensor "
+                   "tracker after the decoding pass (seeded items, batches of --batch-size rows; 0: no memory pass) "
+                   "(default: %(default)s)")
     return p
 
 
@@ -212,6 +217,8 @@ def build_config(ns: argparse.Namespace) -> dict:
     if int(launch.get("num_machines") or 1) > 1 and ns.run_id is None:
         raise InputError("--num-machines > 1 needs --run-id: every machine writes into that one run folder")
     timing = timing_config(ns)
+    if ns.memory_items < 0:
+        raise InputError(f"--memory-items must be >= 0, got {ns.memory_items}")
     per_machine = max(1, ns.num_processes // int(launch.get("num_machines") or 1))
     threads = ns.threads or max(1, (os.cpu_count() or 1) // per_machine)
     return {"shard": shard, "launch": launch,
@@ -222,6 +229,7 @@ def build_config(ns: argparse.Namespace) -> dict:
         "tasks_dirs": [str(d.resolve()) for d in tasks_dirs],
         "prompts": ns.prompts, "dtype": resolve_dtype(ns.dtype, device), "dtype_requested": ns.dtype,
         "chat_template_args": run_template_args, "compile": compile_settings(model_cfgs), "timing": timing,
+        "memory_pass": {"items": ns.memory_items},
     }
 
 
@@ -293,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = timed_rounds(run_dir, cfg)
         if rc is not None:
             return rc
+        memory_pass(run_dir, cfg)
         result = finalize(run_dir)
     except Stopped as e:
         for sig in STOP_SIGNALS:  # a second signal (Slurm sends one to every process) changes nothing now

@@ -30,6 +30,9 @@ def _row(m: dict) -> dict:
         "latency_p90_s": s["latency_s"]["p90"], "speedup": (m.get("speedup") or {}).get("tokens_per_s"),
         "peak_rss_bytes": m["memory"].get("peak_rss_bytes"), "kv_peak_bytes": m["memory"].get("kv_peak_bytes"),
         "gpu_peak_bytes": m["memory"].get("gpu_peak_bytes"),
+        # the memory pass (harness/run/memory_pass.py): tensor bytes one decode call held at once, and the weights
+        "decode_peak_bytes": m["memory"].get("decode_peak_bytes"), "weights_bytes": m["memory"].get("weights_bytes"),
+        "decode_breakdown": m["memory"].get("decode_breakdown"),
         "outside_forward_share": s.get("outside_forward_share"),
         # compiled decoding (knob compile): graphs compiled and their seconds, left out of tok/s and latency
         "compiled": bool((s.get("compile") or {}).get("compiled")),
@@ -206,8 +209,8 @@ COLUMNS = [("model", "model", None), ("task", "task", None), ("n", "samples", No
            ("quality [95% CI]", "quality", ".3f"), ("tok/s [95% CI]", "tokens_per_s", ".1f"),
            ("speedup [95% CI]", "speedup", ".2f"), ("TPF [95% CI]", "tpf", ".2f"),
            ("NFE/sample [95% CI]", "nfe_mean", ".1f"), ("lat p50 s [95% CI]", "latency_p50_s", ".3f"),
-           ("lat p90 s [95% CI]", "latency_p90_s", ".3f"), ("RSS MiB", "peak_rss_bytes", None),
-           ("KV KiB", "kv_peak_bytes", None)]
+           ("lat p90 s [95% CI]", "latency_p90_s", ".3f"), ("decode peak MiB", "decode_peak_bytes", None),
+           ("weights MiB", "weights_bytes", None), ("KV KiB", "kv_peak_bytes", None)]
 def intervals_note(baseline: str | None, single: bool = True) -> str:
     """The summary's line on its intervals (the speedup's only when the run has a baseline)."""
     if single:
@@ -258,8 +261,8 @@ def _cells(r: dict) -> list[str]:
         v = r.get(key)
         if key == "samples" and r.get("failed"):
             v = f"{v} ({r['failed']} failed)"
-        elif key == "peak_rss_bytes" and v is not None:
-            v = f"{v / 2**20:.0f}"
+        elif key in ("decode_peak_bytes", "weights_bytes") and v is not None:
+            v = f"{v / 2**20:.2f}"
         elif key == "kv_peak_bytes" and v is not None:
             v = f"{v / 2**10:.1f}"
         text = _fmt(v, spec) if spec else _fmt(v)
@@ -308,6 +311,7 @@ def markdown(s: dict) -> str:
         lines += ["", timing_note(s)]
     if compile_note(s):
         lines += ["", compile_note(s)]
+    lines += ["", memory_note(s)]
     env = s.get("environment") or {}
     lines += ["", f"Quality metric per task: " + ", ".join(sorted({f"{r['task']}={r['quality_metric']}"
                                                                   for r in s["rows"]})),
@@ -325,6 +329,22 @@ def table(s: dict) -> str:
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
+
+
+def memory_note(s: dict) -> str:
+    """The summary's sentence on what the memory columns count and which items measured them."""
+    mp = s.get("memory_pass")
+    if not mp:
+        return ("Memory: no memory pass in this run (--memory-items 0, merged shards, or an older run): the decode "
+                "peak is not measured; each metrics file keeps the process's peak RSS.")
+    items = mp["settings"]["items"]
+    bs = mp["settings"].get("batch_size", 1)
+    return (f"Memory: decode peak = the largest, over {items} call(s) per task ({bs} row(s) each; the items: "
+            "memory.json), of the tensor bytes one decoder call held at once above what was live when it began "
+            "(on CUDA the allocator's peak over the call, weights excluded); weights = the model's parameters "
+            "and buffers. Neither counts allocator caching and fragmentation, kernels' scratch memory, the "
+            "interpreter or the libraries (the process's peak RSS is in each metrics file). KV = the decoder's "
+            "own largest KV-cache bytes over every item.")
 
 
 def withheld_note(s: dict) -> str | None:

@@ -63,7 +63,10 @@ SEED = 1234
 # machine.
 THREADS = 1
 TOLERANCE = ab.TOLERANCE
-DETERMINISTIC = ("quality", "generated_tokens", "nfe", "tpf", "kv_peak_bytes")
+# decode_peak_bytes / decode_retained_bytes: the memory pass's tensor bytes at a call's peak and at its end,
+# exact on the CPU (harness/run/memory.py).
+DETERMINISTIC = ("quality", "generated_tokens", "nfe", "tpf", "kv_peak_bytes", "decode_peak_bytes",
+                 "decode_retained_bytes")
 
 
 class RegressError(Exception):
@@ -116,7 +119,9 @@ def figures(run_dir: Path) -> dict:
             det[f"{m['name']}/{u['name']}"] = {
                 "quality": r["quality"].get(r["quality_primary"]) if r.get("quality_primary") else None,
                 "generated_tokens": s["generated_tokens"]["total"], "nfe": s["nfe"]["total"],
-                "tpf": s["tpf"]["ratio_of_sums"], "kv_peak_bytes": (r.get("memory") or {}).get("kv_peak_bytes")}
+                "tpf": s["tpf"]["ratio_of_sums"], "kv_peak_bytes": (r.get("memory") or {}).get("kv_peak_bytes"),
+                "decode_peak_bytes": (r.get("memory") or {}).get("decode_peak_bytes"),
+                "decode_retained_bytes": (r.get("memory") or {}).get("decode_retained_bytes")}
             tps[f"{m['name']}/{u['name']}"] = s["tokens_per_s"]["ratio_of_sums"]
     return {"deterministic": det, "tokens_per_s": tps}
 
