@@ -129,3 +129,20 @@ def test_the_memory_figure_and_compare_show_the_decode_peak(runner_reference):
     rows = {key: fn(met) for key, _, fn, _ in compare.FIGURES}
     assert rows["decode_peak_mib"] == met["memory"]["decode_peak_bytes"] / 2**20
     assert rows["weights_mib"] == met["memory"]["weights_bytes"] / 2**20
+
+
+def test_the_report_has_a_memory_page_with_the_released_size_estimate(runner_reference, tmp_path):
+    from harness.report.memory_report import memory_md, released_table
+    from harness.report.runset import load_runs
+
+    md = memory_md(load_runs([runner_reference]))
+    met = json.loads(next((runner_reference / "metrics").glob("*.json")).read_text())
+    assert f"| {met['model']} | {met['task']} | {met['memory']['decode_peak_bytes'] / 2**20:.2f} |" in md
+    # the estimate beside the claim, ReFusion's peak over each MDM baseline's recomputed from the file
+    fake = {"settings": {"batches": [1], "prompt": 8, "gen": 16},
+            "models": {"r": {"weights_bytes": 2**30, "decoders": {"refusion": {"1": {"peak_bytes": 60}}}},
+                       "l": {"weights_bytes": 2**30, "decoders": {"llada": {"1": {"peak_bytes": 100}}}}}}
+    (tmp_path / "m.json").write_text(json.dumps(fake))
+    text = "\n".join(released_table(tmp_path / "m.json"))
+    assert "about 40% lower" in text and "- vs llada: batch 1: -40%" in text and "| r | refusion | 1.00 |" in text
+    assert released_table(tmp_path / "none.json") == []

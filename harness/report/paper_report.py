@@ -14,6 +14,7 @@ Writes ``<out>/<name>/`` (default name: the run id, runs joined by ``+``):
     speedup.md                          per task, mean of per-task ratios and ratio of averages
     *.png                               Pareto views, speedup, TPF, latency, memory
     index.md                            links, the runs' settings and environment
+    memory.md                           decode peaks per decoder, and the estimate at released sizes
     report.json                         every number above, machine-readable
     trace/<task>/                       one logged decode trace per task (not with --no-traces)
 
@@ -701,12 +702,15 @@ def _show_path(path: str) -> str:
         return str(path)
 
 
-def index_md(rs: RunSet, data: dict, figures: dict[str, str]) -> str:
+def index_md(rs: RunSet, data: dict, figures: dict[str, str], memory: bool = False) -> str:
     lines = [f"# Report: {_run_names(rs)}", "",
              "- [table1.md](table1.md) (also [table1.csv](table1.csv), [table1.tex](table1.tex)): the paper's "
              f"Table 1 layout, {ours_label(rs)} beside the published numbers ({paper.source()})",
              "- [speedup.md](speedup.md): per-task speedups, mean of ratios and ratio of averages",
              "- [report.json](report.json): every number of this report", ""]
+    if memory:
+        lines[-1:-1] = ["- [memory.md](memory.md): peak decode memory per decoder (KV cache, logits, other) beside "
+                        "the weights, and the estimate at the released sizes beside the paper's memory claim"]
     if any(name.startswith("frontier_") for name in figures):
         lines[-1:-1] = ["- [aup.md](aup.md) and [frontier.json](frontier.json): each decoder's accuracy-parallelism "
                         "frontier, its AUP per task and the Pareto sets (`make frontier`)"]
@@ -789,7 +793,13 @@ def write_report(rs: RunSet, target: Path, traces: bool = True) -> Path:
         from harness.report import aup  # a frontier run (`make frontier`): its figures, aup.md, frontier.json
 
         made.update(aup.write(rs, tmp, _run_names(rs)))
-        atomic_write_text(tmp / "index.md", index_md(rs, data, made) + report_traces(rs, tmp, draw=traces))
+        from harness.report.memory_report import memory_md  # decode peaks, and the estimate at released size
+
+        memory = memory_md(rs)
+        if memory:
+            atomic_write_text(tmp / "memory.md", memory)
+        atomic_write_text(tmp / "index.md", index_md(rs, data, made, memory is not None)
+                          + report_traces(rs, tmp, draw=traces))
         from harness.run.faults import pause_at
 
         pause_at("report")  # a test hook: a stop signal before the new report folder is swapped in
