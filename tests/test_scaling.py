@@ -52,8 +52,6 @@ def test_the_json_holds_every_point_with_what_reproduces_it(quick):
         assert m["weights_bytes"] > 0
         assert p["timing"]["latency_s"] > 0 and p["timing"]["rounds"] == 1
         assert p["timing"]["tokens_per_s"] == pytest.approx(p["generated_tokens"] / p["timing"]["latency_s"])
-    special = set(range(7))  # the tiny tokenizer's special ids: never in a prompt
-    assert not special & {t for ids in result["prompts"].values() for t in ids}
     assert set(result["budget"]["decoders"]) == set(s["decoders"])
     assert out.stat().st_size < 2 * 2**20
     names = {p.name for p in report.iterdir()}
@@ -62,6 +60,24 @@ def test_the_json_holds_every_point_with_what_reproduces_it(quick):
     index = (report / "index.md").read_text()
     assert "## Log-log slopes" in index and "## Largest batch under the memory budget" in index
     assert not list(out.parent.glob(".scaling.*.partial.json"))  # removed once the result is written
+
+
+def test_prompts_are_the_recipe_s_chat_prompts(quick):
+    """The stored ids are what chat_prompt_ids gives (the recipe regenerates them), each ending with the
+    generation prompt, rows of a batch distinct."""
+    from harness.models.checkpoints import load_tokenizer, inspect_checkpoint
+
+    result = quick[0]
+    tok = load_tokenizer(inspect_checkpoint(REPO / "checkpoints" / "tiny" / "ar"))
+    tail = tok(tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                       add_generation_prompt=True), add_special_tokens=False)["input_ids"][-2:]
+    for key, ids in result["prompts"].items():
+        length, row = map(int, key.split("/"))
+        assert ids == scaling.chat_prompt_ids(tok, length, row) and len(ids) == length
+        assert ids[-2:] == tail
+    assert result["prompts"]["8/0"] != result["prompts"]["8/1"]
+    long = scaling.chat_prompt_ids(tok, 700, 0)
+    assert len(long) == 700 and long[-8:] == scaling.chat_prompt_ids(tok, 8, 0)
 
 
 def test_slopes_are_least_squares_in_log_log(quick):

@@ -16,9 +16,11 @@ other two sizes fixed: **generation length**, **prompt length** and **batch size
 ends early and every decoder generates exactly ``gen_length`` tokens per row, whatever the tiny model would
 emit; ``stop_at_eos`` is set false where a decoder has it (it cannot fire either). LLaDA runs its preset
 schedule (``steps`` = gen_length: one token per step, NFE = gen_length); Fast-dLLM's threshold keeps its NFE
-data-dependent, as in the paper, and the NFE it took is recorded. Prompts are token ids drawn from the
-tokenizer's ordinary (non-special) ids with numpy's generator seeded by (seed, length, row), the same for
-every decoder; all rows of a batch have one length, so the attention mask is all ones (None is passed).
+data-dependent, as in the paper, and the NFE it took is recorded. Prompts are the embedded suite's questions as
+chat prompts, lengthened by worked examples as earlier turns and cut to the length from the left
+(``chat_prompt_ids``): text the tiny models were trained on, so ReFusion's and Fast-dLLM's parallelism is what it
+is on real prompts (on random token ids they are unsure and commit about one token per forward). The same ids
+for every decoder; all rows of a batch have one length, so the attention mask is all ones (None is passed).
 
 **Fits.** Per decoder and sweep, the log-log slope (least squares of log y on log x) of latency, peak memory
 and tokens/s; for memory against batch also the linear fit peak = a + b * batch and its R^2.
@@ -66,8 +68,12 @@ QUICK_KNOBS = {"block_length": 8}  # set for every decoder that has the knob
 DEFAULT_BUDGET = "1GiB"
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-PROMPT_RECIPE = ("row r of length n: numpy.random.default_rng([seed, n, r]).choice(ordinary_ids, size=n), "
-                 "ordinary_ids = the tokenizer's ids 0..len(tokenizer)-1 minus all_special_ids, ascending")
+PROMPT_KINDS = ("math", "code", "choice")
+SHOTS_PER_ROW = 16  # row r's worked examples start at train item 16 r (mod the split's size)
+PROMPT_RECIPE = ("row r of length n (chat_prompt_ids): embedded kind ('math', 'code', 'choice')[r % 3], its test "
+                 "item r // 3 as the user turn after worked examples (train items 16 r, 16 r + 1, ... as user / "
+                 "assistant turns) added until the chat-templated prompt (with the generation prompt) holds n "
+                 "tokens; its last n tokens")
 WORK_FIXED = ("eos_token_id=-1 on every decode (no token has id -1: every row generates exactly gen_length "
               "tokens); stop_at_eos=false where the decoder has it; LLaDA at its preset schedule (one token a "
               "step, NFE = gen_length); Fast-dLLM's NFE stays data-dependent (its threshold) and is recorded")
@@ -159,17 +165,23 @@ def budget_batch(fit: dict | None, weights: int, budget: int) -> int | None:
 # ---------------------------------------------------------------- prompts and decodes
 
 
-def ordinary_ids(tokenizer) -> list[int]:
-    """The tokenizer's ids that are no special token, ascending."""
-    special = set(tokenizer.all_special_ids)
-    return [i for i in range(len(tokenizer)) if i not in special]
+def chat_prompt_ids(tokenizer, length: int, row: int) -> list[int]:
+    """Row ``row`` of the prompts of ``length`` tokens (PROMPT_RECIPE): an embedded-suite question as the last
+    user turn, worked examples of its kind before it until the chat prompt holds ``length`` tokens, cut from
+    the left so it ends with the generation prompt."""
+    from tasks.embedded import load_split
 
-
-def prompt_ids(seed: int, length: int, row: int, ids: list[int]) -> list[int]:
-    """Row ``row`` of the prompts of length ``length`` (PROMPT_RECIPE)."""
-    import numpy as np
-
-    return [int(t) for t in np.random.default_rng([seed, length, row]).choice(ids, size=length)]
+    kind = PROMPT_KINDS[row % len(PROMPT_KINDS)]
+    test, train = load_split(kind, "test"), load_split(kind, "train")
+    question = {"role": "user", "content": test[(row // len(PROMPT_KINDS)) % len(test)]["query"]}
+    shots: list[dict] = []
+    while True:
+        text = tokenizer.apply_chat_template(shots + [question], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= length:
+            return [int(t) for t in ids[len(ids) - length:]]
+        shot = train[(SHOTS_PER_ROW * row + len(shots) // 2) % len(train)]
+        shots += [{"role": "user", "content": shot["query"]}, {"role": "assistant", "content": shot["response"]}]
 
 
 def clear_decoder_memos() -> None:
@@ -226,7 +238,7 @@ def settings_of(a: argparse.Namespace) -> dict:
                        "prompt": {"values": list(pick["prompt_lengths"]), "gen": pick["prompt_gen"], "batch": 1},
                        "batch": {"values": list(pick["batches"]), "prompt": pick["batch_prompt"],
                                  "gen": pick["batch_gen"]}},
-            "rounds": pick["rounds"], "order": "abba", "seed": a.seed, "threads": a.threads,
+            "rounds": pick["rounds"], "order": "abba", "threads": a.threads,
             "memory_budget_bytes": a.memory_budget, "budget_max_batch": pick["budget_max_batch"],
             "budget_rounds": pick["budget_rounds"], "eos_token_id": NO_EOS, "quick": bool(a.quick),
             "knob_overrides": dict(QUICK_KNOBS) if a.quick else {}}
@@ -284,7 +296,12 @@ class Scaling:
     def check(self) -> None:
         """Every knob set and size is valid before anything decodes (InputError naming what is wrong)."""
         gens = sorted({p["gen"] for p in plan(self.settings)})
+        first = self.lm(self.settings["decoders"][0]).tokenizer
         for d in self.settings["decoders"]:
+            tok = self.lm(d).tokenizer
+            if tok.get_vocab() != first.get_vocab() or tok.chat_template != first.chat_template:
+                raise InputError(f"{d}: its tokenizer or chat template differs from {self.settings['decoders'][0]}'s, "
+                                 "so the decoders cannot share prompt ids; run them in separate runs")
             ctx = getattr(self.lm(d).model.config, "max_position_embeddings", None)
             for p in plan(self.settings):
                 if ctx is not None and p["prompt"] + p["gen"] > ctx:
@@ -301,9 +318,9 @@ class Scaling:
         keys = [f"{length}/{r}" for r in range(batch)]
         missing = [k for k in keys if k not in self.state["prompts"]]
         if missing:
-            ids = ordinary_ids(self.lm(preset).tokenizer)
+            tokenizer = self.lm(self.settings["decoders"][0]).tokenizer  # one tokenizer for all (check)
             for k in missing:
-                self.state["prompts"][k] = prompt_ids(self.settings["seed"], length, int(k.split("/")[1]), ids)
+                self.state["prompts"][k] = chat_prompt_ids(tokenizer, length, int(k.split("/")[1]))
         return keys
 
     def save(self) -> None:
@@ -515,7 +532,7 @@ def result_of(settings: dict, state: dict, argv: list[str], env: dict, elapsed: 
     ordered = [points[point_key(p["sweep"], p["x"], d)] for p in plan(settings) for d in settings["decoders"]]
     busy = any(r["timing"]["busy"] for r in ordered) or any(
         (b.get("point") or {}).get("timing", {}).get("busy") for b in state["budget"].values())
-    return {"command": "python -m harness scaling " + " ".join(argv),
+    return {"command": " ".join(["python -m harness scaling", *argv]),
             "environment": env,
             "settings": settings, "how_work_is_fixed": WORK_FIXED, "prompt_recipe": PROMPT_RECIPE,
             "timing": {"protocol": "harness/run/timing.py: per point an untimed warm-up, then interleaved ABBA "
@@ -585,7 +602,6 @@ def _parser() -> argparse.ArgumentParser:
                         "above it the throughput at the budget's batch is extrapolated, and says so")
     p.add_argument("--budget-rounds", type=int,
                    help=f"timed rounds at the budget batch (default {DEFAULTS['budget_rounds']})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt token draw (default %(default)s)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default %(default)s: the tiny models run fastest on one, and a neighbour "
                         "on a shared 2-core machine does not make two threads spin)")
@@ -637,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     from harness.run.environment import environment
 
-    env = environment("cpu", a.threads, 1, a.seed)  # before anything is written: git_dirty is the code's
+    env = environment("cpu", a.threads, 1, 0)  # before anything is written: git_dirty is the code's
     run = Scaling(settings, partial)
     try:
         run.check()

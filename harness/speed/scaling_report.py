@@ -158,8 +158,7 @@ def index_md(result: dict, json_path: Path, folder: Path) -> str:
              f"{env.get('hardware')}, torch {env['packages'].get('torch')}, commit {str(env.get('git_commit'))[:10]}"
              f"{' (dirty)' if env.get('git_dirty') else ''}; {result['elapsed_s']:.0f} s"
              f"{' (this session of a resumed run)' if result.get('resumed') else ''}. Data: [{Path(rel).name}]({rel}).",
-             "", f"**Fixed work**: {result['how_work_is_fixed']}. Prompts: {result['prompt_recipe']} (seed "
-             f"{s['seed']}); all rows of a batch have one length, attention mask all ones.", ""]
+             "", f"**Fixed work**: {result['how_work_is_fixed']}. Prompts: {result['prompt_recipe']}; all rows of a batch have one length, attention mask all ones.", ""]
     if busy:
         lines += ["**Warning**: some points were " + (busy_text({"busy": True, "threshold": 0.1,
                   "others_cpu_share": max((p["timing"].get("others_share") or 0) for p in result["points"])})
