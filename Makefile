@@ -171,6 +171,14 @@ export DEVICE BENCH_ARGS
 bench-kernels: setup ## slot-attention kernels (sdpa/replicated/flex, +triton and bf16 on cuda): make bench-kernels DEVICE=cuda
 	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness bench-kernels --device "$$DEVICE" $$BENCH_ARGS
 
+SCALING_ARGS ?=
+override SCALING_ARGS := $(value SCALING_ARGS)
+export SCALING_ARGS
+
+.PHONY: scaling
+scaling: setup ## cost as the work grows: latency, tokens/s, NFE, peak memory vs gen/prompt/batch size, budget batch (~10 min): make scaling [SCALING_ARGS='--quick']
+	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness scaling $$SCALING_ARGS
+
 # The authors' side runs in a scratch venv (transformers 4.52.x) on a checkout of ML-GSAI/ReFusion; see
 # `python scripts/side_by_side_authors.py --help` for both.
 AUTHORS_PY ?=

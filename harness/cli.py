@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-decoders": ("harness.speed.bench", "benchmark every decoder on the embedded suite (JSON to results/)"),
     "bench-kernels": ("harness.speed.bench_kernels", "time and memory of the slot-attention kernels (JSON to results/)"),
     "bench-e2e": ("harness.speed.bench_e2e", "end-to-end decode timing at the Qwen3-8B shape on random weights (GPU check)"),
+    "scaling": ("harness.speed.scaling", "latency, tokens/s, NFE and peak memory vs generation, prompt and batch size"),
     "bench-compile": ("harness.speed.bench_compile", "eager vs compiled decoding (knob compile) at the 8B shapes on random weights (GPU check)"),
     "generate-eval": ("harness.run.hf_generate", "accuracy of causal checkpoints with plain model.generate (left to right)"),
     "knobs": ("harness.run.knobs", "every decoder's knobs: defaults, accepted values, help"),
