@@ -75,12 +75,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.sandbox_os import (Cgroup, cgroup_setup, kill_session, kill_uid, remove_uid_leftovers, rm_rf,
+                              uid_processes)
+
 REASONS = ("passed", "timeout", "memory", "error", "exited", "killed", "output_limit", "file_size",
            "protocol", "sandbox_error")
 UID_RANGE = range(50000, 60000)
 LOCK_DIR = Path("/run/refusion-sandbox")
-_SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-_CGROUP_NAME = "refusion-sandbox"
 _CHILD_SRC = (Path(__file__).resolve().parent / "sandbox_child.py").read_text(encoding="utf-8")
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
         "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -373,35 +374,6 @@ raise SystemExit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 """
 
 
-def _cgroup_setup() -> tuple[str | None, list[Path]]:
-    """('v2'|'v1', parent folders for per-run cgroups) when memory and pids limits work, else (None, [])."""
-    for mount in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
-        ctl = mount / "cgroup.controllers"
-        try:
-            if not {"memory", "pids"} <= set(ctl.read_text().split()):
-                continue
-            base = mount / _CGROUP_NAME
-            base.mkdir(exist_ok=True)
-            for d in (mount, base):
-                try:
-                    (d / "cgroup.subtree_control").write_text("+memory +pids")
-                except OSError:
-                    pass
-            if {"memory", "pids"} <= set((base / "cgroup.subtree_control").read_text().split()):
-                return "v2", [base]
-        except OSError:
-            continue
-    try:
-        bases = [Path("/sys/fs/cgroup/memory") / _CGROUP_NAME, Path("/sys/fs/cgroup/pids") / _CGROUP_NAME]
-        for b in bases:
-            b.mkdir(exist_ok=True)
-        if (bases[0] / "memory.limit_in_bytes").exists() and (bases[1] / "pids.max").exists():
-            return "v1", bases
-    except OSError:
-        pass
-    return None, []
-
-
 @functools.lru_cache(maxsize=1)
 def capabilities() -> dict:
     """Which isolation mechanisms this process gets, probed once; ``warning`` names what is missing."""
@@ -414,7 +386,7 @@ def capabilities() -> dict:
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
         except (OSError, subprocess.SubprocessError, RuntimeError):
             namespaces = False
-        cgroup, _ = _cgroup_setup()
+        cgroup, _ = cgroup_setup()
     packages = package_environment(as_other_uid=root, namespaces=namespaces)
     missing = []
     if not root:
@@ -437,175 +409,6 @@ def _warn_once(caps: dict) -> None:
         _warned.set()
         if os.environ.get(WARNED_ENV) != "1":
             print(f"warning: {caps['warning']}", file=sys.stderr)
-
-
-# ---------------------------------------------------------------- cgroups
-class _Cgroup:
-    """Per-run cgroup(s) with a memory and a process limit for the whole program."""
-
-    def __init__(self, memory_bytes: int, pids: int) -> None:
-        kind = capabilities()["cgroup"]
-        _, bases = _cgroup_setup() if kind else (None, [])
-        self.kind = kind
-        name = f"run-{os.getpid()}-{secrets.token_hex(6)}"
-        self.dirs = [b / name for b in bases]
-        made = []
-        try:
-            for d in self.dirs:
-                d.mkdir()
-                made.append(d)
-            if kind == "v2":
-                d = self.dirs[0]
-                (d / "memory.max").write_text(str(memory_bytes))
-                if (d / "memory.swap.max").exists():
-                    (d / "memory.swap.max").write_text("0")
-                (d / "pids.max").write_text(str(pids))
-            elif kind == "v1":
-                mem, pid = self.dirs
-                (mem / "memory.limit_in_bytes").write_text(str(memory_bytes))
-                if (mem / "memory.memsw.limit_in_bytes").exists():
-                    try:
-                        (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
-                    except OSError:
-                        pass
-                (pid / "pids.max").write_text(str(pids))
-        except OSError:
-            self.dirs = made
-            self.remove()
-            raise
-
-    def procs_files(self) -> list[str]:
-        return [str(d / "cgroup.procs") for d in self.dirs]
-
-    def oom_kills(self) -> int:
-        files = {"v2": "memory.events", "v1": "memory.oom_control"}
-        if not self.dirs or self.kind not in files:
-            return 0
-        try:
-            for line in (self.dirs[0] / files[self.kind]).read_text().splitlines():
-                k, _, v = line.partition(" ")
-                if k == "oom_kill":
-                    return int(v)
-        except (OSError, ValueError):
-            pass
-        return 0
-
-    def remove(self) -> str | None:
-        """Kill what is left in the cgroups and delete them; a problem as text, never raised."""
-        problem = None
-        for d in self.dirs:
-            for _ in range(100):
-                try:
-                    pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
-                except (OSError, ValueError):
-                    pids = []
-                for p in pids:
-                    try:
-                        os.kill(p, signal.SIGKILL)
-                    except OSError:
-                        pass
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.02)  # killed processes are still exiting
-            else:
-                problem = f"cgroup {d} could not be removed"
-        return problem
-
-
-# ---------------------------------------------------------------- processes and files of a uid
-def _uid_processes(uid: int) -> list[int]:
-    """Live (non-zombie) pids whose real uid is `uid`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = Path(entry.path, "status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        try:
-            if int(fields.get("Uid", "-1 ").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
-                pids.append(int(entry.name))
-        except ValueError:
-            continue
-    return pids
-
-
-def _kill_uid(uid: int) -> str | None:
-    """Root: SIGKILL every process of `uid` until none is left (a stopped one dies too). Never raises."""
-    # Only processes of the uid can create more of them and each kill is final, so the loop ends.
-    for _ in range(200):
-        pids = _uid_processes(uid)
-        if not pids:
-            return None
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.01)
-    return f"processes of uid {uid} survived SIGKILL"
-
-
-def _kill_session(pid: int) -> None:
-    """Non-root fallback: kill the process group and anything still in the session."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == pid:
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                continue
-
-
-def _rm_rf(path: str) -> str | None:
-    # `rm -rf` walks any depth; shutil.rmtree recurses in Python and raises RecursionError
-    # on a few thousand nested folders.
-    try:
-        r = subprocess.run(["rm", "-rf", "--one-file-system", "--", path], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, timeout=120)
-        return None if r.returncode == 0 and not os.path.lexists(path) else f"could not remove {path}"
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"could not remove {path}: {e}"
-
-
-def _remove_uid_leftovers(uid: int) -> list[str]:
-    """Fallback mode: files of `uid` in the world-writable folders and its SysV IPC objects."""
-    problems = []
-    for d in _SCRATCH_DIRS:
-        try:
-            entries = list(os.scandir(d))
-        except OSError:
-            continue
-        for e in entries:
-            try:
-                if e.stat(follow_symlinks=False).st_uid == uid:
-                    p = _rm_rf(e.path)
-                    if p:
-                        problems.append(p)
-            except OSError:
-                continue
-    for kind, flag in (("shm", "-m"), ("sem", "-s"), ("msg", "-q")):
-        try:
-            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            # columns: key id perms ... uid (the 8th for shm, 5th for sem, 8th for msg)
-            uid_col = {"shm": 7, "sem": 4, "msg": 7}[kind]
-            if len(f) > uid_col and f[uid_col] == str(uid):
-                subprocess.run(["ipcrm", flag, f[1]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return problems
 
 
 # ---------------------------------------------------------------- one run
@@ -696,7 +499,7 @@ class _Run:
         self.root = os.geteuid() == 0
         self.ns = self.root and caps["namespaces"]
         self.leases: list[_UidLease] = []
-        self.cgroup: _Cgroup | None = None
+        self.cgroup: Cgroup | None = None
         self.workdir: str | None = None
         self.judge = self.cand = None
         self.fds: list[int] = []
@@ -739,7 +542,8 @@ class _Run:
             self.leases = [_UidLease(), _UidLease()]
         cand_lease, judge_lease = (self.leases + [None, None])[:2]
         if self.ns and self.caps["cgroup"]:
-            self.cgroup = _Cgroup((lim["memory_mb"] + lim["scratch_mb"]) * 1024 * 1024, lim["max_procs"] + 2)
+            self.cgroup = Cgroup((lim["memory_mb"] + lim["scratch_mb"]) * 1024 * 1024, lim["max_procs"] + 2,
+                                 self.caps["cgroup"])
         jsock, csock = socket.socketpair()
         self.socks = [jsock, csock]
         verdict_r, verdict_w = os.pipe()
@@ -785,7 +589,7 @@ class _Run:
                 os.chown(self.workdir, cand_lease.uid, cand_lease.uid)
                 os.chown(Path(self.workdir, "program.py"), cand_lease.uid, cand_lease.uid)
             else:
-                nproc += len(_uid_processes(os.getuid()))  # RLIMIT_NPROC counts all our own processes
+                nproc += len(uid_processes(os.getuid()))  # RLIMIT_NPROC counts all our own processes
             os.chmod(self.workdir, 0o700)
             self.cand = subprocess.Popen(
                 [python, "-I", "-S", "-c", _CHILD_SRC, "candidate", str(csock.fileno()),
@@ -887,11 +691,11 @@ class _Run:
                     self.problems.append("the sandbox namespace did not end")
         else:
             if self.leases:
-                p = _kill_uid(self.leases[0].uid)
+                p = kill_uid(self.leases[0].uid)
                 if p:
                     self.problems.append(p)
             else:
-                _kill_session(self.cand.pid)
+                kill_session(self.cand.pid)
             if self.cand.poll() is None:
                 self.cand.kill()
             self.cand.wait()
@@ -910,7 +714,7 @@ class _Run:
                 p.kill()
                 p.wait()
         for lease in self.leases:
-            problem = _kill_uid(lease.uid)
+            problem = kill_uid(lease.uid)
             if problem:
                 self.problems.append(problem)
         if self.cgroup is not None:
@@ -920,12 +724,12 @@ class _Run:
 
     def _cleanup_files(self) -> None:
         if self.workdir is not None:
-            p = _rm_rf(self.workdir)
+            p = rm_rf(self.workdir)
             if p:
                 self.problems.append(p)
         if not self.ns:
             for lease in self.leases:
-                self.problems.extend(_remove_uid_leftovers(lease.uid))
+                self.problems.extend(remove_uid_leftovers(lease.uid))
 
     def _cleanup_handles(self) -> None:
         for s in self.socks:
