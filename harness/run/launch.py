@@ -12,7 +12,7 @@ from pathlib import Path
 
 from harness.run import cluster, summary
 from harness.run.faults import STOP_SIGNALS
-from harness.run.store import atomic_write_json, read_json
+from harness.run.store import atomic_write_json, read_json, read_json_or_none
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,14 +110,9 @@ def timed_rounds(run_dir: Path, cfg: dict) -> int | None:
         atomic_write_json(run_dir / "run.json", {**old, "timing": t})
     if t.get("mode", "interleaved") != "interleaved":
         return None
-    done = run_dir / "timing.json"
-    if done.is_file():
-        try:
-            if read_json(done).get("settings") == t:
-                print("timed rounds: already measured, kept", file=sys.stderr)
-                return None
-        except (OSError, ValueError):
-            pass
+    if (read_json_or_none(run_dir / "timing.json") or {}).get("settings") == t:
+        print("timed rounds: already measured, kept", file=sys.stderr)
+        return None
     print(f"timed rounds: {t['rounds']} rounds, {t['items']} item(s) per task, the models in turn "
           f"({t['order']}), wall time", file=sys.stderr)
     # The fault hooks are for the decoding pass; the rounds re-decode items it decoded well.

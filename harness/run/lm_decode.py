@@ -8,6 +8,7 @@ own timings leave them out (docs/design.md "Compiled decoding")."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -108,18 +109,16 @@ class DecoderCall:
             self._warm = True
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        tracker = contextlib.nullcontext()
         if self.memory:
             from harness.run.memory import DecodeMemory
 
             # Compiled forwards are invisible to the dispatch tracker: on CUDA the allocator alone measures them.
             compiled = bool(getattr(knobs, "compile", False))
-            with DecodeMemory(self.model, dispatch=not (compiled and self.device.type == "cuda")) as mem:
-                (tokens, stats), wall, cpu = clock(lambda: self.decoder(self.model, ids, mask, knobs, **special),
-                                                   self.sync)
-            self.last_memory = mem.result()
-        else:
-            (tokens, stats), wall, cpu = clock(lambda: self.decoder(self.model, ids, mask, knobs, **special),
-                                               self.sync)
+            tracker = DecodeMemory(self.model, dispatch=not (compiled and self.device.type == "cuda"))
+        with tracker as mem:
+            (tokens, stats), wall, cpu = clock(lambda: self.decoder(self.model, ids, mask, knobs, **special), self.sync)
+        self.last_memory = mem.result() if self.memory else None
         gpu_peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return tokens, stats, wall, cpu, gpu_peak
 

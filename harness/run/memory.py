@@ -344,9 +344,11 @@ class DecodeMemory:
 
 
 def measure_decode(name: str, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   knobs=None, *, dispatch: bool = True, **overrides) -> tuple[list[torch.Tensor], dict, dict]:
+                   knobs=None, *, dispatch: bool = True, special: dict | None = None,
+                   **overrides) -> tuple[list[torch.Tensor], dict, dict]:
     """One call of registered decoder ``name`` under ``DecodeMemory``: (tokens, stats, memory result).
-    ValueError for compiled decoding under the tracker (module doc)."""
+    ``special``: the call's special-id keywords (eos_token_id, mask_token_id). ValueError for compiled decoding
+    under the tracker (module doc)."""
     from refusion.decoding import get_decoder
 
     decoder = get_decoder(name)
@@ -356,7 +358,7 @@ def measure_decode(name: str, model, input_ids: torch.Tensor, attention_mask: to
                          "(torch.compile skips frames under a dispatch mode); measure with compile=false, or on "
                          "CUDA with dispatch=False")
     with DecodeMemory(model, dispatch=dispatch) as mem:
-        tokens, stats = decoder(model, input_ids, attention_mask, k)
+        tokens, stats = decoder(model, input_ids, attention_mask, k, **(special or {}))
     return tokens, stats, mem.result()
 
 

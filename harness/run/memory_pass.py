@@ -25,7 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness.run.store import atomic_write_json, read_json
+from harness.run.store import atomic_write_json, read_json, read_json_or_none
 
 DEFAULT_ITEMS = 2  # memory items (calls) per task: the tracker costs several times a plain decode on the CPU
 
@@ -39,19 +39,16 @@ def settings_of(cfg: dict) -> dict:
 
 def load_memory(run_dir: Path, cfg: dict) -> dict | None:
     """The run's memory.json when it was measured with the run's settings."""
-    p = run_dir / "memory.json"
-    if not p.is_file():
-        return None
-    try:
-        got = read_json(p)
-    except (OSError, ValueError):
-        return None
-    return got if got.get("settings") == settings_of(cfg) else None
+    got = read_json_or_none(run_dir / "memory.json")
+    return got if isinstance(got, dict) and got.get("settings") == settings_of(cfg) else None
 
 
-def _measure(side, unit: str, batches: list[list[dict]]) -> dict:
+def _measure(side, batches: list[list[dict]]) -> dict:
     """One model's figure on one task: the largest call peak with its breakdown, every call's peak, the items
-    measured and those that failed twice."""
+    measured and those that failed twice. Only an item fault (harness/run/faults.py: out of memory, non-finite
+    logits, a forward budget) is retried and named; anything else is a bug and stops the pass."""
+    from harness.run.faults import free_device_memory, item_fault
+
     calls, failed = [], []
     for batch in batches:
         items = [[it["task"], it["doc_id"]] for it in batch]
@@ -59,13 +56,13 @@ def _measure(side, unit: str, batches: list[list[dict]]) -> dict:
             try:
                 side.decode(batch, "memory")
                 break
-            except Exception as e:  # noqa: BLE001 - a decode fault (out of memory, non-finite logits) or a mismatch
-                from harness.run.timing import TimingMismatch
-
-                if isinstance(e, TimingMismatch):
+            except Exception as e:  # noqa: BLE001 - classified by item_fault; the rest is re-raised
+                why = item_fault(e)
+                if why is None:
                     raise
+                free_device_memory()
                 if attempt == 2:
-                    failed.append({"items": items, "error": f"{type(e).__name__}: {e}".replace("\n", " ")[:300]})
+                    failed.append({"items": items, "error": why.replace("\n", " ")[:300]})
         else:
             continue
         mem = side.lm.call.last_memory
@@ -106,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         side = rounds.ModelSide(m, cfg, rows)
         side.lm.call.memory = True
         try:
-            result["models"][m["name"]] = {u: _measure(side, u, side.batches[u]) for u in rows if side.batches[u]}
+            result["models"][m["name"]] = {u: _measure(side, side.batches[u]) for u in rows if side.batches[u]}
         except timing.TimingMismatch as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.run.store import atomic_write_json, read_json
+from harness.run.store import atomic_write_json, read_json, read_json_or_none
 from harness.run import guard as guard_mod, timing
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -185,14 +185,8 @@ class ModelSide:
 def load_timing(run_dir: Path, cfg: dict) -> dict | None:
     """The run's timing.json when the run is interleaved and it holds rounds for the run's timing settings."""
     t = settings_of(cfg)
-    p = run_dir / "timing.json"
-    if t["mode"] != "interleaved" or not p.is_file():
-        return None
-    try:
-        got = read_json(p)
-    except (OSError, ValueError):
-        return None
-    return got if got.get("settings") == t and got.get("passes") else None
+    got = read_json_or_none(run_dir / "timing.json") if t["mode"] == "interleaved" else None
+    return got if isinstance(got, dict) and got.get("settings") == t and got.get("passes") else None
 
 
 def _pass_of(timed: dict, model: str) -> dict | None:

@@ -139,6 +139,15 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.load(f)
 
 
+def read_json_or_none(path: str | os.PathLike) -> Any:
+    """``read_json``, or None when the file is missing or unreadable (a result an earlier step may not have
+    written yet, or wrote before a crash: the caller measures again)."""
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
 def request_key(*parts: Any) -> str:
     """Stable id of one request: same task, document, prompt, generation settings and knobs -> same key."""
     blob = json.dumps(parts, sort_keys=True, default=_default, ensure_ascii=False)

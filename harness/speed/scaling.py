@@ -199,13 +199,10 @@ def clear_decoder_memos() -> None:
 def decode_tracked(decoder: str, model, ids, knobs, special: dict) -> tuple[list, dict, dict]:
     """One decode of registered ``decoder`` under the peak-memory tracker, memos cleared first:
     (tokens, stats, memory result)."""
-    from harness.run.memory import DecodeMemory
-    from refusion.decoding import get_decoder
+    from harness.run.memory import measure_decode
 
     clear_decoder_memos()
-    with DecodeMemory(model) as mem:
-        tokens, stats = get_decoder(decoder)(model, ids, None, knobs, **special)
-    return tokens, stats, mem.result()
+    return measure_decode(decoder, model, ids, None, knobs, special=special)
 
 
 def knob_values(preset: str, gen: int, overrides: dict | None = None) -> dict:
