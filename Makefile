@@ -179,6 +179,14 @@ export SCALING_ARGS
 scaling: setup ## cost as the work grows: latency, tokens/s, NFE, peak memory vs gen/prompt/batch size, budget batch (~10 min): make scaling [SCALING_ARGS='--quick']
 	@set -f; HF_HUB_OFFLINE=1 exec $(PY) -m harness scaling $$SCALING_ARGS
 
+SPREAD_ARGS ?= --runs 6
+override SPREAD_ARGS := $(value SPREAD_ARGS)
+export SPREAD_ARGS
+
+.PHONY: spread
+spread: setup ## how far a second run lands: repeated idle runs of one eval command, make compare over their pairs, A/Bs of identical code (~15 min for 6 default runs): make spread SPREAD_ARGS='--runs 6 --ab 10'
+	@set -f; REFUSION_DIE_WITH_PARENT=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 exec $(PY) -m harness spread $$SPREAD_ARGS
+
 # The authors' side runs in a scratch venv (transformers 4.52.x) on a checkout of ML-GSAI/ReFusion; see
 # `python scripts/side_by_side_authors.py --help` for both.
 AUTHORS_PY ?=

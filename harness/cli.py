@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("harness.report.sweep", "ReFusion accuracy vs tokens/s as its knobs vary (ablation view)"),
     "frontier": ("harness.report.frontier", "every decoder's accuracy-parallelism frontier over its grid, with AUP"),
     "compare": ("harness.report.compare", "the same models in two or more runs side by side, with ratios"),
+    "spread": ("harness.speed.spread", "how far a second run lands: repeated idle runs, compare over their pairs, A/Bs"),
     "curves": ("harness.train.curves", "learning curves: preset decoders on 100 test items per kind vs training step"),
     "trace": ("harness.report.trace", "how each decoder fills one answer, forward by forward (figures, GIFs, HTML)"),
 }

@@ -820,7 +820,7 @@ def test_summary_and_table1_carry_95_percent_intervals(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     row = next(r for r in s["rows"] if r["model"] == "refusion")
     assert row["quality_ci"]["method"] == "wilson" and row["speedup_p"] == 0.0
-    assert row["latency_p90_s_ci"] == {"lo": 0.025, "hi": 0.025, "method": "bootstrap"}
+    assert row["latency_p90_s_ci"] == {"lo": 0.025, "hi": 0.025, "method": "bootstrap over 10 items (2000 resamples)"}
     # The report: every cell of ours with its interval, the quality in %.
     out = tmp_path / "reports"
     assert main(["--run", str(run), "--out", str(out), "--name", "iv"]) == 0
@@ -869,8 +869,8 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
     tps = {r[0]: r for r in _md_section((out / "compare-a-vs-b" / "compare.md").read_text(),
                                         "## tokens/s (ratio of sums)")}
     assert tps["ar"][4] == "0.50" and tps["ar"][5:] == ["-", "-", "not testable: one timed pass per run"]
-    # Timed rounds in both runs: the speedups are judged by their per-round values (Mann-Whitney, p < 0.002 and
-    # beyond 1.1x); absolute figures are shown with their ratio, not judged.
+    # Timed rounds in both runs: the speedups are judged by their per-pair values (disjoint round pairs,
+    # Mann-Whitney, p < 0.01 and beyond 1.25x); absolute figures are shown with their ratio, not judged.
     jitter = [1 + 0.01 * ((j * 7) % 9 - 4) for j in range(9)]
     for run_id, model, tps_, lat in (("a", "ar", 100.0, 0.1), ("b", "ar", 50.0, 0.2), ("a", "refusion", 400.0, 0.025),
                                      ("b", "refusion", 400.0, 0.025)):
@@ -884,18 +884,19 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
         # speedup over ar in its own run's rounds: refusion 4x in a, 8x in b (ar twice as slow there)
         if model == "refusion":
             met["speedup"] = {"baseline": "ar", "tokens_per_s": 4.0 * (2 if run_id == "b" else 1),
-                              "per_round": [4.0 * (2 if run_id == "b" else 1) * j for j in jitter[:8]]}
+                              "per_pair": [4.0 * (2 if run_id == "b" else 1) * j for j in jitter[:5]]}
             path.write_text(json.dumps(met))
     assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     # Absolute tokens/s of two runs: the ratio, not judged (the machine between runs is in neither run).
     assert "tokens_per_s" not in printed and "latency" not in printed
-    assert ("differs: refusion embedded_math speedup in b (p <0.001, Mann-Whitney U over rounds (8 vs 8), p < 0.002 "
-            "and beyond 1.1x, 8 vs 8 rounds items)") in printed
+    assert ("differs: refusion embedded_math speedup in b (p 0.008, Mann-Whitney U over disjoint round pairs (5 vs 5), "
+            "p < 0.01 and beyond 1.25x, 5 vs 5 round pairs)") in printed
     md = (out / "compare-a-vs-b" / "compare.md").read_text()
     differ = _md_section(md, "## Rows that differ")
     assert ["refusion", "embedded_math", "speedup over the run's own AR model (x)", "b", "x2.00",
-            "Mann-Whitney U over rounds (8 vs 8), p < 0.002 and beyond 1.1x", "<0.001", "8 vs 8 rounds"] in differ
+            "Mann-Whitney U over disjoint round pairs (5 vs 5), p < 0.01 and beyond 1.25x", "0.008",
+            "5 vs 5 round pairs"] in differ
     tps = {r[0]: r for r in _md_section(md, "## tokens/s (ratio of sums)")}
     assert tps["ar"][5:] == ["x0.50", "-", compare.NOT_JUDGED]
     assert not any(r[0] == "refusion" and r[2].startswith("quality") for r in differ)  # 2 vs 0 discordant: p 0.5

@@ -147,8 +147,33 @@ def test_mean_of_per_task_ratios_interval_is_stratified():
     b1 = _items([1] * 5, tokens=[10] * 5, seconds=[0.5, 1, 1.5, 2, 2.5], nfe=[10] * 5, task="x")
     a2 = _items([1] * 3, tokens=[8] * 3, seconds=[4, 4, 8], nfe=[8] * 3, task="y")
     b2 = _items([1] * 3, tokens=[8] * 3, seconds=[1, 1, 2], nfe=[8] * 3, task="y")
-    iv = stats.mean_ratio_interval([(a1, b1), (a2, b2)], streams=["x", "y"])
-    assert (iv["lo"], iv["hi"]) == pytest.approx((3.0, 3.0))
+    got = stats.mean_ratio_interval([(a1, b1), (a2, b2)], streams=["x", "y"])
+    iv = got["interval"]
+    assert (iv["lo"], iv["hi"]) == pytest.approx((3.0, 3.0)) and got["ratio"] == pytest.approx(3.0)
+    assert iv["method"].startswith("stratified paired bootstrap over 8 items of 2 tasks")
+
+
+def test_single_pass_points_are_their_statistic_and_lie_in_their_intervals():
+    """Noisy items, some failed on one side: the per-task point is the ratio on the items both decoded (the
+    interval's statistic at the full sample), inside its interval; the mean is the mean of those points."""
+    g = np.random.default_rng(5)
+    pairs = []
+    for t, n in (("x", 12), ("y", 7)):
+        sa, sb = g.uniform(0.5, 2.0, n), g.uniform(0.2, 1.0, n)
+        sb[0] = np.nan  # b failed its first item: only the shared ones count
+        a = _items([1] * n, tokens=list(g.integers(5, 30, n)), seconds=list(sa), nfe=[4] * n, task=t)
+        b = _items([1] * n, tokens=list(g.integers(5, 30, n)), seconds=list(sb), nfe=[4] * n, task=t)
+        pairs.append((a, b))
+        got = stats.paired_ratio(a, b, "tokens_per_s", t)
+        ok = np.isfinite(sb)
+        independent = (b.tokens[ok].sum() / sb[ok].sum()) / (a.tokens[ok].sum() / sa[ok].sum())
+        assert got["ratio"] == pytest.approx(independent, rel=1e-12) and got["items"] == n - 1
+        assert got["interval"]["lo"] <= got["ratio"] <= got["interval"]["hi"]
+        assert got["interval"]["method"] == f"paired bootstrap over {n - 1} items both decoded (2000 resamples)"
+    mean = stats.mean_ratio_interval(pairs, streams=["x", "y"])
+    per = [stats.paired_ratio(a, b, "tokens_per_s", t)["ratio"] for (a, b), t in zip(pairs, "xy")]
+    assert mean["ratio"] == pytest.approx(sum(per) / 2, rel=1e-12)
+    assert mean["interval"]["lo"] <= mean["ratio"] <= mean["interval"]["hi"]
 
 
 # ---------------------------------------------------------------- items from the logs

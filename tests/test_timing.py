@@ -47,17 +47,83 @@ def test_abba_alternates_and_random_is_seeded():
 
 def test_figures_are_exact_on_a_steady_machine():
     cost = {"g": [0.1, 0.3]}
-    got = timing.run_rounds([Clocked("a", cost), Clocked("b", cost, factor=2.0)], ["g"], rounds=9, progress=False)
-    assert len(got["records"]) == 18 and got["repeat"] == {"g": {"a": 1, "b": 1}}
+    got = timing.run_rounds([Clocked("a", cost), Clocked("b", cost, factor=2.0)], ["g"], rounds=10, progress=False)
+    assert len(got["records"]) == 20 and got["repeat"] == {"g": {"a": 1, "b": 1}}
     fa = timing.figure(got["records"], "a", "g")
-    assert fa["tokens_per_s"] == pytest.approx(20 / 0.4) and fa["rounds"] == 9 and fa["calls"] == 2
+    assert fa["tokens_per_s"] == pytest.approx(20 / 0.4) and fa["rounds"] == 10 and fa["calls"] == 2
     assert fa["interval"]["lo"] <= 50.0 <= fa["interval"]["hi"]
-    assert fa["latency_s"] == pytest.approx(0.2) and fa["latency_p90_s"] == pytest.approx(0.28)
+    assert fa["interval"]["method"] == "bootstrap over 10 rounds and 2 items, resampled together (2000 resamples)"
+    assert fa["latency_s"] == pytest.approx(0.2)  # the mean request latency
     r = timing.ratio(got["records"], "b", "a", "g")
-    assert r["ratio"] == pytest.approx(0.5) and len(r["per_round"]) == 8  # adjacent-round pairs
+    assert r["ratio"] == pytest.approx(0.5) and len(r["per_pair"]) == r["pairs"] == 5  # disjoint round pairs
     assert r["interval"]["lo"] == pytest.approx(0.5) and r["interval"]["hi"] == pytest.approx(0.5)
+    assert r["interval"]["method"].startswith("bootstrap over 5 round pairs and 2 items")
     m = timing.mean_ratio(got["records"], "b", "a", ["g"])
     assert m["ratio"] == pytest.approx(0.5)
+    odd = timing.ratio(timing.run_rounds([Clocked("a", cost), Clocked("b", cost)], ["g"], rounds=9,
+                                         progress=False)["records"], "b", "a", "g")
+    assert odd["pairs"] == 4 and "4 round pairs (round 9 unpaired, left out)" in odd["interval"]["method"]
+
+
+def test_round_pairs_are_disjoint():
+    wall = np.arange(7.0)[:, None] * np.ones((1, 2))  # rounds 0..6, 2 calls
+    assert timing.round_pairs(wall)[:, 0].tolist() == [0 + 1, 2 + 3, 4 + 5]  # round 6 left out, none twice
+    assert timing.round_pairs(wall[:1]).tolist() == [[0.0, 0.0]]
+    assert timing.pairs_text(10) == "5 round pairs" and timing.pairs_text(1) == "1 round (unpaired)"
+
+
+def test_one_timed_item_is_named_and_not_resampled():
+    got = timing.run_rounds([Clocked("a", {"g": [0.1]}), Clocked("b", {"g": [0.2]})], ["g"], rounds=4, progress=False)
+    r = timing.ratio(got["records"], "b", "a", "g")
+    assert r["items"] == 1 and r["interval"]["method"] == ("bootstrap over 2 round pairs; 1 item, not resampled "
+                                                           "(2000 resamples)")
+
+
+def _independent_ratio(records: list[dict], side: str, ref: str, group: str) -> float:
+    """The per-task speedup recomputed from the records alone: per disjoint pair of rounds (1+2, 3+4, ...), each
+    side's tokens over its seconds, their ratio; the median over pairs."""
+    def per_round(name):
+        rs = sorted((r for r in records if r["side"] == name and r["group"] == group), key=lambda r: r["round"])
+        return [(sum(c["tokens"] for c in r["calls"]), sum(c["wall_s"] / r["repeat"] for c in r["calls"]))
+                for r in rs]
+    a, b = per_round(side), per_round(ref)
+    ratios = []
+    for i in range(0, len(a) - 1, 2):
+        ta, sa = a[i][0] + a[i + 1][0], a[i][1] + a[i + 1][1]
+        tb, sb = b[i][0] + b[i + 1][0], b[i][1] + b[i + 1][1]
+        ratios.append((ta / sa) / (tb / sb))
+    return float(np.median(ratios))
+
+
+def test_each_point_is_its_statistic_and_lies_in_its_interval():
+    """On a noisy synthetic machine (random per-call wobble), per group and for the mean over groups, the point
+    equals an independent recomputation and lies inside its own interval."""
+    import random
+
+    class Noisy(Clocked):
+        def __init__(self, *a, seed=0, **k):
+            super().__init__(*a, **k)
+            self.rng = random.Random(seed)
+
+        def block(self, group, repeat):
+            return [{**c, "wall_s": c["wall_s"] * self.rng.uniform(0.7, 1.4)} for c in super().block(group, repeat)]
+
+    cost = {"g": [0.1, 0.3, 0.2], "h": [0.05], "k": [0.2, 0.1]}
+    for seed in range(6):
+        got = timing.run_rounds([Noisy("a", cost, seed=seed), Noisy("b", cost, factor=1.7, seed=seed + 50)],
+                                list(cost), rounds=10, progress=False)
+        points = []
+        for g in cost:
+            r = timing.ratio(got["records"], "b", "a", g)
+            assert r["ratio"] == pytest.approx(_independent_ratio(got["records"], "b", "a", g), rel=1e-12)
+            assert r["interval"]["lo"] <= r["ratio"] <= r["interval"]["hi"]
+            f = timing.figure(got["records"], "b", g)
+            assert f["interval"]["lo"] <= f["tokens_per_s"] <= f["interval"]["hi"]
+            points.append(r["ratio"])
+        m = timing.mean_ratio(got["records"], "b", "a", list(cost))
+        assert m["ratio"] == pytest.approx(sum(points) / len(points), rel=1e-12)
+        assert m["interval"]["lo"] <= m["ratio"] <= m["interval"]["hi"]
+        assert "round pairs (drawn once for all 3 tasks)" in m["interval"]["method"]
 
 
 def test_a_short_block_is_repeated_within_its_round():
@@ -108,13 +174,16 @@ def test_interval_holds_round_to_round_spread():
 
 
 def test_between_runs_needs_significance_and_a_real_change():
-    base = [100 * (1 + 0.02 * ((j * 5) % 9 - 4) / 4) for j in range(9)]
+    base = [99.0, 101.5, 100.0, 98.2, 100.7]  # 5 round pairs, as by default
     same = timing.between_runs(base, base[::-1])
     assert not same["differs"] and same["ratio"] == pytest.approx(1.0)
     half = timing.between_runs(base, [x / 2 for x in base])
-    assert half["differs"] and half["p"] < 0.002 and half["ratio"] == pytest.approx(0.5)
-    small = timing.between_runs(base, [x * 1.05 for x in base])  # significant but within 1.1x: not called
-    assert not small["differs"] and small["p"] < 0.002
+    assert half["differs"] and half["p"] < timing.RUNS_ALPHA and half["ratio"] == pytest.approx(0.5)
+    assert half["p"] == pytest.approx(timing.min_p(5, 5)) == pytest.approx(2 / 252)  # the exact test's floor
+    small = timing.between_runs(base, [x * 1.2 for x in base])  # significant but within the idle spread
+    assert not small["differs"] and small["p"] < timing.RUNS_ALPHA
+    few = timing.between_runs(base[:3], [x / 2 for x in base[:3]])  # 3 vs 3 pairs cannot reach p < 0.01
+    assert not few["differs"] and few["p"] is None and "cannot reach p < 0.01" in few["test"]
     one = timing.between_runs([100.0], [50.0])
     assert not one["differs"] and one["p"] is None and "not testable" in one["test"]
 
@@ -126,8 +195,8 @@ def test_sample_docs_is_seeded_and_nested():
     assert len(four) == 4 and set(four) <= set(eight) and four == sorted(four)
     assert four == timing.sample_docs(docs, 4, 1234, "embedded_math") != timing.sample_docs(docs, 4, 1234, "other")
     assert timing.sample_docs(docs, None, 1, "x") == docs and timing.sample_docs(docs, 99, 1, "x") == docs
-    # auto: the rounds re-decode about half the decoding pass (k x 9 rounds ~ docs / 2), 1 to 32 items per task
-    assert [timing.items_auto(n) for n in (1, 20, 36, 60, 100, 400, 1319)] == [1, 1, 2, 3, 5, 22, 32]
+    # auto: the rounds re-decode about half the decoding pass (k x 10 rounds ~ docs / 2), 1 to 32 items per task
+    assert [timing.items_auto(n) for n in (1, 20, 40, 60, 100, 400, 1319)] == [1, 1, 2, 3, 5, 20, 32]
     assert timing.items_auto(60, rounds=3) == 10 and timing.items_auto(0) == 1
     assert timing.parse_items("auto") == "auto" and timing.parse_items("7") == 7
     with pytest.raises(ValueError, match="auto, all or a count"):
@@ -163,7 +232,38 @@ def test_guard_counts_others_and_steal_and_flags_a_busy_machine(tmp_path):
     quiet = guard.Guard(roots={10}, proc=str(proc), busy_share=0.3)
     quiet._marks = g._marks
     assert not quiet.result()["busy"] and guard.busy_text(quiet.result()) is None
+    assert quiet.result()["state"] == "quiet" and res["state"] == "busy"
     assert guard.Guard(proc=str(tmp_path / "none")).result()["available"] is False
+
+
+def test_guard_says_unknown_when_it_cannot_read_the_process_table(tmp_path, monkeypatch):
+    """/proc/stat readable but the process table not listable: our CPU is unknown, so the verdict is unknown
+    (with why), never busy (all our CPU counted as a neighbour's) nor quiet."""
+    proc = tmp_path / "proc"
+    _fake_proc(proc, (100, 0, 0, 1000, 0, 0, 0, 0), {10: (1, 50)})
+    g = guard.Guard(roots={10}, proc=str(proc))
+    real = guard.os.listdir
+    monkeypatch.setattr(guard.os, "listdir", lambda p: (_ for _ in ()).throw(PermissionError(13, "denied"))
+                        if str(p) == str(proc) else real(p))
+    g.mark("start")
+    _fake_proc(proc, (900, 0, 0, 1000, 0, 0, 0, 0), {10: (1, 850)})  # all of it ours
+    g.mark("end")
+    res = g.result()
+    assert res["state"] == "unknown" and not res["busy"] and "process table" in res["why"]
+    assert guard.busy_text(res) is None and "unknown" in guard.state_text([res])
+    assert guard.combined_state([res, {"state": "quiet"}]) == "unknown"
+
+
+def test_guard_on_a_gpu_without_nvml_says_unknown_and_why(tmp_path, monkeypatch):
+    proc = tmp_path / "proc"
+    _fake_proc(proc, (100, 0, 0, 1000, 0, 0, 0, 0), {10: (1, 50)})
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    g = guard.Guard(roots={10}, proc=str(proc), gpu_index=0)
+    g.mark("start")
+    _fake_proc(proc, (200, 0, 0, 1100, 0, 0, 0, 0), {10: (1, 150)})
+    g.mark("end")
+    res = g.result()
+    assert res["state"] == "unknown" and "NVML unavailable (ModuleNotFoundError" in res["why"] and "CPU was quiet" in res["why"]
 
 
 # ---------------------------------------------------------------- a real run's timed rounds

@@ -158,7 +158,7 @@ def _value_interval(key: str, met: dict, it: stats.Items | None, stream: str) ->
         return None if iv is None else iv.scaled(100.0).to_dict()
     if key == "speedup":
         return (met.get("speedup") or {}).get("interval")
-    if key in WALL and is_timed(met):  # timed rounds: their interval (rounds and items)
+    if key in WALL and key not in PASS_LATENCY and is_timed(met):  # timed rounds: their interval
         return speed_interval(met, key)
     if key in stats.SPEED and it is not None:
         got = stats.percentile_interval(stats.speed_dist(it, key, stream))
@@ -168,8 +168,9 @@ def _value_interval(key: str, met: dict, it: stats.Items | None, stream: str) ->
 
 # Wall-clock figures: judged between runs by their timed rounds (harness/run/timing.py ``between_runs``),
 # never by a paired test over items (the difference between two runs lies between the runs, not the items).
-WALL = {"tokens_per_s": "per_round_tokens_per_s", "latency_p50_s": "per_round_latency_p50_s",
-        "latency_p90_s": "per_round_latency_p90_s", "speedup": None}
+# tok/s and the speedup come from the timed rounds; the latency percentiles from the decoding pass in every mode.
+WALL = {"tokens_per_s": "per_round_tokens_per_s", "latency_p50_s": None, "latency_p90_s": None, "speedup": None}
+PASS_LATENCY = ("latency_p50_s", "latency_p90_s")
 NOT_TESTABLE = "not testable: one timed pass per run"
 # Absolute wall-clock figures of two runs are not judged: the machine's own speed between the runs is in
 # neither run's rounds (a shared machine's speed can move by tens of percent between two idle runs of the same
@@ -179,15 +180,20 @@ NOT_JUDGED = "not judged across runs: absolute speed moves with the machine betw
 
 
 def _rounds_of(key: str, met: dict) -> list[float] | None:
-    """A run's per-round values of a wall-clock figure (None for a single pass)."""
+    """A run's independent per-round (tokens/s) or per-round-pair (speedup) values of a wall-clock figure (None
+    for a single pass, or a run written before the pairs were disjoint)."""
     if key == "speedup":
-        return (met.get("speedup") or {}).get("per_round")
+        return (met.get("speedup") or {}).get("per_pair")
+    if key in PASS_LATENCY:
+        return None
     t = (met.get("speed") or {}).get("timing") or {}
     return t.get(WALL[key]) if t.get("mode") == "interleaved" else None
 
 
 def _between(key: str, ma: dict, mb: dict) -> dict | None:
     """A wall-clock figure of two runs: the rounds test, or 'not testable' (printed with the ratio, no p)."""
+    if key in PASS_LATENCY:  # absolute seconds of each run's own pass: the machine between runs is in them
+        return {"test": NOT_JUDGED, "p": None, "differs": False, "items": "-", "not_judged": True}
     a, b = _rounds_of(key, ma), _rounds_of(key, mb)
     if a and b and len(a) > 1 and len(b) > 1:
         from harness.run.timing import between_runs
@@ -205,7 +211,7 @@ def _between(key: str, ma: dict, mb: dict) -> dict | None:
             notes.append(f"the {' and '.join(busy)} run measured on a busy machine")
         if notes:
             got["note"] = "; ".join(notes)
-        return {**got, "items": f"{len(a)} vs {len(b)} rounds"}
+        return {**got, "items": f"{len(a)} vs {len(b)} {'round pairs' if key == 'speedup' else 'rounds'}"}
     if key == "speedup" and not ((ma.get("speedup") or {}).get("tokens_per_s") and
                                  (mb.get("speedup") or {}).get("tokens_per_s")):
         return None
@@ -465,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(differ)} figure(s) differ by a paired test)")
     for d in differ:
         print(f"  differs: {d['model']} {d['benchmark']} {d['figure']} in {d['run']} (p {stats.fmt_p(d['p'])}, "
-              f"{d['test']}, {d['items']} items)")
+              f"{d['test']}, {d['items'] if 'round' in str(d['items']) else str(d['items']) + ' items'})")
     return 0
 
 

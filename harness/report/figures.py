@@ -185,10 +185,13 @@ def memory_bars(title: str, models: list[str], peak_bytes: list[float | None], p
 
 
 def _latencies(rs) -> dict[str, list[float]]:
-    """Per-sample decode seconds pooled over each row's tasks, from the runs' sample logs.
+    """Per-sample request latency (seconds, harness/run/metrics.py ``latency_of``) pooled over each row's tasks,
+    from the runs' sample logs.
 
     A sample log holds one row per lm-eval filter of a document (gsm8k_cot has two, both with the
     same decode), so each (leaf task, document) is counted once."""
+    from harness.run.metrics import latency_of
+
     out: dict[str, list[float]] = {}
     for (label, unit), met in rs.metrics.items():
         model = met.get("model") or label  # the name the run stored it under (the label may add @run)
@@ -203,7 +206,7 @@ def _latencies(rs) -> dict[str, list[float]]:
                 if rec.get("decode_s") is None or key in seen:
                     continue
                 seen.add(key)
-                out.setdefault(label, []).append(float(rec["decode_s"]))
+                out.setdefault(label, []).append(latency_of(rec))
     return {m["name"]: out[m["name"]] for m in rs.models if m["name"] in out}
 
 

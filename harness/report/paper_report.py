@@ -215,12 +215,15 @@ def speedup_summary(row: dict, ref: dict, keys: list[str], rs: RunSet | None = N
             timed_pairs[k] = (a, b)
         elif mine_it is not None and ref_it is not None and per[k] is not None:
             tests[k] = stats.paired_ratio(ref_it, mine_it, "tokens_per_s", a["task"])
+            if tests[k] is not None:  # the point of the interval's statistic: the items both decoded
+                per[k] = tests[k]["ratio"]
             pairs[k] = (ref_it, mine_it)
     both = [k for k, v in per.items() if v is not None]
     mine = _mean([row["cells"][k]["tokens_per_s"] for k in both])
     theirs = _mean([ref["cells"][k]["tokens_per_s"] for k in both])
-    mean_iv = (stats.mean_ratio_interval([pairs[k] for k in both], streams=[row["cells"][k]["task"] for k in both])
-               if both and all(k in pairs for k in both) else None)
+    got = (stats.mean_ratio_interval([pairs[k] for k in both], streams=[row["cells"][k]["task"] for k in both])
+           if both and all(k in pairs for k in both) else None)
+    mean_iv = got and got["interval"]
     if both and all(k in timed_pairs for k in both):
         dirs = {timed_pairs[k][0].get("_run_dir") for k in both} | {timed_pairs[k][1].get("_run_dir") for k in both}
         if len(dirs) == 1:
@@ -460,21 +463,36 @@ def run_notes(rs: RunSet) -> list[str]:
 
 
 def timing_note(run: dict) -> str:
-    """How a run's speed figures were timed (harness/run/timing.py), with the busy-machine flag."""
+    """How a run's speed figures were timed (harness/run/timing.py): rounds, items, what the intervals resample and
+    do not hold, the machine's state, and the items the rounds dropped."""
     from harness.run.rounds import load_timing
-    from harness.run.guard import busy_text
+    from harness.run.guard import busy_text, combined_state, state_text
+    from harness.run.timing import pairs_text
 
     timed = load_timing(Path(run["dir"]), run) if run.get("dir") else None
-    if timed is None:
-        return ("speed figures (tokens/s, speedups) are a single pass: the decoding pass's own times, one model "
-                "after another, no timed rounds; a change in the machine between models moves them unseen")
+    if timed is None or not timed.get("passes"):
+        why = (timed or {}).get("why") or "no timed rounds"
+        return ("speed figures (tokens/s, speedups) are a single pass (" + why + "): the decoding pass's own times, "
+                "one model after another; a change in the machine between models moves them unseen")
     counts = sorted({len(v) for v in (timed.get("docs") or {}).values()}) or [0]
     items = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    text = (f"speed figures from {timed['settings']['rounds']} timed rounds of {items} item(s) per task, the models "
-            "in turn; medians over rounds")
-    guards = [p_.get("guard") for p_ in timed["passes"] if (p_.get("guard") or {}).get("busy")]
-    flag = busy_text(guards[0]) if guards else None
-    return text + (f"; **{flag}**" if flag else "")
+    rounds = int(timed["settings"]["rounds"])
+    text = (f"speed figures from {rounds} timed rounds of {items} item(s) per task, the models in turn: tokens/s the "
+            f"median over rounds, speedups the median over {pairs_text(rounds)}, intervals resampling those and the "
+            "timed items; they do not hold the machine's state between runs nor the choice of timed items")
+    guards = [p_.get("guard") for p_ in timed["passes"]]
+    state = combined_state(guards)
+    busy = [g for g in guards if (g or {}).get("busy")]
+    if state == "busy" and busy:
+        text += f"; **{busy_text(busy[0])}**"
+    elif state == "unknown":
+        text += f"; **{state_text(guards)}**"
+    dropped = timed.get("dropped") or []
+    if dropped:
+        text += "; **dropped from the rounds (a fault twice): " + "; ".join(
+            f"{d['side']} on {d['group']} document(s) {', '.join(str(x[1]) for x in d['docs'])} ({d['reason']})"
+            for d in dropped) + "**"
+    return text
 
 
 def compile_cell(rs: RunSet, run: dict, model: dict) -> str:
@@ -625,10 +643,12 @@ CONVENTION = ("speedup = TPS(model) / TPS(reference), same task, same run or run
               "TPS of the model / mean TPS of the reference over the same tasks (2.24x for that pair). "
               f"`{NOT_MEASURED}`: either side not measured, or measured in runs that are not comparable (the reason "
               "follows the table). Rows timed in the same run's rounds (harness/run/timing.py): a per-task speedup is "
-              "the median over adjacent-round pairs of the ratio, with its 95% interval over rounds and items, and the "
-              "mean of ratios likewise. Single passes where both rows kept per-item logs: a per-task speedup carries "
-              "its 95% interval and p-value from a paired bootstrap over the items both decoded, and the mean of "
-              "ratios a bootstrap stratified by task. The quality table below each compares the two rows' answers item "
+              "the median over disjoint round pairs (rounds 1+2, 3+4, ...) of the ratio of throughputs, with its 95% "
+              "interval from a bootstrap over round pairs and items, and the mean of ratios the arithmetic mean of "
+              "those, round pairs drawn once for all tasks. Single passes where both rows kept per-item logs: a "
+              "per-task speedup is the ratio of throughputs on the items both decoded, with its 95% interval and "
+              "p-value from a paired bootstrap over those items, and the mean of ratios a bootstrap stratified by "
+              "task. Each point is its interval's statistic at the full sample. The quality table below each compares the two rows' answers item "
               "by item (McNemar's exact test). \"differs\" only where p < 0.05 (harness/run/stats.py).")
 
 

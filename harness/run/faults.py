@@ -18,6 +18,8 @@ real run meet a fault at a chosen place, however fast the machine is. Keys:
   ``"oom": {"docs": ["task:doc_id", ...]}``: every call holding one of those documents does;
 - ``"nan": {"docs": [...], "forward": K}``: forward K (1-based) of every call holding one of those
   documents returns NaN logits (a forward hook on the model: the decoder's own check must catch it);
+  ``"nan": {"first_calls": N}``: the first N decoder calls of every process (the decoding pass's worker, the
+  timed rounds, the memory pass) do, whatever they hold: a fault that meets each process once;
 - ``"stall": {"docs": [...], "forwards": N}``: every call holding one of those documents meets a model whose
   confidences never pass a threshold (all logits equal, as the conformance suite's ``budget`` rule builds it)
   under a forward budget cut to N forwards a row (``common.FORWARDS_PER_TOKEN``/``FORWARDS_EXTRA``), so the
@@ -108,6 +110,9 @@ def _doc(item: dict) -> str:
     return f"{item['task']}:{item['doc_id']}"
 
 
+_CALLS = [0]  # the test hook's count of this process's decoder calls ("first_calls")
+
+
 @contextlib.contextmanager
 def injected_decode_faults(model, items: list[dict], decoder: str | None = None) -> Iterator[None]:
     """Test hook: raise, poison or leak in this decoder call as ``FAULTS_ENV`` asks for these items and this
@@ -119,7 +124,8 @@ def injected_decode_faults(model, items: list[dict], decoder: str | None = None)
 
         raise torch.OutOfMemoryError(f"{FAULTS_ENV}: injected out of memory ({len(items)} rows)")
     nan, stall = faults.get("nan") or {}, faults.get("stall") or {}
-    poisoned = any(_doc(it) in nan.get("docs", ()) for it in items)
+    _CALLS[0] += 1  # this process's decoder calls so far, this one included
+    poisoned = any(_doc(it) in nan.get("docs", ()) for it in items) or _CALLS[0] <= int(nan.get("first_calls", 0))
     stalled = any(_doc(it) in stall.get("docs", ()) for it in items)
     leaking = decoder is not None and decoder in (faults.get("leak") or {}).get("decoders", ())
     if not (poisoned or stalled or leaking):

@@ -27,24 +27,29 @@ def finalize(run_dir: Path) -> dict:
     for r in rows:
         b = base_tps.get(r["task"])
         r["speedup"] = {"baseline": base, "tokens_per_s": speedup(r["speed"]["tokens_per_s"]["ratio_of_sums"], b)}
-    mean_intervals = summary.attach_intervals(run_dir, cfg, rows)  # 95% intervals from the per-sample logs
+    means = summary.attach_intervals(run_dir, cfg, rows)  # 95% intervals from the per-sample logs
     from harness.run.rounds import apply_timing, load_timing
 
     # Wall-clock figures from the timed rounds (harness/run/timing.py), or marked as a single pass.
     timed = apply_timing(load_timing(run_dir, cfg), cfg, rows)
     if timed["mode"] == "interleaved":
-        mean_intervals = {**{k: None for k in mean_intervals}, **timed["mean_speedup_interval"]}
-    if timed.get("guard") is not None:  # run.json records what the guard saw (the figures' flag)
-        atomic_write_json(run_dir / "run.json", {**read_json(run_dir / "run.json"),
-                                                 "timing_result": {k: v for k, v in timed.items()
-                                                                   if k != "mean_speedup_interval"}})
+        means = {**{k: None for k in means}, **timed["mean_speedup"]}  # the rounds' statistic, not the pass's
+    # run.json records how the speed figures were timed: the guard's verdict, what was dropped, and each
+    # interval's method with what it resampled
+    methods = {f"{r['model']}/{r['task']}": {k: (v or {}).get("method") for k, v in (
+        ("speedup", (r.get("speedup") or {}).get("interval") if r["model"] != base else None),
+        ("tokens_per_s", (r.get("intervals") or {}).get("tokens_per_s")),
+        ("latency_p50_s", (r.get("intervals") or {}).get("latency_p50_s")))} for r in rows}
+    atomic_write_json(run_dir / "run.json", {**read_json(run_dir / "run.json"), "timing_result": {
+        **{k: v for k, v in timed.items() if k != "mean_speedup"}, "interval_methods": methods,
+        "mean_speedup": {k: v for k, v in means.items() if v}}})
     from harness.run.memory_pass import apply_memory
 
     memory = apply_memory(run_dir, cfg, rows)  # the memory pass's decode peaks, when the run has them
     for r in rows:
         atomic_write_json(run_dir / "metrics" / f"{r['model']}__{r['task']}.json", r)
-    result = summary.summary(cfg, rows, summary.warmup_compile(run_dir, cfg), mean_intervals)
-    result["timing"] = {k: v for k, v in timed.items() if k != "mean_speedup_interval"}
+    result = summary.summary(cfg, rows, summary.warmup_compile(run_dir, cfg), means)
+    result["timing"] = {k: v for k, v in timed.items() if k != "mean_speedup"}
     result["memory_pass"] = None if memory is None else {"settings": memory["settings"], "docs": memory["docs"]}
     atomic_write_json(run_dir / "summary.json", result)
     atomic_write_text(run_dir / "summary.md", summary.markdown(result))

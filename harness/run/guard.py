@@ -44,13 +44,15 @@ def _pid_cpu(pid: int, root: str = "/proc") -> tuple[int, int] | None:
         return None
 
 
-def _tree_cpu(roots: set[int], root: str = "/proc") -> int:
-    """CPU jiffies of the processes in ``roots`` and all their descendants, now."""
+def _tree_cpu(roots: set[int], root: str = "/proc") -> int | None:
+    """CPU jiffies of the processes in ``roots`` and all their descendants, now; None when the process table
+    cannot be listed (then our share is unknown, and so is everyone else's: never 0, which would count all of
+    our own CPU as a neighbour's)."""
     table: dict[int, tuple[int, int]] = {}
     try:
         names = os.listdir(root)
     except OSError:
-        return 0
+        return None
     for name in names:
         if name.isdigit():
             got = _pid_cpu(int(name), root)
@@ -83,16 +85,18 @@ class _Nvml:
 
     def __init__(self, device_index: int | None) -> None:
         self.h = None
+        self.why: str | None = None  # why the GPU is not watched, when it should be
         if device_index is None:
             return
         try:
-            import pynvml  # nvidia-ml-py: optional; without it the guard watches the CPU only
+            import pynvml  # nvidia-ml-py: optional; without it the GPU's other users are unknown
 
             pynvml.nvmlInit()
             self.nv = pynvml
             self.h = pynvml.nvmlDeviceGetHandleByIndex(int(device_index))
-        except Exception:  # noqa: BLE001: no NVML, no driver, no such device: CPU only
+        except Exception as e:  # noqa: BLE001: no NVML, no driver, no such device: the GPU is not watched
             self.h = None
+            self.why = f"NVML unavailable ({type(e).__name__}: {str(e)[:120] or 'no message'})"
 
     def read(self, ours: set[int]) -> dict | None:
         if self.h is None:
@@ -104,7 +108,8 @@ class _Nvml:
             return {"other_processes": len(others),
                     "other_memory_bytes": int(sum(int(p.usedGpuMemory or 0) for p in others)),
                     "utilization_pct": int(util)}
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
+            self.why = f"NVML read failed ({type(e).__name__}: {str(e)[:120] or 'no message'})"
             return None
 
 
@@ -130,7 +135,7 @@ class Guard:
 
     @staticmethod
     def _share(a: dict, b: dict) -> dict | None:
-        if a["stat"] is None or b["stat"] is None:
+        if a["stat"] is None or b["stat"] is None or a["ours"] is None or b["ours"] is None:
             return None
         busy = b["stat"][0] - a["stat"][0]
         steal = b["stat"][1] - a["stat"][1]
@@ -143,11 +148,17 @@ class Guard:
                 "others_share": (others + steal) / total, "our_cpu_share": min(1.0, ours / total)}
 
     def result(self) -> dict:
-        """What the guard saw over all marks, per window between marks, and the verdict."""
+        """What the guard saw over all marks, per window between marks, and the verdict: ``state`` is busy,
+        quiet, or unknown (with ``why``) where the counters could not be read; ``busy`` is True only when busy."""
+        base = {"threshold": self.busy_share}
         if len(self._marks) < 2 or self._marks[0]["stat"] is None:
-            return {"available": False, "busy": False, "threshold": self.busy_share,
+            return {**base, "available": False, "busy": False, "state": "unknown",
                     "why": "no /proc/stat here: the machine's load was not watched"}
-        whole = self._share(self._marks[0], self._marks[-1]) or {}
+        whole = self._share(self._marks[0], self._marks[-1])
+        if whole is None:
+            return {**base, "available": False, "busy": False, "state": "unknown",
+                    "why": f"the process table ({self.proc}) could not be read: our own CPU time, and so the "
+                           "others', is unknown"}
         windows = [self._share(a, b) for a, b in zip(self._marks, self._marks[1:])]
         loads = [m["load1"] for m in self._marks if m["load1"] is not None]
         gpus = [m["gpu"] for m in self._marks if m["gpu"]]
@@ -156,12 +167,42 @@ class Guard:
             gpu = {"other_processes_max": max(g["other_processes"] for g in gpus),
                    "other_memory_bytes_max": max(g["other_memory_bytes"] for g in gpus),
                    "utilization_pct_mean": sum(g["utilization_pct"] for g in gpus) / len(gpus)}
-        busy = whole.get("others_share", 0.0) > self.busy_share or bool(gpu and gpu["other_processes_max"])
-        return {"available": True, "busy": busy, "threshold": self.busy_share, **whole,
-                "windows_others_share": [None if w is None else round(w["others_share"], 4) for w in windows],
-                "windows_over_threshold": sum(1 for w in windows if w and w["others_share"] > self.busy_share),
-                "load1_mean": sum(loads) / len(loads) if loads else None, "load1_max": max(loads) if loads else None,
-                "cpu_count": os.cpu_count(), "seconds": self._marks[-1]["t"] - self._marks[0]["t"], "gpu": gpu}
+        busy = whole["others_share"] > self.busy_share or bool(gpu and gpu["other_processes_max"])
+        gpu_unknown = self.gpu_index is not None and len(gpus) < len(self._marks)
+        state = "busy" if busy else "unknown" if gpu_unknown else "quiet"
+        out = {**base, "available": True, "busy": busy, "state": state, **whole,
+               "windows_others_share": [None if w is None else round(w["others_share"], 4) for w in windows],
+               "windows_over_threshold": sum(1 for w in windows if w and w["others_share"] > self.busy_share),
+               "load1_mean": sum(loads) / len(loads) if loads else None, "load1_max": max(loads) if loads else None,
+               "cpu_count": os.cpu_count(), "seconds": self._marks[-1]["t"] - self._marks[0]["t"], "gpu": gpu}
+        if gpu_unknown:
+            out["why"] = (f"the GPU's other users are unknown: {self._nvml.why or 'NVML gave no reading'}; the CPU "
+                          f"was {'busy' if busy else 'quiet'}")
+        return out
+
+
+def state_of(guard: dict | None) -> str:
+    """busy, quiet or unknown: what one guard result says of the machine (a result without ``state``, from an
+    older run: busy or quiet by its flag, unknown when it was not available)."""
+    if not guard:
+        return "unknown"
+    if guard.get("state"):
+        return guard["state"]
+    return "busy" if guard.get("busy") else "quiet" if guard.get("available", True) else "unknown"
+
+
+def combined_state(guards: list[dict | None]) -> str:
+    """The machine's state over several guarded passes: busy if any was, else unknown if any was, else quiet."""
+    states = [state_of(g) for g in guards] or ["unknown"]
+    return "busy" if "busy" in states else "unknown" if "unknown" in states else "quiet"
+
+
+def state_text(guards: list[dict | None]) -> str | None:
+    """The sentence for a machine whose load is unknown (None when it was watched throughout)."""
+    whys = list(dict.fromkeys(g.get("why") or "not watched" for g in guards if state_of(g) == "unknown"))
+    if not guards:
+        return "machine load unknown: the timed rounds recorded no guard"
+    return "machine load unknown: " + "; ".join(whys) if whys else None
 
 
 def busy_text(guard: dict | None) -> str | None:

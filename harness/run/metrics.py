@@ -29,22 +29,34 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def latency_of(rec: dict) -> float:
+    """A request's latency (seconds): from its submission (the start of its decoder call) to its completion.
+    A batch releases its rows together, so every row's latency is the whole call's time (``latency_s``; a
+    record written before it was recorded: its ``decode_s`` share times the batch size). ``decode_s`` stays the
+    row's share of the call, so that sums over rows give the decode time and tokens/s stays MLPerf's offline
+    throughput (docs/design.md §6)."""
+    if rec.get("latency_s") is not None:
+        return float(rec["latency_s"])
+    return float(rec["decode_s"]) * int(rec.get("batch_size") or 1)
+
+
 def aggregate(records: Iterable[dict]) -> dict:
     """Speed / work / memory figures over the generation samples of one (model, task)."""
     # A failed item (harness/run/faults.py) has no tokens or time: counted apart, not in these figures.
     recs = [r for r in records if r.get("kind", "generate") == "generate" and not r.get("failed")]
     gen = [int(r["generated_tokens"]) for r in recs]
     nfe = [int(r["nfe"]) for r in recs]
-    lat = [float(r["decode_s"]) for r in recs]
+    secs = [float(r["decode_s"]) for r in recs]  # each row's share of its call: sums are decode time
+    lat = [latency_of(r) for r in recs]  # each request's latency: its whole call
     out: dict = {
         "samples": len(recs),
         "generated_tokens": {"total": sum(gen), "mean": _mean(gen)},
         "latency_s": {"mean": _mean(lat), "p50": percentile(lat, 50), "p90": percentile(lat, 90),
-                      "total": sum(lat)},
+                      "total": sum(secs)},
         "tokens_per_s": {
             # The authors' TPS: total tokens over total decode time.
-            "ratio_of_sums": (sum(gen) / sum(lat)) if sum(lat) > 0 else None,
-            "mean_of_ratios": _mean([g / t for g, t in zip(gen, lat) if t > 0]),
+            "ratio_of_sums": (sum(gen) / sum(secs)) if sum(secs) > 0 else None,
+            "mean_of_ratios": _mean([g / t for g, t in zip(gen, secs) if t > 0]),
         },
         "nfe": {"total": sum(nfe), "mean": _mean(nfe)},
         "tpf": {
@@ -54,7 +66,7 @@ def aggregate(records: Iterable[dict]) -> dict:
     }
     fwd = [float(r["forward_s"]) for r in recs if r.get("forward_s") is not None]
     # Share of decode time spent outside model calls (decoder bookkeeping, cache surgery, masks).
-    out["outside_forward_share"] = (1 - sum(fwd) / sum(lat)) if fwd and len(fwd) == len(recs) and sum(lat) > 0 \
+    out["outside_forward_share"] = (1 - sum(fwd) / sum(secs)) if fwd and len(fwd) == len(recs) and sum(secs) > 0 \
         else None
     phases = sorted({k for r in recs for k in r if k.startswith("nfe_")})
     out["nfe_by_phase"] = {k: sum(int(r.get(k, 0)) for r in recs) for k in phases}

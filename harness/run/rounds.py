@@ -132,6 +132,8 @@ class ModelSide:
             response_extract="python_fence" if cfg.get("prompts") == "paper" else None, **spec["knobs"])
         self.expected: dict[tuple[str, object], list[int]] = {}
         self.batches: dict[str, list[list[dict]]] = {}
+        self.dropped: dict[tuple[str, int], dict] = {}  # (group, call) -> the call's documents and its fault
+        self.retried: list[dict] = []  # calls whose first attempt met a fault and whose retry ran
         bs = max(1, int(cfg["batch_size"]))
         for unit, rs in rows.items():
             items = []
@@ -156,15 +158,45 @@ class ModelSide:
                     f"{len(rec['tokens'])} vs {len(want)} tokens); figures of other tokens would not be this run's")
         return recs
 
+    def _call(self, group: str, ci: int) -> dict:
+        """One timed call: wall and CPU seconds, tokens and rows; a call that met an item fault (out of memory,
+        non-finite logits: harness/run/faults.py) is retried once, and one that fails again is dropped from the
+        timing for the rest of the rounds (``dropped``: its documents and why). A timed decode of other tokens
+        than the pass's (TimingMismatch) is not a fault: it stops the rounds."""
+        from harness.run.faults import free_device_memory, item_fault
+
+        batch = self.batches[group][ci]
+        if (group, ci) in self.dropped:
+            return {"failed": self.dropped[(group, ci)]["reason"], "rows": len(batch)}
+        for attempt in (1, 2):
+            try:
+                recs = self.decode(batch, "timed")
+                return {"wall_s": recs[0]["batch_wall_s"], "cpu_s": sum(r["cpu_s"] for r in recs),
+                        "tokens": sum(r["generated_tokens"] for r in recs), "rows": len(recs)}
+            except timing.TimingMismatch:
+                raise
+            except Exception as e:  # noqa: BLE001 - classified by item_fault; anything else is a bug and stops
+                why = item_fault(e)
+                if why is None:
+                    raise
+                free_device_memory()
+                if attempt == 1:
+                    self.retried.append({"group": group, "docs": [[it["task"], it["doc_id"]] for it in batch],
+                                         "reason": why})
+                    continue
+                self.dropped[(group, ci)] = {"group": group, "side": self.name, "reason": why,
+                                             "docs": [[it["task"], it["doc_id"]] for it in batch]}
+        return {"failed": self.dropped[(group, ci)]["reason"], "rows": len(batch)}
+
     def block(self, group: str, repeat: int) -> list[dict]:
         calls: list[dict] = []
         for rep in range(repeat):
-            for ci, batch in enumerate(self.batches[group]):
-                recs = self.decode(batch, "timed")
-                call = {"wall_s": recs[0]["batch_wall_s"], "cpu_s": sum(r["cpu_s"] for r in recs),
-                        "tokens": sum(r["generated_tokens"] for r in recs)}
+            for ci in range(len(self.batches[group])):
+                call = self._call(group, ci)
                 if rep == 0:
                     calls.append(call)
+                elif "failed" in call or "failed" in calls[ci]:
+                    calls[ci] = {"failed": call.get("failed") or calls[ci]["failed"], "rows": call["rows"]}
                 else:
                     calls[ci]["wall_s"] += call["wall_s"]
                     calls[ci]["cpu_s"] += call["cpu_s"]
@@ -183,10 +215,12 @@ class ModelSide:
 
 
 def load_timing(run_dir: Path, cfg: dict) -> dict | None:
-    """The run's timing.json when the run is interleaved and it holds rounds for the run's timing settings."""
+    """The run's timing.json when the run is interleaved and it was written for the run's timing settings (with
+    no passes when no task of the run generates text: its ``why`` says so)."""
     t = settings_of(cfg)
     got = read_json_or_none(run_dir / "timing.json") if t["mode"] == "interleaved" else None
-    return got if isinstance(got, dict) and got.get("settings") == t and got.get("passes") else None
+    return got if isinstance(got, dict) and got.get("settings") == t and (got.get("passes") or got.get("why")) \
+        else None
 
 
 def _pass_of(timed: dict, model: str) -> dict | None:
@@ -194,65 +228,82 @@ def _pass_of(timed: dict, model: str) -> dict | None:
     return next((p for p in timed["passes"] if model in p["sides"]), None)
 
 
+def _single(r: dict, why: str, mode: str = "single pass") -> None:
+    r["speed"]["timing"] = {"mode": mode, "rounds": 1, "why": why}
+    if r.get("speedup"):
+        r["speedup"]["source"] = "single pass"
+
+
 def apply_timing(timed: dict | None, cfg: dict, rows: list[dict]) -> dict:
-    """Put the timed rounds' figures into the metrics rows (tokens/s, latency, speedup and their intervals;
-    the decoding pass's own figures kept under ``speed.single_pass``), or mark every row as a single pass.
-    Returns the run's timing summary: mode, rounds, items, memory, the guard, the busy flag, and per model the
-    mean speedup's interval from the rounds."""
+    """Put the timed rounds' figures into the metrics rows, or mark every row as a single pass. From the rounds:
+    tokens/s and the speedup, each with its interval (harness/run/timing.py), and the mean request latency beside
+    them (``speed.timing``); the decoding pass's own tokens/s is kept under ``speed.single_pass``, and the latency
+    percentiles stay the pass's, over every decoded item. A row the rounds could not time keeps its single-pass
+    figures and says so (``speedup.source``, ``speed.timing.why``). Returns the run's timing summary: mode,
+    rounds, items, memory, the guard, the busy flag, what was dropped, and per model its mean speedup (point and
+    interval of one statistic, ``timing.mean_ratio``)."""
     t = settings_of(cfg)
-    if timed is None:
-        for r in rows:
-            r["speed"]["timing"] = {"mode": "sequential" if t["mode"] == "sequential" else "single pass",
-                                    "rounds": 1}
+    if timed is None or not timed.get("passes"):
         why = ("--timing sequential" if t["mode"] == "sequential" else
+               f"{timed['why']}" if timed and timed.get("why") else
                "no timed rounds in this run folder (merged shards, or an older run)")
-        return {"mode": "single pass", "why": why, "busy": False, "mean_speedup_interval": {}}
+        for r in rows:
+            _single(r, why, "sequential" if t["mode"] == "sequential" else "single pass")
+        return {"mode": "single pass", "why": why, "busy": False, "mean_speedup": {}}
     base = cfg.get("baseline")
     guards = [p.get("guard") for p in timed["passes"] if p.get("guard")]
-    busy = any(g.get("busy") for g in guards)
+    state = guard_mod.combined_state(guards)
     guard = max(guards, key=lambda g: g.get("others_share") or 0.0) if guards else None
+    dropped = timed.get("dropped") or []
     for r in rows:
         ps = _pass_of(timed, r["model"])
         fig = timing.figure(ps["records"], r["model"], r["task"]) if ps else None
-        if fig is None:  # a task without timed items (no generation), or a model the rounds did not see
-            r["speed"]["timing"] = {"mode": "single pass", "rounds": 1, "why": "no timed items for this task"}
+        if fig is None:  # no generation in this task, a model the rounds did not see, or every timed item dropped
+            lost = [d for d in dropped if d["group"] == r["task"]]
+            _single(r, "every timed item failed twice in the rounds" if lost else "no timed items for this task")
             continue
         s = r["speed"]
-        s["single_pass"] = {"tokens_per_s": s["tokens_per_s"]["ratio_of_sums"], "latency_s": s["latency_s"]}
+        s["single_pass"] = {"tokens_per_s": s["tokens_per_s"]["ratio_of_sums"]}
         s["tokens_per_s"] = {"ratio_of_sums": fig["tokens_per_s"], "mean_of_ratios": fig["mean_of_ratios"],
                              "cpu_time": fig["cpu_tokens_per_s"]}
-        s["latency_s"] = {"mean": fig["latency_s"], "p50": fig["latency_p50_s"], "p90": fig["latency_p90_s"],
-                          "total": None}
-        s["timing"] = {"mode": "interleaved", "rounds": fig["rounds"], "items": fig["calls"],
+        left = {tuple(x) for d in dropped if d["group"] == r["task"] for x in d["docs"]}
+        s["timing"] = {"mode": "interleaved", "rounds": fig["rounds"], "items": fig["rows"], "calls": fig["calls"],
                        "timed_tokens": fig["tokens"], "per_round_tokens_per_s": fig["per_round"],
-                       "per_round_latency_p50_s": fig["per_round_latency_p50_s"],
-                       "per_round_latency_p90_s": fig["per_round_latency_p90_s"],
-                       "docs": [list(k) for k in timed["docs"].get(r["task"], [])],
-                       "memory": timed.get("memory"), "busy": bool((ps.get("guard") or {}).get("busy"))}
+                       "latency_s": fig["latency_s"], "per_round_latency_s": fig["per_round_latency_s"],
+                       "docs": [list(k) for k in timed["docs"].get(r["task"], []) if tuple(k) not in left],
+                       "dropped": [list(k) for k in sorted(left, key=str)],
+                       "memory": timed.get("memory"), "busy": bool((ps.get("guard") or {}).get("busy")),
+                       "machine": guard_mod.state_of(ps.get("guard"))}
         iv = r.setdefault("intervals", {})
         iv["tokens_per_s"] = fig["interval"]
-        iv["latency_mean_s"] = fig["latency_interval"]
-        iv["latency_p50_s"] = fig["latency_p50_interval"]
-        iv["latency_p90_s"] = fig["latency_p90_interval"]
+        iv["timed_latency_s"] = fig["latency_interval"]
         if base and r["model"] != base and (r.get("speedup") or {}).get("baseline") == base:
             q = timing.ratio(ps["records"], r["model"], base, r["task"])
-            if q is not None:
-                r["speedup"] = {"baseline": base, "tokens_per_s": q["ratio"], "interval": q["interval"], "p": None,
-                                "items": fig["calls"], "method": "timed rounds", "per_round": q["per_round"]}
+            if q is None:
+                r["speedup"]["source"] = "single pass"
+                continue
+            r["speedup"] = {"baseline": base, "tokens_per_s": q["ratio"], "interval": q["interval"], "p": None,
+                            "items": fig["rows"], "pairs": q["pairs"], "rounds": q["rounds"],
+                            "source": "timed rounds", "statistic": q["statistic"], "per_pair": q["per_pair"]}
     means = {}
     if base:
         for m in cfg["models"]:
             ps = _pass_of(timed, m["name"])
-            units = [r["task"] for r in rows if r["model"] == m["name"] and
-                     (r["speed"].get("timing") or {}).get("mode") == "interleaved"]
-            if m["name"] != base and ps and base in ps["sides"] and units:
-                got = timing.mean_ratio(ps["records"], m["name"], base, units)
-                means[m["name"]] = got and got["interval"]
+            mine = [r for r in rows if r["model"] == m["name"] and (r.get("speedup") or {}).get("tokens_per_s")]
+            if m["name"] == base or not ps or base not in ps["sides"] or not mine:
+                continue
+            if all(r["speedup"].get("source") == "timed rounds" for r in mine):
+                got = timing.mean_ratio(ps["records"], m["name"], base, [r["task"] for r in mine])
+                if got is not None:
+                    means[m["name"]] = {k: got[k] for k in ("ratio", "interval", "statistic")}
     counts = sorted({len(v) for v in (timed.get("docs") or {}).values()})
     return {"mode": "interleaved", "rounds": t["rounds"], "order": t["order"], "items_setting": t["items"],
             "items": counts[0] if len(counts) == 1 else "-".join(map(str, (counts[0], counts[-1]))),
-            "memory": timed.get("memory"), "busy": busy, "guard": guard, "busy_text": guard_mod.busy_text(guard),
-            "clock": timed.get("clock"), "seconds": timed.get("seconds"), "mean_speedup_interval": means}
+            "pairs": timing.pairs_text(int(t["rounds"])),
+            "memory": timed.get("memory"), "busy": state == "busy", "machine": state, "guard": guard,
+            "busy_text": guard_mod.busy_text(guard), "machine_text": guard_mod.state_text(guards),
+            "dropped": dropped, "retried": len(timed.get("retried") or []),
+            "clock": timed.get("clock"), "seconds": timed.get("seconds"), "mean_speedup": means}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     if str(cfg["device"]).startswith("cuda"):
         gpu = int(str(cfg["device"]).split(":")[1]) if ":" in str(cfg["device"]) else 0
     plan = [names] if mode == "all" or len(names) < 2 else [[ref, n] for n in names if n != ref]
-    passes = []
+    passes: list[dict] = []
+    dropped: list[dict] = []  # calls that failed twice: their documents, the side and the fault
+    retried: list[dict] = []  # calls whose first attempt failed and whose retry ran
     loaded: dict[str, ModelSide] = {}
     try:
         for i, members in enumerate(plan):
@@ -302,7 +355,12 @@ def main(argv: list[str] | None = None) -> int:
             desc = "timed rounds" + (f" ({n} vs {ref})" if len(plan) > 1 else "")
             got = timing.run_rounds([loaded[n] for n in members], groups, rounds=int(t["rounds"]), order=t["order"],
                                     seed=int(cfg["seed"]), guard=guard, progress=not ns.no_progress, desc=desc)
-            passes.append({"sides": members, **got})
+            # A call one side could not time (a fault twice) is left out for every side of its group.
+            got["records"], left_out = timing.drop_failed(got["records"])
+            passes.append({"sides": members, **got, "left_out_calls": left_out})
+            for n in members:
+                dropped += [d for d in loaded[n].dropped.values() if d not in dropped]
+                retried += [x for x in loaded[n].retried if x not in retried]
     except timing.TimingMismatch as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
@@ -310,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(run_dir / "timing.json", {
         "settings": t, "docs": {u: [list(k) for k in ks] for u, ks in docs.items()}, "reference": ref,
         "memory": mode, "passes": passes, "seconds": round(time.monotonic() - t0, 1),
+        "dropped": dropped, "retried": retried,
         "clock": ("wall time, the device synchronised at the edges of every call; CPU time beside it"
                   if device.startswith("cuda") else "wall time; the process's CPU time beside it")})
     return 0

@@ -138,7 +138,8 @@ def _timing_arguments(p: argparse.ArgumentParser) -> None:
                    "model decoding the same items in turn (default); sequential: from the decoding pass itself, one "
                    "model after another (a single pass, marked as such beside every speed figure)")
     t.add_argument("--timing-rounds", type=int, default=TIMING_ROUNDS,
-                   help="timed rounds (default: %(default)s); the figure is the median over rounds")
+                   help="timed rounds (default: %(default)s); tok/s is the median over rounds, a speedup the median "
+                   "over disjoint round pairs (1+2, 3+4, ...), so an odd count leaves its last round out of the speedups")
     t.add_argument("--timing-items", default=TIMING_ITEMS,
                    help="timed items per task: a sample drawn with the run's seed from the documents every model "
                    "decoded (the first k of a seeded shuffle); a count, 'all', or 'auto': k = documents x 0.5 / rounds, "

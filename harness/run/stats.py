@@ -124,12 +124,19 @@ class Interval:
 class Items:
     """Per-item values of one (model, unit), in ``keys`` order ((leaf, doc_id), sorted): ``score`` the primary
     metric (NaN when the logs do not carry it); ``tokens``, ``seconds``, ``nfe`` the decode (NaN for an item
-    that was not decoded: a failed one, or a log-likelihood request)."""
+    that was not decoded: a failed one, or a log-likelihood request); ``seconds`` is the item's share of its
+    call's time (sums give the decode time: throughput), ``latency`` its request latency (the whole call's
+    time: a batch releases its rows together; harness/run/metrics.py ``latency_of``)."""
     keys: list[tuple[str, Any]]
     score: np.ndarray
     tokens: np.ndarray
     seconds: np.ndarray
     nfe: np.ndarray
+    latency: np.ndarray | None = None  # None: the seconds (one row per call)
+
+    def __post_init__(self) -> None:
+        if self.latency is None:
+            self.latency = self.seconds
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -138,7 +145,8 @@ class Items:
         """These items only, in the order of ``keys`` (each must be one of ours)."""
         pos = {k: i for i, k in enumerate(self.keys)}
         idx = np.array([pos[k] for k in keys], dtype=int)
-        return Items(list(keys), self.score[idx], self.tokens[idx], self.seconds[idx], self.nfe[idx])
+        return Items(list(keys), self.score[idx], self.tokens[idx], self.seconds[idx], self.nfe[idx],
+                     self.latency[idx])
 
     @property
     def has_scores(self) -> bool:
@@ -162,19 +170,22 @@ def items_from_rows(rows: list[dict], primary: str | None, rename: Callable[[str
     """The items of one (model, unit) from its sample-log rows (one row per lm-eval filter of a document):
     the primary metric's value from the row of its filter, the decode figures from any row of the document.
     ``rename`` maps a leaf's name in the keys (a paper prompt variant to its benchmark, for pairing)."""
+    from harness.run.metrics import latency_of
+
     metric, flt = _split_primary(primary)
     vals: dict[tuple[str, Any], list[float]] = {}
     for r in rows:
         key = (rename(r["task"]) if rename else r["task"], r["doc_id"])
-        v = vals.setdefault(key, [math.nan] * 4)
+        v = vals.setdefault(key, [math.nan] * 5)
         got = (r.get("metrics") or {}).get(metric) if metric else None
         if (r.get("filter") or "none") == flt and isinstance(got, (int, float)):  # bool counts as 0 / 1
             v[0] = float(got)
         if r.get("generated_tokens") is not None and not r.get("failed") and r.get("decode_s") is not None:
             v[1], v[2], v[3] = float(r["generated_tokens"]), float(r["decode_s"]), float(r.get("nfe") or math.nan)
+            v[4] = latency_of(r)
     keys = sorted(vals, key=lambda k: (k[0], str(k[1])))
-    cols = np.array([vals[k] for k in keys], dtype=float).reshape(len(keys), 4)
-    return Items(keys, cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3])
+    cols = np.array([vals[k] for k in keys], dtype=float).reshape(len(keys), 5)
+    return Items(keys, cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], cols[:, 4])
 
 
 def samples_path(run_dir: Path, model: str, unit: str) -> Path:
@@ -230,15 +241,15 @@ SPEED: dict[str, Callable[[dict[str, np.ndarray]], np.ndarray]] = {
     "tokens_per_s": lambda c: _ratio(c["tokens"], c["seconds"]),
     "tpf": lambda c: _ratio(c["tokens"], c["nfe"]),
     "nfe_mean": lambda c: c["nfe"].mean(axis=-1),
-    "latency_mean_s": lambda c: c["seconds"].mean(axis=-1),
-    "latency_p50_s": lambda c: np.percentile(c["seconds"], 50, axis=-1),
-    "latency_p90_s": lambda c: np.percentile(c["seconds"], 90, axis=-1),
+    "latency_mean_s": lambda c: c["latency"].mean(axis=-1),
+    "latency_p50_s": lambda c: np.percentile(c["latency"], 50, axis=-1),
+    "latency_p90_s": lambda c: np.percentile(c["latency"], 90, axis=-1),
 }
 
 
 def speed_columns(it: Items) -> dict[str, np.ndarray]:
     ok = it.decoded
-    return {"tokens": it.tokens[ok], "seconds": it.seconds[ok], "nfe": it.nfe[ok]}
+    return {"tokens": it.tokens[ok], "seconds": it.seconds[ok], "nfe": it.nfe[ok], "latency": it.latency[ok]}
 
 
 def quality_interval(it: Items | None = None, value: float | None = None, n: int | None = None,
@@ -268,7 +279,9 @@ def row_intervals(it: Items | None, stream: Any, value: float | None = None, n: 
         if cols is not None and len(cols["tokens"]) and not (name in ("tpf", "nfe_mean") and
                                                              not np.all(np.isfinite(cols["nfe"]))):
             got = percentile_interval(boot_dist(cols, stat, (stream, "speed")))
-        out[name] = Interval(*got, "bootstrap") if got else None
+        n = len(cols["tokens"]) if cols is not None else 0
+        out[name] = Interval(*got, f"bootstrap over {n} item{'s' if n != 1 else ''} ({BOOT} resamples)") \
+            if got else None
     out = {k: (v.to_dict() if v is not None else None) for k, v in out.items()}
     out["items"] = {"scored": int(np.isfinite(it.score).sum()) if it is not None else None,
                     "decoded": int(it.decoded.sum()) if it is not None else None}
@@ -335,8 +348,9 @@ def paired_ratio_dist(a: Items, b: Items, figure: str, stream: Any) -> tuple[flo
 
 
 def paired_ratio(a: Items, b: Items, figure: str = "tokens_per_s", stream: Any = "paired") -> dict | None:
-    """b's ``figure`` (a key of ``SPEED``) over a's on the items both decoded: the ratio, its paired bootstrap
-    interval and p-value against 1, and whether it differs (p < ALPHA). None when they share no decoded item."""
+    """b's ``figure`` (a key of ``SPEED``) over a's on the items both decoded: the ratio at the full sample, its
+    paired bootstrap interval (the same statistic on resampled items) and p-value against 1, and whether it
+    differs (p < ALPHA). None when they share no decoded item."""
     keys = shared_keys(a, b)
     if not keys:
         return None
@@ -345,17 +359,21 @@ def paired_ratio(a: Items, b: Items, figure: str = "tokens_per_s", stream: Any =
     ci, p = percentile_interval(dist), boot_p(dist, 1.0)
     if point is None:
         return None
-    return {"items": int((a.decoded & b.decoded).sum()), "ratio": point, "test": "paired bootstrap",
-            "interval": None if ci is None else {"lo": ci[0], "hi": ci[1], "method": "paired bootstrap"},
+    n = int((a.decoded & b.decoded).sum())
+    return {"items": n, "ratio": point, "test": "paired bootstrap",
+            "interval": None if ci is None else {"lo": ci[0], "hi": ci[1], "items": n,
+                                                 "method": f"paired bootstrap over {n} items both decoded ({BOOT} "
+                                                           "resamples)"},
             "p": p, "differs": p is not None and p < ALPHA}
 
 
 def mean_ratio_interval(pairs: list[tuple[Items, Items]], figure: str = "tokens_per_s",
                         streams: list[Any] | None = None) -> dict | None:
-    """The mean over tasks of per-task paired ratios (b over a; the paper's mean of per-task speedups) with its
-    stratified paired bootstrap interval: each task's items resampled on their own, the ratios averaged per
-    resample. None when a task has no shared decoded item."""
-    dists = []
+    """The mean over tasks of per-task paired ratios (b over a; the paper's mean of per-task speedups): the point
+    (the mean of the per-task ratios on the items both decoded) and its stratified paired bootstrap interval
+    (each task's items resampled on their own, the ratios averaged per resample). None when a task has no
+    shared decoded item."""
+    dists, points, n = [], [], 0
     for i, (a, b) in enumerate(pairs):
         keys = shared_keys(a, b)
         if not keys:
@@ -364,10 +382,18 @@ def mean_ratio_interval(pairs: list[tuple[Items, Items]], figure: str = "tokens_
         if point is None:
             return None
         dists.append(dist)
+        points.append(point)
+        n += len(keys)
     if not dists:
         return None
     ci = percentile_interval(np.mean(np.vstack(dists), axis=0))
-    return None if ci is None else {"lo": ci[0], "hi": ci[1], "method": "stratified paired bootstrap"}
+    return {"ratio": float(np.mean(points)),
+            "interval": None if ci is None else {
+                "lo": ci[0], "hi": ci[1], "items": n,
+                "method": f"stratified paired bootstrap over {n} items of {len(points)} tasks, each task's items "
+                          f"resampled on their own ({BOOT} resamples)"},
+            "statistic": "arithmetic mean over tasks of each task's speedup (the ratio of throughputs, tokens over "
+                         "seconds, on the items both decoded)"}
 
 
 def mean_interval(dists: list[np.ndarray]) -> tuple[float, float] | None:

@@ -15,6 +15,7 @@ def _row(m: dict) -> dict:
     q = m.get("quality", {})
     prim = m.get("quality_primary")
     s = m["speed"]
+    timing = s.get("timing") or {}
     failed = (m.get("failed") or {}).get("items", [])
     return {
         # n counts every item; the failed ones (harness/run/faults.py) scored as wrong, outside the speed figures
@@ -41,6 +42,15 @@ def _row(m: dict) -> dict:
         # 95% intervals (harness/run/stats.py; None where the run kept no per-item logs), quality as a share
         **{f"{k}_ci": (m.get("intervals") or {}).get(k) for k in INTERVAL_FIGURES},
         "speedup_ci": (m.get("speedup") or {}).get("interval"), "speedup_p": (m.get("speedup") or {}).get("p"),
+        # where the speedup and tok/s come from: the timed rounds (their items and rounds) or the decoding pass
+        "speedup_source": (m.get("speedup") or {}).get("source") if (m.get("speedup") or {}).get("tokens_per_s")
+        is not None else None,
+        "timed": timing.get("mode") == "interleaved", "timed_items": timing.get("items"),
+        "timed_rounds": timing.get("rounds") if timing.get("mode") == "interleaved" else None,
+        "timed_dropped": timing.get("dropped") or [], "timed_why": timing.get("why"),
+        # the rounds' mean request latency (the table's latency percentiles are the pass's, over every item)
+        "timed_latency_s": timing.get("latency_s"), "timed_latency_s_ci": (m.get("intervals") or {}).get(
+            "timed_latency_s"),
     }
 
 
@@ -49,9 +59,10 @@ INTERVAL_FIGURES = ("quality", "tokens_per_s", "tpf", "nfe_mean", "latency_mean_
 
 def attach_intervals(run_dir: Path, cfg: dict, metrics: list[dict]) -> dict[str, dict | None]:
     """Add to every metrics dict its 95% intervals (``intervals``: quality and each speed figure over its items,
-    harness/run/stats.py) and, beside a speedup over the run's baseline, the speedup's paired bootstrap interval
-    and p-value on the items both decoded. Returns, per model other than the baseline, the interval of its mean
-    per-task speedup (a stratified paired bootstrap; None where a task lacks per-item logs)."""
+    harness/run/stats.py) and, beside a speedup over the run's baseline, the speedup of the items both decoded
+    (the point at the full sample) with its paired bootstrap interval and p-value. Returns, per model other than
+    the baseline, its mean per-task speedup: point, interval (a stratified paired bootstrap) and statistic (None
+    where a task lacks per-item logs)."""
     from harness.run import stats
 
     items = {(m["model"], m["task"]): stats.read_items(run_dir, m["model"], m["task"], m.get("quality_primary"))
@@ -73,7 +84,10 @@ def attach_intervals(run_dir: Path, cfg: dict, metrics: list[dict]) -> dict[str,
                 continue
             got = stats.paired_ratio(a, b, "tokens_per_s", m["task"]) if a is not None and b is not None else None
             m["speedup"] = {**m["speedup"], "interval": got and got["interval"], "p": got and got["p"],
-                            "items": got and got["items"]}
+                            "items": got and got["items"], "source": "single pass",
+                            "statistic": "ratio of throughputs (tokens over seconds) on the items both decoded"}
+            if got is not None:
+                m["speedup"]["tokens_per_s"] = got["ratio"]  # the interval's statistic at the full sample
             pairs.append((a, b))
             tasks.append(m["task"])
         if pairs:
@@ -83,20 +97,26 @@ def attach_intervals(run_dir: Path, cfg: dict, metrics: list[dict]) -> dict[str,
 
 
 def summary(cfg: dict, metrics: list[dict], warmup: dict[str, dict] | None = None,
-            mean_speedup_interval: dict[str, dict | None] | None = None) -> dict:
+            mean_speedups: dict[str, dict | None] | None = None) -> dict:
     """The run summary; ``warmup``: per model, what its warm-up calls compiled (done.json's warmup_compile);
-    ``mean_speedup_interval``: per model, the interval of its mean per-task speedup (``attach_intervals``)."""
+    ``mean_speedups``: per model, its mean per-task speedup as one statistic with its interval ({ratio,
+    interval, statistic}: ``attach_intervals`` for a single pass, the timed rounds' ``timing.mean_ratio``). A
+    model without one gets the arithmetic mean of its rows' speedups, without an interval."""
     rows = [_row(m) for m in metrics]
-    # Mean over tasks of the per-task speedup: the paper's headline convention (docs/design.md §6).
     by_model: dict[str, list[float]] = {}
     for r in rows:
         if r["speedup"] is not None:
             by_model.setdefault(r["model"], []).append(r["speedup"])
+    means = {k: (mean_speedups or {}).get(k) or {
+        "ratio": sum(v) / len(v), "interval": None,
+        "statistic": "arithmetic mean over tasks of the per-task speedups (no interval: a task's speedup has none, "
+                     "or its rows were timed in different ways)"} for k, v in by_model.items()}
     return {
         "run_id": cfg.get("run_id"), "task": cfg["task"], "limit": cfg["limit"], "baseline": cfg.get("baseline"),
         "models": [m["name"] for m in cfg["models"]], "units": [u["name"] for u in cfg["units"]],
-        "rows": rows, "mean_speedup": {k: sum(v) / len(v) for k, v in by_model.items()},
-        "mean_speedup_interval": {k: (mean_speedup_interval or {}).get(k) for k in by_model},
+        "rows": rows, "mean_speedup": {k: v["ratio"] for k, v in means.items()},
+        "mean_speedup_interval": {k: v["interval"] for k, v in means.items()},
+        "mean_speedup_statistic": {k: v["statistic"] for k, v in means.items()},
         "environment": cfg.get("environment"), "sessions": sessions(cfg),
         "compile": compile_totals(cfg, rows, warmup or {}),
     }
@@ -211,22 +231,35 @@ COLUMNS = [("model", "model", None), ("task", "task", None), ("n", "samples", No
            ("NFE/sample [95% CI]", "nfe_mean", ".1f"), ("lat p50 s [95% CI]", "latency_p50_s", ".3f"),
            ("lat p90 s [95% CI]", "latency_p90_s", ".3f"), ("decode peak MiB", "decode_peak_bytes", None),
            ("weights MiB", "weights_bytes", None), ("KV KiB", "kv_peak_bytes", None)]
-def intervals_note(baseline: str | None, single: bool = True) -> str:
-    """The summary's line on its intervals (the speedup's only when the run has a baseline)."""
+def intervals_note(baseline: str | None, single: bool = True, rounds: int | None = None) -> str:
+    """The summary's line on its intervals: for each figure its statistic and what its bootstrap resampled."""
+    head = ("Intervals: 95%, each the percentile bootstrap (2000 resamples, fixed seed) of the figure's own statistic, "
+            "whose value at the full sample is the printed point; quality by Wilson's score interval (every item "
+            "scored 0 or 1; else a bootstrap over items); ")
     if single:
-        sp = (f"speedup by a paired bootstrap over the items both it and {baseline} decoded ({baseline}'s own is 1 by "
-              "definition), " if baseline else "")
-        speed = "tokens/s, TPF, NFE and latency by a bootstrap over items (2000 resamples, fixed seed), " + sp
+        sp = (f"speedup: the ratio of throughputs (tokens over seconds) on the items both it and {baseline} decoded, "
+              "resampling those items in pairs; mean speedup: the arithmetic mean over tasks of those, each task's "
+              "items resampled on their own; " if baseline else "")
+        speed = "tokens/s, TPF, NFE and latency: over the decoded items, resampling items; " + sp
     else:
-        sp = (f"speedup (the median over rounds of its ratio to {baseline} in the same round) " if baseline else "")
-        speed = ("TPF and NFE by a bootstrap over items (2000 resamples, fixed seed), tokens/s, latency and " + sp +
-                 "by a bootstrap over rounds and items together (harness/run/timing.py), ")
-    return ("Intervals: 95%; quality by Wilson's score interval (every item scored 0 or 1; else a bootstrap over items), "
-            + speed + "harness/run/stats.py. Peak memory is a maximum, not a mean over items: no interval. Any other "
-            "figure without one: the run kept no per-item logs for it.")
+        from harness.run.timing import pairs_text
+
+        r = rounds or 0
+        sp = (f"speedup: the median over {pairs_text(r)} (rounds 1+2, 3+4, ...: disjoint, so independent) of the "
+              f"ratio of its throughput to {baseline}'s in the same pair, resampling round pairs and the timed items "
+              "together; mean speedup: the arithmetic mean over tasks of the per-task speedups (the paper's "
+              "convention), resampling round pairs once for all tasks and each task's items; " if baseline else "")
+        speed = (f"tok/s: the median over {r} timed rounds of each round's tokens over its seconds, resampling rounds "
+                 "and the timed items together; " + sp + "TPF, NFE and the latency percentiles: over every decoded "
+                 "item of the decoding pass, resampling items (a latency is a request's seconds from its call's "
+                 "start to its return; the pass decodes its calls one after another); ")
+    return (head + speed + "each cell's item count is in the table or beside the cell (harness/run/timing.py, "
+            "harness/run/stats.py). Peak memory is a maximum, not a mean over items: no interval. Any other figure "
+            "without one: the run kept no per-item logs for it.")
 
 
 SPEED_KEYS = ("tokens_per_s", "speedup", "latency_p50_s", "latency_p90_s")
+TIMED_KEYS = ("tokens_per_s", "speedup")  # from the timed rounds in an interleaved run; latency stays the pass's
 
 
 def single_pass(s: dict) -> bool:
@@ -235,7 +268,8 @@ def single_pass(s: dict) -> bool:
 
 
 def timing_note(s: dict) -> str | None:
-    """The summary's sentence on how its speed figures were timed, with the busy-machine flag."""
+    """The summary's sentences on how its speed figures were timed, what their intervals do not hold, the
+    machine's state, and the items the rounds dropped."""
     t = s.get("timing")
     if not t:
         return None
@@ -246,14 +280,40 @@ def timing_note(s: dict) -> str | None:
     items = t.get("items") or "all"
     text = (f"Speed: {t['rounds']} timed rounds of {items} item(s) per task, the models in turn ({t.get('order')}, "
             f"{'all loaded' if t.get('memory') == 'all' else 'two at a time against ' + str(s.get('baseline'))}); "
-            "each figure is the median over rounds, its interval a bootstrap over rounds and items"
-            + (" (one timed item per task: over rounds only, the items' spread is not in it)." if items == 1 else "."))
+            "tok/s and speedup from the rounds"
+            + (" (one timed item per task: a cell marked `1 item` is that item's, and its interval holds the "
+               "rounds' spread only)" if items == 1 else "") +
+            ", the latency percentiles from the decoding pass. What the intervals hold: the spread between this "
+            "run's rounds and between its timed items. What they do not: the machine's state between runs, and "
+            "the choice of timed items (another seed times others), so a second run may land outside them "
+            "(docs/design.md \"What a second run shows\").")
     if t.get("busy_text"):
         text += " **Flag: " + t["busy_text"] + ".**"
+    elif t.get("machine_text"):
+        text += " **" + t["machine_text"][0].upper() + t["machine_text"][1:] + ".**"
+    dropped = t.get("dropped") or []
+    if dropped:
+        text += (" **Dropped from the timed rounds (a fault twice; every side's figures leave them out): " +
+                 "; ".join(f"{d['side']} on {d['group']}: document(s) {', '.join(str(x[1]) for x in d['docs'])} "
+                           f"({d['reason']})" for d in dropped) + ".**")
+    elif t.get("retried"):
+        text += f" {t['retried']} timed call(s) met a fault and were decoded again; none was dropped."
     return text
 
 
-def _cells(r: dict) -> list[str]:
+def _suffix(r: dict, key: str, run_timed: bool) -> str:
+    """What a speed cell adds about its own sample: ``1 item`` for a figure of one timed item, ``single pass`` for
+    a row of an interleaved run that the rounds could not time."""
+    if not run_timed or key not in TIMED_KEYS or key == "speedup" and not r.get("speedup_source"):
+        return ""
+    if key == "speedup" and r.get("speedup_source") == "single pass" or key == "tokens_per_s" and not r.get("timed"):
+        return " (single pass)"
+    if r.get("timed") and r.get("timed_items") == 1:
+        return " (1 item)"
+    return ""
+
+
+def _cells(r: dict, run_timed: bool = False) -> list[str]:
     from harness.run.stats import fmt_interval
 
     out = []
@@ -267,7 +327,7 @@ def _cells(r: dict) -> list[str]:
             v = f"{v / 2**10:.1f}"
         text = _fmt(v, spec) if spec else _fmt(v)
         if spec and v is not None:
-            text += fmt_interval(r.get(f"{key}_ci"), spec)
+            text += fmt_interval(r.get(f"{key}_ci"), spec) + _suffix(r, key, run_timed)
         out.append(text)
     return out
 
@@ -278,9 +338,12 @@ def _columns(s: dict) -> list[int]:
 
 
 def _head(s: dict, keep: list[int]) -> list[str]:
-    """Column headings; a single pass says so beside every wall-clock figure."""
-    mark = " (single pass)" if single_pass(s) else ""
-    return [COLUMNS[i][0] + (mark if COLUMNS[i][1] in SPEED_KEYS else "") for i in keep]
+    """Column headings; a single pass says so beside every wall-clock figure, a timed run beside the figures
+    that still come from the decoding pass (the latency percentiles)."""
+    if single_pass(s):
+        return [COLUMNS[i][0] + (" (single pass)" if COLUMNS[i][1] in SPEED_KEYS else "") for i in keep]
+    return [COLUMNS[i][0].replace(" [", " (pass) [") if COLUMNS[i][1] in SPEED_KEYS and COLUMNS[i][1] not in
+            TIMED_KEYS else COLUMNS[i][0] for i in keep]
 
 
 def markdown(s: dict) -> str:
@@ -292,7 +355,7 @@ def markdown(s: dict) -> str:
     if note:
         lines += [f"**{note}**", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(_cells(r)[i] for i in keep) + " |" for r in s["rows"]]
+    lines += ["| " + " | ".join(_cells(r, not single_pass(s))[i] for i in keep) + " |" for r in s["rows"]]
     failed = [f"{r['model']} on {r['task']}: " + ", ".join(f"document {f['doc_id']} ({f['reason']})"
                                                         for f in r["failed_items"])
               for r in s["rows"] if r.get("failed_items")]
@@ -304,16 +367,18 @@ def markdown(s: dict) -> str:
         from harness.run.stats import fmt_interval
 
         ivs = s.get("mean_speedup_interval") or {}
+        how = sorted(set((s.get("mean_speedup_statistic") or {}).values()))
         lines += ["", "Mean per-task speedup [95% CI]: " + ", ".join(f"{k} {v:.2f}x{fmt_interval(ivs.get(k), '.2f')}"
-                                                                     for k, v in s["mean_speedup"].items())]
-    lines += ["", intervals_note(s.get("baseline"), single_pass(s))]
+                                                                     for k, v in s["mean_speedup"].items())
+                  + (f" ({'; '.join(how)})" if how else "")]
+    lines += ["", intervals_note(s.get("baseline"), single_pass(s), (s.get("timing") or {}).get("rounds"))]
     if timing_note(s):
         lines += ["", timing_note(s)]
     if compile_note(s):
         lines += ["", compile_note(s)]
     lines += ["", memory_note(s)]
     env = s.get("environment") or {}
-    lines += ["", f"Quality metric per task: " + ", ".join(sorted({f"{r['task']}={r['quality_metric']}"
+    lines += ["", "Quality metric per task: " + ", ".join(sorted({f"{r['task']}={r['quality_metric']}"
                                                                   for r in s["rows"]})),
               f"Environment: commit {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}, "
               f"{env.get('device')}, {env.get('threads_per_process')} threads x {env.get('num_processes')} process(es), "
@@ -325,7 +390,7 @@ def markdown(s: dict) -> str:
 def table(s: dict) -> str:
     keep = _columns(s)
     head = _head(s, keep)
-    body = [[c[i] for i in keep] for c in map(_cells, s["rows"])]
+    body = [[c[i] for i in keep] for c in (_cells(r, not single_pass(s)) for r in s["rows"])]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])

@@ -18,16 +18,24 @@ speedup) come from **timed rounds**:
 - Clock: wall time of the block (the device synchronised at its edges on a GPU), with the process's CPU
   time recorded beside it. A wait (a blocking read, a lock, a device sync) shows in wall time only.
 
-Figures (``figure``, ``ratio``, ``mean_ratio``): per round, a block's tokens/s is its tokens over its wall
-seconds (for batches: generated tokens over the wall time from the first submission to the last
-completion, MLPerf's offline rule). A figure is the **median over rounds**; a speedup is the median of the
-ratio over each two adjacent rounds (both sides measured moments apart, once in each order, so a steady
-drift of the machine cancels). The 95% interval is
-a bootstrap over rounds *and* items together (``BOOT`` resamples, fixed seed): a resample draws rounds and
-calls with replacement, so it holds the round-to-round spread (a neighbour, a clock change) as well as
-the item-to-item one. Two runs' figures are compared with ``between_runs``: a Mann-Whitney U test of their
-per-round values, called different only at p < ``RUNS_ALPHA`` *and* a ratio beyond ``RUNS_FACTOR`` (asv's
-rule).
+Figures (``figure``, ``ratio``, ``mean_ratio``), each a point and a 95% interval of the same statistic (the
+point is the statistic at the full sample, the interval its percentile bootstrap, ``BOOT`` resamples, fixed
+seed), and each interval's ``method`` names and counts what was resampled:
+
+- a side's tokens/s: per round, its tokens over its wall seconds (for batches: generated tokens over the wall
+  time from the first submission to the last completion, MLPerf's offline rule); the point is the median over
+  rounds; resampled: rounds and items together;
+- a side's request latency: per round, the mean over its requests of the seconds from a call's start to its
+  return (every row of a batch completes when the batch does); median over rounds, resampled likewise;
+- a speedup (``ratio``): per **disjoint round pair** (rounds 1+2, 3+4, ...: one forward and one backward
+  under ABBA, so a steady drift cancels, and no round counted twice), the ratio of the two sides'
+  throughputs; the point is the median over pairs; resampled: round pairs and items together;
+- the mean speedup over tasks (``mean_ratio``): the arithmetic mean of the per-task points (the paper's
+  convention); resampled: round pairs (once for all tasks) and each task's items.
+
+Two runs' speedups are compared with ``between_runs``: a Mann-Whitney U test of their per-pair values,
+called different only at p < ``RUNS_ALPHA`` *and* a ratio beyond ``RUNS_FACTOR`` (asv's rule, with the
+factor set from the measured spread of idle runs).
 
 What else used the machine meanwhile is read by the busy-machine guard (harness/run/guard.py).
 """
@@ -45,7 +53,7 @@ import numpy as np
 
 from harness.run.guard import Guard
 
-DEFAULT_ROUNDS = 9  # Google Benchmark's minimum for its U test; asv and pyperf also repeat
+DEFAULT_ROUNDS = 10  # 5 disjoint round pairs: the ratios' independent units (round_pairs)
 DEFAULT_ITEMS = "auto"  # timed items per task of a run: ``items_auto``
 ROUNDS_SHARE = 0.5  # --timing-items auto: the rounds re-decode about this share of the decoding pass ...
 MAX_AUTO_ITEMS = 32  # ... with at most this many items per task
@@ -53,8 +61,13 @@ MIN_BLOCK_S = 0.05  # a block shorter than this is repeated within its round (ti
 MAX_REPEAT = 64
 BOOT = 2000
 SEED = 1234
-RUNS_ALPHA = 0.002  # asv: p < 0.002 ...
-RUNS_FACTOR = 1.10  # ... and a change beyond 1.1x
+# Between runs (``between_runs``): a speedup differs at p < RUNS_ALPHA over the runs' round pairs (5 vs 5 by
+# default: the exact test's smallest p is 0.0079, every pair of one run above every pair of the other) *and*
+# a change beyond RUNS_FACTOR. The factor is the spread of idle runs of the same code on one 2-core machine
+# (docs/design.md "What a second run shows"): the rounds of one run do not see the machine's state between
+# runs, so a change smaller than that spread is not called a change.
+RUNS_ALPHA = 0.01
+RUNS_FACTOR = 1.25
 ORDERS = ("abba", "random")
 
 
@@ -146,7 +159,7 @@ def run_rounds(sides: Sequence[Side], groups: Sequence[str], *, rounds: int = DE
     for g in groups:  # untimed warm-up: first calls, allocations, caches; sets each side's repeat count
         # per side, not per group: a fast side's short block must not make a slow side repeat too
         repeat[g] = {n: max(1, min(MAX_REPEAT, math.ceil(min_block_s / max(
-            sum(c["wall_s"] for c in by[n].block(g, 1)), 1e-6)))) for n in names}
+            sum(c.get("wall_s", 0.0) for c in by[n].block(g, 1)), 1e-6)))) for n in names}
         if same_repeat:
             repeat[g] = dict.fromkeys(names, max(repeat[g].values()))
     records = []
@@ -171,11 +184,27 @@ def run_rounds(sides: Sequence[Side], groups: Sequence[str], *, rounds: int = DE
 # ---------------------------------------------------------------- figures
 
 
+def drop_failed(records: list[dict]) -> tuple[list[dict], dict[str, list[int]]]:
+    """The records without the calls that failed in any of them (a side's call that met a fault twice is
+    marked ``failed``; harness/run/rounds.py), so that every side of a group is timed on the same calls; and
+    per group the indices of the calls left out."""
+    out: dict[str, set[int]] = {}
+    for r in records:
+        for i, c in enumerate(r["calls"]):
+            if "failed" in c:
+                out.setdefault(r["group"], set()).add(i)
+    if not out:
+        return records, {}
+    kept = [{**r, "calls": [c for i, c in enumerate(r["calls"]) if i not in out.get(r["group"], ())]}
+            for r in records]
+    return kept, {g: sorted(v) for g, v in out.items()}
+
+
 def matrix(records: Iterable[dict], side: str, group: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(wall [R, C], cpu [R, C], tokens [C]) of one side's blocks of one group: R rounds, C calls, seconds per
     one pass of the block (a repeated block's time divided by its repeat count); None when it has none."""
     recs = sorted((r for r in records if r["side"] == side and r["group"] == group), key=lambda r: r["round"])
-    if not recs:
+    if not recs or not recs[0]["calls"]:
         return None
     wall = np.array([[c["wall_s"] / r["repeat"] for c in r["calls"]] for r in recs], dtype=float)
     cpu = np.array([[c.get("cpu_s", math.nan) / r["repeat"] for c in r["calls"]] for r in recs], dtype=float)
@@ -202,46 +231,86 @@ def _tps(wall: np.ndarray, tokens: np.ndarray, rho: np.ndarray | None = None,
     return tokens[kappa].sum(axis=1)[:, None] / w.sum(axis=2)
 
 
-def _interval(dist: np.ndarray, calls: int = 2) -> dict | None:
-    """The 95% percentile interval of a bootstrap distribution. With one timed call per group there is no
-    item to resample: the interval holds the round-to-round spread only, and its method says so."""
+def round_pairs(wall: np.ndarray) -> np.ndarray:
+    """Seconds of disjoint round pairs, rounds 1+2, 3+4, ... together ([R // 2, C]). Under ABBA one round of a
+    pair went forward and the other backward, so a steady drift of the machine's speed cancels in their sum,
+    and no round is in two pairs: the pairs are independent units for a bootstrap or a rank test. The last
+    round of an odd count is left out of the pairs; one round alone ([1, C]) stands for itself."""
+    n = wall.shape[0]
+    if n < 2:
+        return wall
+    p = n // 2
+    return wall[0:2 * p:2] + wall[1:2 * p:2]
+
+
+def pairs_text(rounds: int) -> str:
+    """The unit of the ratios of ``rounds`` rounds, counted, e.g. ``5 round pairs`` or ``4 round pairs (round 9
+    unpaired, left out)``."""
+    if rounds < 2:
+        return "1 round (unpaired)"
+    p = rounds // 2
+    return f"{p} round pair{'s' if p != 1 else ''}" + (f" (round {rounds} unpaired, left out)" if rounds % 2 else "")
+
+
+def _units_text(n: int, unit: str) -> str:
+    return f"{n} {unit}{'s' if n != 1 else ''}"
+
+
+def method(units: str, items: int) -> str:
+    """An interval's method with its units and their counts, e.g. ``bootstrap over 5 round pairs and 3 items,
+    resampled together (2000 resamples)``; with one item nothing but the ``units`` is resampled, and it says so."""
+    if items > 1:
+        return f"bootstrap over {units} and {items} items, resampled together ({BOOT} resamples)"
+    return f"bootstrap over {units}; 1 item, not resampled ({BOOT} resamples)"
+
+
+def _interval(dist: np.ndarray, units: str, items: int) -> dict | None:
+    """The 95% percentile interval of a bootstrap distribution, with its ``method`` (``method``)."""
     d = dist[np.isfinite(dist)]
     if d.size == 0:
         return None
     lo, hi = np.percentile(d, [2.5, 97.5])
-    return {"lo": float(lo), "hi": float(hi),
-            "method": "bootstrap over rounds and items" if calls > 1 else "bootstrap over rounds (one timed item)"}
+    return {"lo": float(lo), "hi": float(hi), "method": method(units, items), "items": int(items)}
+
+
+def _latency(wall: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Mean request latency (seconds) per round ([R]) or per resample and round ([B, R]) of calls of ``rows``
+    rows each: every row of a call completes when the call returns (a batch releases its rows together)."""
+    return (wall * rows).sum(axis=-1) / rows.sum(axis=-1)
 
 
 def figure(records: list[dict], side: str, group: str, key: Any = None) -> dict | None:
-    """One side's tokens/s on one group: median over rounds, its interval, the CPU-time tokens/s and the mean
-    latency per call (median over rounds, with its interval), and the per-round values."""
+    """One side's tokens/s on one group: the median over rounds of each round's tokens over its seconds, with
+    its interval (rounds and items resampled together; the rounds of one side are disjoint samples), the
+    CPU-time tokens/s, the mean request latency (median over rounds, with its interval), and the per-round
+    values."""
     m = matrix(records, side, group)
     if m is None:
         return None
     wall, cpu, tokens = m
+    rows = rows_of(records, side, group)
     per_round = _tps(wall, tokens)
     rho, kappa = _draws(*wall.shape, key=(key, side, group))
     dist = np.median(_tps(wall, tokens, rho, kappa), axis=1)
-    lat = wall.mean(axis=1)  # mean seconds per call in each round
+    lat = _latency(wall, rows)
     w = wall[rho[:, :, None], kappa[:, None, :]]  # [B, R, C]
-    lat_dist = np.median(w.mean(axis=2), axis=1)
+    lat_dist = np.median(_latency(w, rows[kappa][:, None, :]), axis=1)
     per_call = np.median(wall, axis=0)  # each call's median seconds over rounds [C]
-    per_call_dist = np.median(w, axis=1)  # [B, C]
     cpu_tps = tokens.sum() / cpu.sum(axis=1) if np.all(np.isfinite(cpu)) and np.all(cpu.sum(axis=1) > 0) else None
-    c = wall.shape[1]
-    return {"tokens_per_s": float(np.median(per_round)), "interval": _interval(dist, c),
-            "latency_s": float(np.median(lat)), "latency_interval": _interval(lat_dist, c),
-            "latency_p50_s": float(np.percentile(per_call, 50)),
-            "latency_p50_interval": _interval(np.percentile(per_call_dist, 50, axis=1), c),
-            "latency_p90_s": float(np.percentile(per_call, 90)),
-            "latency_p90_interval": _interval(np.percentile(per_call_dist, 90, axis=1), c),
+    r, c = wall.shape
+    units = _units_text(r, "round")
+    return {"tokens_per_s": float(np.median(per_round)), "interval": _interval(dist, units, c),
+            "latency_s": float(np.median(lat)), "latency_interval": _interval(lat_dist, units, c),
             "cpu_tokens_per_s": None if cpu_tps is None else float(np.median(cpu_tps)),
             "mean_of_ratios": float(np.mean(tokens / per_call)) if np.all(per_call > 0) else None,
-            "per_round": [float(x) for x in per_round], "rounds": int(wall.shape[0]), "calls": int(wall.shape[1]),
-            "per_round_latency_p50_s": [float(x) for x in np.percentile(wall, 50, axis=1)],
-            "per_round_latency_p90_s": [float(x) for x in np.percentile(wall, 90, axis=1)],
-            "tokens": int(tokens.sum())}
+            "per_round": [float(x) for x in per_round], "per_round_latency_s": [float(x) for x in lat],
+            "rounds": int(r), "calls": int(c), "rows": int(rows.sum()), "tokens": int(tokens.sum())}
+
+
+def rows_of(records: Iterable[dict], side: str, group: str) -> np.ndarray:
+    """Rows per call ([C]) of one side's blocks of one group (1 each where the records do not say)."""
+    rec = next((r for r in records if r["side"] == side and r["group"] == group), None)
+    return np.array([int(c.get("rows", 1)) for c in (rec or {}).get("calls", [])], dtype=float)
 
 
 def _pair(records: list[dict], side: str, ref: str, group: str):
@@ -251,73 +320,94 @@ def _pair(records: list[dict], side: str, ref: str, group: str):
     return a, b
 
 
-def _adjacent(wall: np.ndarray) -> np.ndarray:
-    """Seconds of each two adjacent rounds together ([R - 1, C]; [1, C] for one round). Under ABBA one of the
-    two went forward and the other backward, so a steady drift of the machine's speed cancels in their sum:
-    a ratio from one round alone carries it with alternating sign, and the median over an odd number of
-    rounds would keep one sign."""
-    return wall if wall.shape[0] < 2 else wall[:-1] + wall[1:]
+def _pair_dist(wa, ta, wb, tb, rho, kappa) -> np.ndarray:
+    """Per resample, the median over resampled round pairs of the ratio of the two sides' tokens/s on the
+    resampled items ([B])."""
+    return np.median(_tps(wa, ta, rho, kappa) / _tps(wb, tb, rho, kappa), axis=1)
 
 
 def ratio(records: list[dict], side: str, ref: str, group: str, key: Any = None, clock_: str = "wall") -> dict | None:
-    """``side``'s tokens/s over ``ref``'s on one group: the median over adjacent-round pairs of their ratio
-    (``_adjacent``), its interval (pairs and items resampled together, the same draws for both sides), the
-    bootstrap share of ratios >= 1, and the per-pair ratios. ``clock_`` = "cpu" uses CPU time instead."""
+    """``side``'s tokens/s over ``ref``'s on one group (the per-task speedup). Estimator: per disjoint round
+    pair (``round_pairs``), the ratio of the two sides' throughputs (tokens over seconds, summed over the timed
+    items); the point is the median over pairs. Interval: the same statistic on bootstrap resamples of round
+    pairs and items together (the same draws for both sides). Also the bootstrap share of ratios >= 1 and
+    the per-pair ratios. ``clock_`` = "cpu" uses CPU time instead."""
     got = _pair(records, side, ref, group)
     if got is None:
         return None
     (wa, ca, ta), (wb, cb, tb) = got
+    rounds = wa.shape[0]
     if clock_ == "cpu":
         wa, wb = ca, cb
         if not (np.all(np.isfinite(wa)) and np.all(np.isfinite(wb))):
             return None
-    wa, wb = _adjacent(wa), _adjacent(wb)
-    per_round = _tps(wa, ta) / _tps(wb, tb)
+    wa, wb = round_pairs(wa), round_pairs(wb)
+    per_pair = _tps(wa, ta) / _tps(wb, tb)
     rho, kappa = _draws(*wa.shape, key=(key, side, ref, group))
-    dist = np.median(_tps(wa, ta, rho, kappa) / _tps(wb, tb, rho, kappa), axis=1)
-    return {"ratio": float(np.median(per_round)), "interval": _interval(dist, wa.shape[1]),
-            "p_not_below_1": float(np.mean(dist >= 1.0)), "per_round": [float(x) for x in per_round]}
+    dist = _pair_dist(wa, ta, wb, tb, rho, kappa)
+    return {"ratio": float(np.median(per_pair)), "interval": _interval(dist, pairs_text(rounds), wa.shape[1]),
+            "p_not_below_1": float(np.mean(dist >= 1.0)), "per_pair": [float(x) for x in per_pair],
+            "pairs": int(wa.shape[0]), "rounds": int(rounds), "items": int(wa.shape[1]),
+            "statistic": "median over disjoint round pairs of the ratio of throughputs (tokens over seconds of "
+                         "the timed items)"}
 
 
 def mean_ratio(records: list[dict], side: str, ref: str, groups: Sequence[str], key: Any = None) -> dict | None:
-    """The mean over groups of ``ratio`` (the paper's headline convention): per adjacent-round pair, the mean
-    of the groups' ratios; the median over pairs and its interval (pairs resampled together across groups)."""
-    pairs = [_pair(records, side, ref, g) for g in groups]
-    if not pairs or any(p is None for p in pairs):
+    """The arithmetic mean over groups of ``ratio`` (the paper's headline convention: the mean of the per-task
+    speedups). The point is the mean of the groups' points; the interval the same statistic on bootstrap
+    resamples: round pairs drawn once for every group (a pair holds every group's blocks, so they move
+    together), each group's items drawn on their own."""
+    mats = [_pair(records, side, ref, g) for g in groups]
+    if not mats or any(p is None for p in mats):
         return None
-    n_rounds = min(p[0][0].shape[0] for p in pairs)
-    pairs = [((_adjacent(a[0][:n_rounds]),) + a[1:], (_adjacent(b[0][:n_rounds]),) + b[1:]) for a, b in pairs]
-    n_rounds = pairs[0][0][0].shape[0]
-    per_round = np.mean([_tps(a[0][:n_rounds], a[2]) / _tps(b[0][:n_rounds], b[2]) for a, b in pairs], axis=0)
+    rounds = min(a[0].shape[0] for a, _ in mats)
+    mats = [((round_pairs(a[0][:rounds]), a[2]), (round_pairs(b[0][:rounds]), b[2])) for a, b in mats]
+    n_pairs = mats[0][0][0].shape[0]
+    points = [float(np.median(_tps(wa, ta) / _tps(wb, tb))) for (wa, ta), (wb, tb) in mats]
     g = _rng(key, side, ref, tuple(groups))
-    rho = g.integers(0, n_rounds, size=(BOOT, n_rounds))
+    rho = g.integers(0, n_pairs, size=(BOOT, n_pairs))
     dists = []
-    for a, b in pairs:
-        c = a[0].shape[1]
-        kappa = g.integers(0, c, size=(BOOT, c))
-        dists.append(_tps(a[0][:n_rounds], a[2], rho, kappa) / _tps(b[0][:n_rounds], b[2], rho, kappa))
-    dist = np.median(np.mean(dists, axis=0), axis=1)
-    return {"ratio": float(np.median(per_round)), "interval": _interval(dist, sum(a[0].shape[1] for a, _ in pairs)),
-            "per_round": [float(x) for x in per_round]}
+    for (wa, ta), (wb, tb) in mats:
+        kappa = g.integers(0, wa.shape[1], size=(BOOT, wa.shape[1]))
+        dists.append(_pair_dist(wa, ta, wb, tb, rho, kappa))
+    items = sum(wa.shape[1] for (wa, _), _ in mats)
+    units = f"{pairs_text(rounds)} (drawn once for all {len(mats)} tasks)"
+    iv = _interval(np.mean(dists, axis=0), units, items)
+    if iv is not None:
+        iv["method"] = iv["method"].replace(f"{items} items", f"{items} items (each task's own)")
+    return {"ratio": float(np.mean(points)), "interval": iv, "per_group": dict(zip(groups, points)),
+            "statistic": "arithmetic mean over tasks of each task's speedup (median over disjoint round pairs of "
+                         "the ratio of throughputs)"}
 
 
 # ---------------------------------------------------------------- between runs
 
 
+def min_p(n_a: int, n_b: int) -> float:
+    """The smallest two-sided p-value the exact Mann-Whitney U test can give for samples of these sizes (every
+    value of one above every value of the other): 2 / C(n_a + n_b, n_a)."""
+    return min(1.0, 2.0 / math.comb(n_a + n_b, n_a))
+
+
 def between_runs(a: Sequence[float], b: Sequence[float], alpha: float = RUNS_ALPHA,
                  factor: float = RUNS_FACTOR) -> dict:
-    """Two runs' per-round values of one figure: the ratio of medians b / a, the Mann-Whitney U p-value
-    (two-sided) and whether it differs (p < alpha and the ratio beyond ``factor`` either way)."""
+    """Two runs' per-pair values of one figure (``ratio``'s ``per_pair``: disjoint round pairs, independent
+    samples): the ratio of medians b / a, the Mann-Whitney U p-value (two-sided, exact for small samples) and
+    whether it differs (p < alpha and the ratio beyond ``factor`` either way). Samples too small to reach
+    p < alpha at all are "not testable", said as such."""
     from scipy.stats import mannwhitneyu
 
     a, b = [float(x) for x in a], [float(x) for x in b]
     r = float(np.median(b) / np.median(a)) if a and b and np.median(a) > 0 else None
-    if len(a) < 2 or len(b) < 2 or r is None:
-        return {"ratio": r, "p": None, "differs": False, "test": "not testable: fewer than 2 rounds"}
-    p = float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
+    if len(a) < 2 or len(b) < 2 or r is None or min_p(len(a), len(b)) >= alpha:
+        why = (f"not testable: {len(a)} vs {len(b)} round pairs cannot reach p < {alpha} (smallest p "
+               f"{min_p(len(a), len(b)):.4f} with every value of one run above the other's)"
+               if len(a) >= 1 and len(b) >= 1 else "not testable: no round pairs")
+        return {"ratio": r, "p": None, "differs": False, "test": why, "pairs": [len(a), len(b)]}
+    p = float(mannwhitneyu(a, b, alternative="two-sided", method="exact").pvalue)
     return {"ratio": r, "p": p, "differs": bool(p < alpha and (r > factor or r < 1 / factor)),
-            "test": f"Mann-Whitney U over rounds ({len(a)} vs {len(b)}), p < {alpha} and beyond {factor}x",
-            "rounds": [len(a), len(b)]}
+            "test": f"Mann-Whitney U over disjoint round pairs ({len(a)} vs {len(b)}), p < {alpha} and beyond "
+                    f"{factor}x", "pairs": [len(a), len(b)]}
 
 
 def sample_docs(docs: Sequence[Any], k: int | None, seed: int, unit: str) -> list[Any]:

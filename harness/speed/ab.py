@@ -270,7 +270,7 @@ def summarize(res: dict, tolerance: float = TOLERANCE) -> list[dict]:
         ok = w is None or hi is None or not (w["ratio"] < 1 - tolerance and hi < 1)
         row = {"figure": f"{preset}/embedded_{kind} tokens/s", "preset": preset, "kind": kind, "items": res["items"][g],
                "rounds": res["rounds"], "current_tps": a and a["tokens_per_s"], "baseline_tps": b and b["tokens_per_s"],
-               "ratio": w and w["ratio"], "lo": lo, "hi": hi, "per_round": w and w["per_round"],
+               "ratio": w and w["ratio"], "lo": lo, "hi": hi, "per_pair": w and w["per_pair"],
                "cpu_ratio": c and c["ratio"], "cpu_lo": c and (c["interval"] or {}).get("lo"),
                "cpu_hi": c and (c["interval"] or {}).get("hi"),
                "rule": f"fails when the median ratio < {1 - tolerance:.2f} and its 95% interval lies below 1, twice",

@@ -166,7 +166,7 @@ def run_compiled(n: int, threads: int, rounds: int = 9) -> dict:
     gen_length, the preset's knobs), decoded eagerly and with ``compile=True``, batch 1, timed by the timing
     protocol (harness/run/timing.py): an untimed warm-up block of each (the compiled one compiles every query
     bucket these prompts meet), then ``rounds`` ABBA rounds of eager and compiled; tokens/s is the median over
-    rounds, the ratio the median over adjacent-round pairs with its interval. Compile seconds and compilations
+    rounds, the ratio the median over disjoint round pairs with its interval. Compile seconds and compilations
     from the warm-up's stats; every timed decode must repeat its first tokens, and eager and compiled must agree
     on tokens and NFE."""
     import torch

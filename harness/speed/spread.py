@@ -1,0 +1,173 @@
+"""How far a second run lands (docs/design.md "What a second run shows"): repeated runs of one ``harness eval``
+command on one machine, every pair of them through ``make compare``, and repeated speed A/Bs of identical code
+(``make regress``'s harness/speed/ab.py). The figures a reader needs beside a run's intervals, which hold the
+spread of its own rounds and timed items but not the machine's state between runs.
+
+    python -m harness spread --runs 6                             # the default `make eval`, 6 times
+    python -m harness spread --runs 20 --name small --eval-args "--task embedded_math --limit 20 --models ar,refusion"
+    python -m harness spread --ab 10                              # 10 A/Bs of this commit against itself
+    make spread SPREAD_ARGS="--runs 6"
+
+Every run and every A/B is kept as it finishes (run folders under ``--out``, ``ab-<i>.json`` beside them), so an
+interrupted measurement resumes where it stopped and ``--runs N`` only adds what is missing: the runs can be
+made one at a time (between other work) and summarised at the end. Run on an idle machine: every run records its
+busy-machine guard, and the summary names the runs that were flagged.
+
+Writes ``results/speed_spread_<name>.json`` (atomically): per run the mean speedups and per-task speedups with
+their intervals and the guard's verdict; per model the spread (lowest, highest, highest / lowest) and how many
+runs' points lie inside every other run's interval; per pair of runs what ``make compare`` called different; per
+A/B which figures failed. Speed is quoted only as ratios measured within one run (docs/design.md §6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness.run.store import atomic_write_json, read_json_or_none
+
+REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / "results" / "runs" / "spread"
+
+
+def _run_id(name: str, i: int) -> str:
+    return f"spread-{name}-{i:02d}"
+
+
+def ensure_runs(n: int, name: str, eval_args: list[str], out: Path) -> None:
+    """Runs 1..n of the command, each in its own run folder; a finished one (summary.json) is kept."""
+    for i in range(1, n + 1):
+        run = out / _run_id(name, i)
+        if (run / "summary.json").is_file():
+            continue
+        cmd = [sys.executable, "-m", "harness", "eval", *eval_args, "--out", str(out), "--run-id", run.name]
+        print(f"spread: run {i}/{n}: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        p = subprocess.run(cmd, cwd=REPO)
+        if p.returncode != 0:
+            raise SystemExit(f"error: run {run.name} failed (exit {p.returncode}); rerun to resume it")
+        print(f"spread: run {i}/{n} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def run_figures(run: Path) -> dict:
+    """One run's speedups: the mean per model and each (model, task), with intervals; the guard's verdict."""
+    s = json.loads((run / "summary.json").read_text())
+    t = s.get("timing") or {}
+    return {"run": run.name, "commit": (s.get("environment") or {}).get("git_commit"),
+            "machine": t.get("machine") or ("busy" if t.get("busy") else "quiet"),
+            "timing_seconds": t.get("seconds"), "timed_items": t.get("items"),
+            "mean": {m: {"speedup": v, "interval": (s.get("mean_speedup_interval") or {}).get(m)}
+                     for m, v in (s.get("mean_speedup") or {}).items() if m != s.get("baseline")},
+            "rows": {f"{r['model']}/{r['task']}": {"speedup": r["speedup"], "interval": r.get("speedup_ci")}
+                     for r in s["rows"] if r["model"] != s.get("baseline") and r.get("speedup") is not None}}
+
+
+def spread_of(runs: list[dict], key: str) -> dict:
+    """Per figure (a model's mean, or a model/task), over the runs: lowest, highest, highest / lowest, and how
+    many runs' points lie inside every other run's interval."""
+    out = {}
+    names = sorted({k for r in runs for k in r[key]})
+    for k in names:
+        pts = [(r[key][k]["speedup"], r[key][k]["interval"]) for r in runs if k in r[key]]
+        vals = [p for p, _ in pts]
+        inside = sum(1 for i, (p, _) in enumerate(pts)
+                     if all(iv and iv["lo"] <= p <= iv["hi"] for j, (_, iv) in enumerate(pts) if j != i))
+        out[k] = {"values": vals, "lowest": min(vals), "highest": max(vals), "max_over_min": max(vals) / min(vals),
+                  "inside_all_others": inside, "runs": len(vals)}
+    return out
+
+
+def compare_pairs(out: Path, names: list[str]) -> list[dict]:
+    """Every pair of runs through ``make compare`` (``harness compare``, its own process): what it called
+    different."""
+    got = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for a, b in itertools.combinations(names, 2):
+            rc = subprocess.run([sys.executable, "-m", "harness", "compare", "--run", f"{a},{b}", "--runs-root",
+                                 str(out), "--out", tmp, "--name", "pair"], cwd=REPO, capture_output=True).returncode
+            data = json.loads((Path(tmp) / "pair" / "compare.json").read_text()) if rc == 0 else {}
+            got.append({"runs": [a, b], "exit": rc, "differ": [
+                {k: d[k] for k in ("model", "benchmark", "figure", "test", "p", "change")} for d in data.get("differ",
+                                                                                                          [])]})
+    return got
+
+
+def ensure_abs(n: int, out: Path) -> list[dict]:
+    """A/Bs 1..n of this commit's code against itself (``make regress``'s settings), each kept as it finishes."""
+    from harness.speed import ab, regress
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()
+    if dirty:
+        raise SystemExit("error: the checkout has uncommitted changes: an A/B against HEAD would not be identical "
+                         "code; commit first")
+    got = []
+    for i in range(1, n + 1):
+        path = out / f"ab-{i:02d}.json"
+        res = read_json_or_none(path)
+        if res is None or res.get("commit") != commit:
+            print(f"spread: A/B {i}/{n} of {commit[:12]} against itself", file=sys.stderr, flush=True)
+            r = ab.run(regress.REGRESS_MODELS, commit, threads=regress.THREADS, tolerance=regress.TOLERANCE)
+            if r.get("unavailable"):
+                raise SystemExit(f"error: A/B unavailable: {r['unavailable']}")
+            res = {"commit": commit, "seconds": r["seconds"], "guard": r.get("guard"),
+                   "rows": [{k: row.get(k) for k in ("figure", "ratio", "lo", "hi", "ok", "confirm")}
+                            for row in r["rows"]]}
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, res)
+        got.append(res)
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness spread", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=0, help="runs of the command to have (missing ones are made)")
+    p.add_argument("--name", default="default", help="name of this command's series (default: %(default)s)")
+    p.add_argument("--eval-args", default="--task embedded",
+                   help="arguments of `harness eval` (default: %(default)r, the default `make eval`)")
+    p.add_argument("--ab", type=int, default=0, help="A/Bs of this commit against itself to have")
+    p.add_argument("--out", default=str(OUT), help="run folders and A/B records (default: %(default)s)")
+    p.add_argument("--no-compare", action="store_true", help="skip `make compare` over the pairs of runs")
+    ns = p.parse_args(argv)
+    out = Path(ns.out)
+    result_path = REPO / "results" / f"speed_spread_{ns.name}.json"
+    result = read_json_or_none(result_path) or {}
+    if ns.runs:
+        ensure_runs(ns.runs, ns.name, shlex.split(ns.eval_args), out)
+        runs = [run_figures(out / _run_id(ns.name, i)) for i in range(1, ns.runs + 1)]
+        pairs = [] if ns.no_compare else compare_pairs(out, [r["run"] for r in runs])
+        result.update({
+            "command": f"harness eval {ns.eval_args}", "runs": runs,
+            "flagged": [r["run"] for r in runs if r["machine"] != "quiet"],
+            "mean_spread": spread_of(runs, "mean"), "row_spread": spread_of(runs, "rows"),
+            "compare_pairs": pairs, "compare_pairs_called_different": sum(1 for x in pairs if x["differ"])})
+    if ns.ab:
+        abs_ = ensure_abs(ns.ab, out)
+        result["ab"] = {"runs": abs_, "false_alarms": sum(1 for a in abs_ if not all(r["ok"] for r in a["rows"])),
+                        "figures": len(abs_[0]["rows"]) if abs_ else 0}
+    result["note"] = ("Idle runs of identical code on one machine. Speedups are ratios measured within each run; "
+                      "the spread is between runs (docs/design.md 'What a second run shows').")
+    atomic_write_json(result_path, result)
+    for k, v in (result.get("mean_spread") or {}).items():
+        print(f"{k}: mean speedup {v['lowest']:.2f}x .. {v['highest']:.2f}x over {v['runs']} runs "
+              f"(x{v['max_over_min']:.2f}); inside every other run's interval: {v['inside_all_others']}/{v['runs']}")
+    if result.get("compare_pairs") is not None and ns.runs:
+        print(f"make compare: {result['compare_pairs_called_different']} of {len(result['compare_pairs'])} pairs "
+              "called a figure different")
+    if ns.ab:
+        print(f"A/B of identical code: {result['ab']['false_alarms']} of {len(result['ab']['runs'])} failed a figure")
+    print(f"wrote {result_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
