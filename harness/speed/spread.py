@@ -84,12 +84,13 @@ def spread_of(runs: list[dict], key: str) -> dict:
     return out
 
 
-def compare_pairs(out: Path, names: list[str]) -> list[dict]:
+def compare_pairs(out: Path, names: list[str], which: str = "all") -> list[dict]:
     """Every pair of runs through ``make compare`` (``harness compare``, its own process): what it called
     different."""
     got = []
     with tempfile.TemporaryDirectory() as tmp:
-        for a, b in itertools.combinations(names, 2):
+        pairs = itertools.combinations(names, 2) if which == "all" else zip(names[0::2], names[1::2])
+        for a, b in pairs:
             rc = subprocess.run([sys.executable, "-m", "harness", "compare", "--run", f"{a},{b}", "--runs-root",
                                  str(out), "--out", tmp, "--name", "pair"], cwd=REPO, capture_output=True).returncode
             data = json.loads((Path(tmp) / "pair" / "compare.json").read_text()) if rc == 0 else {}
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ab", type=int, default=0, help="A/Bs of this commit against itself to have")
     p.add_argument("--out", default=str(OUT), help="run folders and A/B records (default: %(default)s)")
     p.add_argument("--no-compare", action="store_true", help="skip `make compare` over the pairs of runs")
+    p.add_argument("--pairs", choices=("all", "disjoint"), default="all",
+                   help="runs compared: every pair, or disjoint pairs (1-2, 3-4, ...: independent) (default: all)")
     ns = p.parse_args(argv)
     out = Path(ns.out)
     result_path = REPO / "results" / f"speed_spread_{ns.name}.json"
@@ -144,12 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.runs:
         ensure_runs(ns.runs, ns.name, shlex.split(ns.eval_args), out)
         runs = [run_figures(out / _run_id(ns.name, i)) for i in range(1, ns.runs + 1)]
-        pairs = [] if ns.no_compare else compare_pairs(out, [r["run"] for r in runs])
+        pairs = [] if ns.no_compare else compare_pairs(out, [r["run"] for r in runs], ns.pairs)
         result.update({
             "command": f"harness eval {ns.eval_args}", "runs": runs,
             "flagged": [r["run"] for r in runs if r["machine"] != "quiet"],
             "mean_spread": spread_of(runs, "mean"), "row_spread": spread_of(runs, "rows"),
-            "compare_pairs": pairs, "compare_pairs_called_different": sum(1 for x in pairs if x["differ"])})
+            "compare_pairs_kind": ns.pairs, "compare_pairs": pairs,
+            "compare_pairs_called_different": sum(1 for x in pairs if x["differ"])})
     if ns.ab:
         abs_ = ensure_abs(ns.ab, out)
         result["ab"] = {"runs": abs_, "false_alarms": sum(1 for a in abs_ if not all(r["ok"] for r in a["rows"])),
