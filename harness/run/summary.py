@@ -107,10 +107,12 @@ def summary(cfg: dict, metrics: list[dict], warmup: dict[str, dict] | None = Non
     for r in rows:
         if r["speedup"] is not None:
             by_model.setdefault(r["model"], []).append(r["speedup"])
+    base = cfg.get("baseline")
     means = {k: (mean_speedups or {}).get(k) or {
         "ratio": sum(v) / len(v), "interval": None,
-        "statistic": "arithmetic mean over tasks of the per-task speedups (no interval: a task's speedup has none, "
-                     "or its rows were timed in different ways)"} for k, v in by_model.items()}
+        "statistic": "the reference (1 by definition)" if k == base else
+        "arithmetic mean over tasks of the per-task speedups (no interval: a task's speedup has none, or its rows "
+        "were timed in different ways)"} for k, v in by_model.items()}
     return {
         "run_id": cfg.get("run_id"), "task": cfg["task"], "limit": cfg["limit"], "baseline": cfg.get("baseline"),
         "models": [m["name"] for m in cfg["models"]], "units": [u["name"] for u in cfg["units"]],
@@ -367,7 +369,7 @@ def markdown(s: dict) -> str:
         from harness.run.stats import fmt_interval
 
         ivs = s.get("mean_speedup_interval") or {}
-        how = sorted(set((s.get("mean_speedup_statistic") or {}).values()))
+        how = sorted({v for k, v in (s.get("mean_speedup_statistic") or {}).items() if k != s.get("baseline")})
         lines += ["", "Mean per-task speedup [95% CI]: " + ", ".join(f"{k} {v:.2f}x{fmt_interval(ivs.get(k), '.2f')}"
                                                                      for k, v in s["mean_speedup"].items())
                   + (f" ({'; '.join(how)})" if how else "")]
