@@ -252,3 +252,29 @@ def test_fixture_keeps_the_release_layout_and_the_prompts_reencode(loaded):
         ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
                                       return_dict=False)
         assert ids == g["prompt"], q
+
+
+def test_trace_draws_the_blocks_from_the_prompts_start(loaded):
+    """harness trace: LLaDA2's blocks count from the prompt's first token, so the answer's first block is the
+    rest of the prompt's last block; the figure outlines it and the full blocks after it."""
+    import matplotlib.pyplot as plt
+
+    from harness.report import trace, trace_draw
+
+    g = _of(SETTINGS[1])[0]  # block length 16
+    prompt = g["prompt"]
+    tokens, stats = DECODERS["llada2"](loaded.model, torch.tensor([prompt]), None, dict(g["knobs"]),
+                                       eos_token_id=list(loaded.eos_ids))
+    rec = {"tokens": tokens[0].tolist(), "nfe": stats["nfe"], "commit_forward": stats["commit_forward"][0],
+           "commit_kind": stats["commit_kind"][0], "forward_phase": stats["forward_phase"],
+           "knobs": dict(g["knobs"]), "prompt_tokens": len(prompt)}
+    m = trace.entry("l2", "llada2", rec, loaded.tokenizer, loaded.eos_ids)
+    first = -len(prompt) % 16
+    assert m["group"] == {"name": "block", "size": 16, "offset": first} and 0 < first < 16
+    n = len(rec["tokens"])
+    assert trace_draw.groups(m) == [(0, first)] + [(a, min(a + 16, n)) for a in range(first, n, 16)]
+    # every token of a block is committed after the previous block's last commit (blocks left to right)
+    spans = trace_draw.groups(m)
+    last = [max(m["commit_forward"][a:z]) for a, z in spans]
+    assert all(min(m["commit_forward"][a:z]) > prev for (a, z), prev in zip(spans[1:], last))
+    plt.close(trace_draw.commit_figure(m))
