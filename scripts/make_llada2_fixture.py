@@ -56,7 +56,8 @@ OUT = REPO / "tests" / "fixtures" / "released" / "llada2"
 
 def _release_helpers():
     """scripts/make_release_fixtures.py (tokenizer, weights, shards, prompts), loaded by path."""
-    spec = importlib.util.spec_from_file_location("make_release_fixtures", REPO / "scripts" / "make_release_fixtures.py")
+    path = REPO / "scripts" / "make_release_fixtures.py"
+    spec = importlib.util.spec_from_file_location("make_release_fixtures", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -290,7 +291,8 @@ def main() -> int:
                      "torch.compile disabled; TokenArray.get_generated_tokens returns the whole array",
         "special_ids": ids, "gen_length": GEN_LENGTH, "settings": SETTINGS,
         "logits": {"file": "reference.safetensors", "prompts": ref["logit_prompts"],
-                   "kinds": {"full_0": "prompt 0, no mask (every key)", "block8_1": "prompt 1, block-causal mask, blocks of 8"},
+                   "kinds": {"full_0": "prompt 0, no mask (every key)",
+                             "block8_1": "prompt 1, block-causal mask, blocks of 8"},
                    "experts": "experts_<kind>_<i>: [MoE layer, position, k] expert ids in the authors' top-k order"},
         "generations": ref["generations"],
         "prompt_texts": {"texts": R.DG_QUERIES, "encode": "tokenizer.apply_chat_template([{'role': 'user', "
