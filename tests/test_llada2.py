@@ -278,3 +278,21 @@ def test_trace_draws_the_blocks_from_the_prompts_start(loaded):
     last = [max(m["commit_forward"][a:z]) for a, z in spans]
     assert all(min(m["commit_forward"][a:z]) > prev for (a, z), prev in zip(spans[1:], last))
     plt.close(trace_draw.commit_figure(m))
+
+
+@pytest.mark.slow  # 15,000 modules built: about 4 s
+def test_the_released_shape_is_16b_with_1_4b_active():
+    """LLaDA2.0-mini's published shape (config.json values: 20 layers of hidden 2048, the first dense, 256
+    experts of 512 with 8 chosen and one shared, 16 query / 4 key-value heads of 128, vocabulary 157184) built on
+    the meta device: about 16B parameters, about 1.4B of them active per token (the issue's figures)."""
+    from refusion.llada2_moe import LLaDA2MoeConfig, LLaDA2MoeModelLM
+
+    cfg = LLaDA2MoeConfig(vocab_size=157184, hidden_size=2048, intermediate_size=5120, num_hidden_layers=20,
+                          num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=256,
+                          num_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+                          moe_intermediate_size=512, first_k_dense_replace=1, use_bias=False)
+    with torch.device("meta"):
+        model = LLaDA2MoeModelLM(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert 16.0e9 < total < 16.5e9 and 1.3e9 < total - routed + routed * 8 / 256 < 1.5e9
