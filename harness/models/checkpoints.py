@@ -1,5 +1,6 @@
 """Checkpoint folders as published: checked completely before any model runs, then loaded onto a stock
-``transformers`` class by the family table (harness/models/families.py), with no remote code.
+``transformers`` class by the family table (harness/models/families.py), with no remote code (a family
+transformers lacks, LLaDA2, loads onto this project's class: ``model_class``).
 
     info = inspect_checkpoint("/ckpt/LLaDA-8B-Instruct")          # reads headers only; CheckpointError
     loaded = load_model("/ckpt/LLaDA-8B-Instruct", dtype="bfloat16")

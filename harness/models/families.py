@@ -3,7 +3,8 @@
 
 A folder's family is recognised from its ``config.json`` (``model_type``, and ``auto_map`` to tell
 ReFusion from a plain Qwen3). Loading (harness/models/checkpoints.py) then builds the family's stock
-``transformers`` config from the published one (``to_config``) and loads the weights under the
+``transformers`` config (or, for LLaDA2, that of this project's refusion/llada2_moe.py, named ``module:Class``)
+from the published one (``to_config``) and loads the weights under the
 published tensor names through ``from_pretrained(key_mapping=...)``: nothing is converted on disk.
 
 Every fact carries its source (the authors' public code, the release's own config files); the
