@@ -46,7 +46,8 @@ GEN = 32  # the response budget of every check: small, and divisible by the defa
 RULES = ("counts", "commit_log", "records", "batch", "seed", "eos", "knobs", "nan", "budget")
 
 
-FAMILY_FIXTURES = {"diffusion_gemma": REPO / "tests" / "fixtures" / "released" / "diffusiongemma"}
+FAMILY_FIXTURES = {"diffusion_gemma": REPO / "tests" / "fixtures" / "released" / "diffusiongemma",
+                   "llada2": REPO / "tests" / "fixtures" / "released" / "llada2"}
 
 
 @pytest.fixture(scope="module")

@@ -269,6 +269,8 @@ def test_diffusion_gemma_frontier_is_its_entropy_bound(tmp_path, capsys):
     assert rc == 0, out
     for value in ("0.02", "0.1", "0.5", "2.0"):
         assert f"  diffusiongemma.eb{value}: entropy_bound={value}" in out, out
+    for value in ("0.95", "0.9", "0.7", "0.5"):  # LLaDA2 over its threshold
+        assert f"  llada2.t{value}: threshold={value}" in out, out
     assert not (tmp_path / "runs").exists()
 
 

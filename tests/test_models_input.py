@@ -249,6 +249,6 @@ def test_the_beyond_table1_models_file_is_the_nine_rows_then_diffusiongemma():
     nine = load_models_file(EXAMPLE)
     both = load_models_file(REPO / "examples" / "table1_beyond_models.toml")
     assert [vars(m) for m in both[:9]] == [vars(m) for m in nine]
-    assert [(m.name, m.decoder) for m in both[9:]] == [("diffusiongemma", "diffusion_gemma")]
+    assert [(m.name, m.decoder) for m in both[9:]] == [("diffusiongemma", "diffusion_gemma"), ("llada2_mini", "llada2")]
     assert "# ---------------------------------------------------------------- beyond Table 1" in (
         REPO / "examples" / "table1_beyond_models.toml").read_text()

@@ -1,5 +1,6 @@
 """Checkpoint folders as published: checked completely before any model runs, then loaded onto a stock
-``transformers`` class by the family table (harness/models/families.py), with no remote code.
+``transformers`` class by the family table (harness/models/families.py), with no remote code (a family
+transformers lacks, LLaDA2, loads onto this project's class: ``model_class``).
 
     info = inspect_checkpoint("/ckpt/LLaDA-8B-Instruct")          # reads headers only; CheckpointError
     loaded = load_model("/ckpt/LLaDA-8B-Instruct", dtype="bfloat16")
@@ -155,12 +156,24 @@ def _weight_names(p: Path) -> list[str]:
     return [n for f in files for n in safetensors_names(f)]
 
 
+def model_class(fam: Family):
+    """The class a family's weights load onto: a transformers class by name, or ``module:Class`` for one written
+    in this project (LLaDA2's refusion/llada2_moe.py); never a class from the checkpoint folder."""
+    import importlib
+
+    import transformers
+
+    if ":" in fam.model_class:
+        module, name = fam.model_class.split(":")
+        return getattr(importlib.import_module(module), name)
+    return getattr(transformers, fam.model_class)
+
+
 def _meta_model(fam: Family, cfg):
     """The family's class for ``cfg``, built on the meta device (no memory)."""
     import torch
-    import transformers
 
-    cls = getattr(transformers, fam.model_class)
+    cls = model_class(fam)
     with torch.device("meta"):
         return cls(cfg)
 
@@ -192,15 +205,13 @@ def _map_name(name: str, mapping) -> str:
 
 def build_config(fam: Family, raw: dict):
     """The stock transformers config of ``fam`` for a published config.json (attention fixed here)."""
-    import transformers
-
-    cls = getattr(transformers, fam.model_class)
+    cls = model_class(fam)
     cfg = cls.config_class(**(fam.to_config(raw) if fam.to_config else raw))
     if not getattr(cfg, "sub_configs", None):  # a composite config (DiffusionGemma) sets attention per part itself
         cfg.is_causal = model_is_causal(fam, raw)
     if raw.get("mask_token_id") is not None:
         cfg.mask_token_id = int(raw["mask_token_id"])
-    cfg.architectures = [fam.model_class]
+    cfg.architectures = [cls.__name__]
     return cfg
 
 
@@ -383,10 +394,8 @@ def _has_tokenizer(p: Path) -> bool:
 
 
 def _load_weights(info: CheckpointInfo, device: str, dtype: str):
-    import transformers
-
     fam = info.family
-    cls = getattr(transformers, fam.model_class)
+    cls = model_class(fam)
     cfg = build_config(fam, info.config)
     kw: dict[str, Any] = {"config": cfg, "dtype": _torch_dtype(dtype)}
     if fam.key_mapping:

@@ -3,7 +3,8 @@
 
 A folder's family is recognised from its ``config.json`` (``model_type``, and ``auto_map`` to tell
 ReFusion from a plain Qwen3). Loading (harness/models/checkpoints.py) then builds the family's stock
-``transformers`` config from the published one (``to_config``) and loads the weights under the
+``transformers`` config (or, for LLaDA2, that of this project's refusion/llada2_moe.py, named ``module:Class``)
+from the published one (``to_config``) and loads the weights under the
 published tensor names through ``from_pretrained(key_mapping=...)``: nothing is converted on disk.
 
 Every fact carries its source (the authors' public code, the release's own config files); the
@@ -29,7 +30,7 @@ from typing import Any
 @dataclass(frozen=True)
 class Family:
     name: str
-    model_class: str                 # the transformers class that runs the weights
+    model_class: str                 # the transformers class that runs the weights ("module:Class": this project's)
     causal: bool | None              # None: config.is_causal decides (default causal)
     logit_shift: bool = False        # the logit at i-1 predicts a masked token at i (Dream)
     mask_token: str | None = None    # the mask token's text, looked up in the tokenizer
@@ -129,10 +130,20 @@ FAMILIES: dict[str, Family] = {
               "and generation_config.json (pad 0, eos 1, bos 2 by default); canvas_length in config.json",
         sources=("transformers 5.24.0 models/diffusion_gemma (configuration_diffusion_gemma.py, "
                  "generation_diffusion_gemma.py)",)),
+    "llada2": Family(
+        name="llada2", model_class="refusion.llada2_moe:LLaDA2MoeModelLM", causal=False, mask_token="<|mask|>",
+        mask_id=156895, eos_ids=(156892,), to_config=plain_config,
+        notes="inclusionAI/LLaDA2.0-mini (-flash): a MoE converted from an AR model, trained for block diffusion "
+              "(block-causal attention, bidirectional within a block of 32); the class is this project's "
+              "refusion/llada2_moe.py (published tensor names, no remote code: the folder's modeling_llada2_moe.py "
+              "is never run); runs the decoder llada2 only; <|endoftext|> 156892 is EOS and padding, <|mask|> "
+              "156895 the mask",
+        sources=("inclusionAI/dInfer fce4e32 python/dinfer/model/modeling_llada2_moe.py, "
+                 "configuration_llada2_moe.py; benchmarks/benchmark.py (mask_id = 156895, eos_id = 156892)",)),
 }
 # config.json model_type -> family (ReFusion is told apart from Qwen3 by its auto_map)
 MODEL_TYPES = {"llada": "llada", "Dream": "dream", "dream": "dream", "qwen3": "qwen3", "qwen2": "qwen2",
-               "llama": "llama", "diffusion_gemma": "diffusion_gemma"}
+               "llama": "llama", "diffusion_gemma": "diffusion_gemma", "llada2_moe": "llada2"}
 
 
 def register_family(family: Family, model_types: tuple[str, ...]) -> Family:

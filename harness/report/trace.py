@@ -159,13 +159,19 @@ def decode_all(models, units: list[dict], leaf: str | None, prompts: dict[str, s
     return out
 
 
-def _group(decoder: str, knobs: dict) -> dict | None:
+def _group(decoder: str, knobs: dict, prompt_tokens: int | None = None) -> dict | None:
     """The unit a decoder fills the answer by: ReFusion's slots, the block decoders' blocks, DiffusionGemma's
-    canvases."""
+    canvases. A decoder whose blocks count from the prompt's start (``blocks_from_prompt_start`` on its knob
+    class: llada2) has a partial first block: ``offset`` is where the answer's first full block starts."""
+    from refusion.decoding import get_decoder
+
     for key, name in (("slot_size", "slot"), ("block_length", "block"), ("block_size", "block"),
                       ("canvas_length", "canvas")):
         if key in knobs and isinstance(knobs[key], int):
-            return {"name": name, "size": int(knobs[key])}
+            group = {"name": name, "size": int(knobs[key])}
+            if getattr(get_decoder(decoder).knobs, "blocks_from_prompt_start", False) and prompt_tokens:
+                group["offset"] = -int(prompt_tokens) % group["size"]
+            return group
     return None
 
 
@@ -182,7 +188,7 @@ def entry(name: str, decoder: str, rec: dict, tokenizer, eos: tuple[int, ...] | 
         "pieces": [tokenizer.decode([t]) for t in tokens], "commit_forward": rec["commit_forward"],
         "commit_kind": rec["commit_kind"], "forward_phase": rec.get("forward_phase") or [],
         "eos_at": len(tokens) - 1 if tokens and tokens[-1] in set(eos) else None,
-        "group": _group(decoder, knobs),
+        "group": _group(decoder, knobs, rec.get("prompt_tokens")),
     }
 
 

@@ -86,7 +86,8 @@ def groups(m: dict) -> list[tuple[int, int]]:
     g, n = m.get("group"), len(m["tokens"])
     if not g or g["size"] < 1:
         return []
-    return [(a, min(a + g["size"], n)) for a in range(0, n, g["size"])]
+    first = min(g.get("offset") or 0, n)  # a first block that began in the prompt (llada2)
+    return ([(0, first)] if first else []) + [(a, min(a + g["size"], n)) for a in range(first, n, g["size"])]
 
 
 def committed(m: dict, k: int) -> int:

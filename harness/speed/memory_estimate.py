@@ -60,7 +60,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import DynamicCache
 
-from harness.models.checkpoints import build_config, inspect_checkpoint
+from harness.models.checkpoints import build_config, inspect_checkpoint, model_class
 from harness.models.families import FAMILIES
 from harness.run.memory import LEAVES_OUT, DecodeMemory, weights_bytes
 from harness.run.store import atomic_write_json
@@ -113,13 +113,12 @@ TINY_DECODERS = {"ar": ("ar",), "refusion": ("refusion", "ar"), "mdm": ("llada",
 
 
 def fake_model(family: str, raw: dict, dtype: torch.dtype, mode: FakeTensorMode):
-    """The family's transformers class for a published config, its parameters fake tensors of ``dtype``."""
-    import transformers
-
+    """The family's transformers class (or this project's, ``model_class``) for a published config, its
+    parameters fake tensors of ``dtype``."""
     fam = FAMILIES[family]
     cfg = build_config(fam, copy.deepcopy(raw))
     with mode:
-        return getattr(transformers, fam.model_class)._from_config(cfg, dtype=dtype).eval()
+        return model_class(fam)._from_config(cfg, dtype=dtype).eval()
 
 
 def fake_tiny(folder, mode: FakeTensorMode):

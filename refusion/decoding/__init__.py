@@ -19,6 +19,7 @@ from .ar import ArKnobs, ar
 from .d2f import D2fKnobs, d2f
 from .diffusion_gemma import FOLDER_KNOBS as DIFFUSION_GEMMA_FOLDER_KNOBS, DiffusionGemmaKnobs, diffusion_gemma
 from .knobs import Knobs, folder_knobs
+from .llada2 import Llada2Knobs, llada2
 from .mdm import DREAM_FOLDER_KNOBS, DreamKnobs, FastDllmKnobs, LladaKnobs, dream, fast_dllm, llada
 from .refusion import RefusionKnobs, refusion
 
@@ -196,6 +197,14 @@ register("diffusion_gemma", diffusion_gemma, DiffusionGemmaKnobs, batched=True, 
          grid=Grid.over("entropy_bound", (0.02, 0.1, 0.5, 2.0),
                         "entropy_bound 0.02, 0.1 (transformers' default), 0.5, 2.0: the sampled tokens of lowest "
                         "entropy are accepted in a step while their entropy sum minus the largest stays below it"))
+
+# LLaDA2.x (refusion/decoding/llada2.py) runs its own model class only (refusion/llada2_moe.py, family llada2). A
+# masked-diffusion model, but beyond Table 1 (another backbone and size class): not one of the "MDM baseline"
+# rows ReFusion's speedups are measured against; compare its frontier (docs/models.md).
+register("llada2", llada2, Llada2Knobs, batched=True, causal=False, masked_diffusion=False, family="llada2",
+         grid=Grid.over("threshold", (0.95, 0.9, 0.7, 0.5),
+                        "threshold 0.95, 0.9 (dInfer's LLaDA2 default), 0.7, 0.5: every masked token of the block "
+                        "at or above it is committed in a denoise step"))
 
 
 def get_decoder(name: str) -> Decoder:

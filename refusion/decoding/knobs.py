@@ -15,7 +15,7 @@ test hooks (``on_commit``), which no command line can set.
 Shared knob makers (``gen_length``, ``temperature``, ``seed``, ``compile_knob``) give a knob the
 same meaning and help wherever a decoder declares it; a decoder has only the knobs its class
 declares. ``compile`` (``compile_knob``, docs/design.md "Compiled decoding") is declared by
-``ar``, ``refusion``, ``llada``, ``fast_dllm``, ``dream`` and ``d2f``, not by ``diffusion_gemma``,
+``ar``, ``refusion``, ``llada``, ``fast_dllm``, ``dream`` and ``d2f``, not by ``diffusion_gemma`` nor ``llada2``,
 whose forwards always run eagerly (``python -m harness knobs diffusion_gemma`` lists no ``compile``).
 """
 
