@@ -66,7 +66,7 @@ def _rows(run_dir: Path, model: str, unit: str) -> dict[tuple[str, object], dict
 
 def timed_docs(run_dir: Path, cfg: dict, t: dict) -> dict[str, list[tuple[str, object]]]:
     """Per unit with generation requests, the timed (leaf, document) pairs: a seeded sample of the documents
-    every model decoded (module doc)."""
+    every model decoded (module doc), rounded up to whole batches of the run's batch size."""
     common_of = {}
     for u in cfg["units"]:
         common = None
@@ -78,9 +78,15 @@ def timed_docs(run_dir: Path, cfg: dict, t: dict) -> dict[str, list[tuple[str, o
                                                                  else str(k[1])))
     items = t["items"]
 
+    bs = max(1, int(cfg.get("batch_size") or 1))
+
     def k_of(docs: list) -> int | None:
-        return (None if items == "all" else int(items) if items != "auto"
-                else timing.items_auto(len(docs), int(t.get("rounds") or timing.DEFAULT_ROUNDS)))
+        if items == "all":
+            return None
+        k = int(items) if items != "auto" else timing.items_auto(len(docs), int(t.get("rounds") or timing.DEFAULT_ROUNDS))
+        # Whole batches: at --batch-size B a timed call is a batch of B, as in the pass (a call of fewer rows
+        # would time another workload than the run's).
+        return -(-k // bs) * bs
     return {u: timing.sample_docs(docs, k_of(docs), int(cfg["seed"]), u) for u, docs in common_of.items()}
 
 

@@ -143,7 +143,8 @@ def _timing_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--timing-items", default=TIMING_ITEMS,
                    help="timed items per task: a sample drawn with the run's seed from the documents every model "
                    "decoded (the first k of a seeded shuffle); a count, 'all', or 'auto': k = documents x 0.5 / rounds, "
-                   "1 to 32, so the rounds re-decode about half the decoding pass (default: %(default)s)")
+                   "1 to 32, so the rounds re-decode about half the decoding pass; rounded up to whole batches of "
+                   "--batch-size (default: %(default)s)")
     t.add_argument("--timing-order", choices=("abba", "random"), default="abba",
                    help="the models' order within each round: ABBA (forward, then backward) or seeded random "
                    "(default: %(default)s)")
