@@ -167,3 +167,16 @@ def test_a_fault_in_the_timed_rounds_is_retried_then_dropped_and_named(runner_se
     assert "Dropped from the timed rounds" in (run / "summary.md").read_text()
     assert json.loads((run / "run.json").read_text())["timing_result"]["dropped"] == timed["dropped"]
     assert row["timed_items"] == 2 and row["timed_dropped"] == [d["docs"][0]]
+
+
+def test_a_run_without_generation_says_so(tmp_path):
+    """timing.json of a run whose tasks only score log-likelihoods holds no passes and says why; the summary
+    repeats that reason, not "merged shards, or an older run"."""
+    cfg = {"timing": {"mode": "interleaved"}, "baseline": None, "models": [{"name": "a"}]}
+    why = "no task of the run generates text: nothing to time"
+    t = rounds.settings_of(cfg)
+    (tmp_path / "timing.json").write_text(json.dumps({"settings": t, "docs": {}, "passes": [], "why": why}))
+    timed = rounds.load_timing(tmp_path, cfg)
+    row = {"model": "a", "task": "mc", "speed": {"tokens_per_s": {"ratio_of_sums": None}}}
+    got = rounds.apply_timing(timed, cfg, [row])
+    assert got["mode"] == "single pass" and got["why"] == why and row["speed"]["timing"]["why"] == why
