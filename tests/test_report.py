@@ -870,7 +870,7 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
                                         "## tokens/s (ratio of sums)")}
     assert tps["ar"][4] == "0.50" and tps["ar"][5:] == ["-", "-", "not testable: one timed pass per run"]
     # Timed rounds in both runs: the speedups are judged by their per-pair values (disjoint round pairs,
-    # Mann-Whitney, p < 0.01 and beyond 1.25x); absolute figures are shown with their ratio, not judged.
+    # Mann-Whitney, p < 0.01 and beyond 1.6x); absolute figures are shown with their ratio, not judged.
     jitter = [1 + 0.01 * ((j * 7) % 9 - 4) for j in range(9)]
     for run_id, model, tps_, lat in (("a", "ar", 100.0, 0.1), ("b", "ar", 50.0, 0.2), ("a", "refusion", 400.0, 0.025),
                                      ("b", "refusion", 400.0, 0.025)):
@@ -891,11 +891,11 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
     # Absolute tokens/s of two runs: the ratio, not judged (the machine between runs is in neither run).
     assert "tokens_per_s" not in printed and "latency" not in printed
     assert ("differs: refusion embedded_math speedup in b (p 0.008, Mann-Whitney U over disjoint round pairs (5 vs 5), "
-            "p < 0.01 and beyond 1.25x, 5 vs 5 round pairs)") in printed
+            "p < 0.01 and beyond 1.6x, 5 vs 5 round pairs)") in printed
     md = (out / "compare-a-vs-b" / "compare.md").read_text()
     differ = _md_section(md, "## Rows that differ")
     assert ["refusion", "embedded_math", "speedup over the run's own AR model (x)", "b", "x2.00",
-            "Mann-Whitney U over disjoint round pairs (5 vs 5), p < 0.01 and beyond 1.25x", "0.008",
+            "Mann-Whitney U over disjoint round pairs (5 vs 5), p < 0.01 and beyond 1.6x", "0.008",
             "5 vs 5 round pairs"] in differ
     tps = {r[0]: r for r in _md_section(md, "## tokens/s (ratio of sums)")}
     assert tps["ar"][5:] == ["x0.50", "-", compare.NOT_JUDGED]
@@ -906,6 +906,10 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
     assert q["ar"][5:] == ["+0.00 pp [+0.00, +0.00]", "1.000", "no difference shown (10 items)"]
     data = json.loads((out / "compare-a-vs-b" / "compare.json").read_text())
     assert [(d["model"], d["figure"]) for d in data["differ"]] == [("refusion", "speedup")]
+    # A machine whose idle runs spread more (make spread) sets its own factor: 2x is then within it.
+    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--speed-factor", "2.5"]) == 0
+    assert "differs: refusion" not in capsys.readouterr().out
+    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--speed-factor", "1"]) == 2
 
 
 def test_a_system_beyond_table1_has_its_own_section_and_is_measured_against_the_references(tmp_path):

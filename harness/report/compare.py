@@ -190,15 +190,16 @@ def _rounds_of(key: str, met: dict) -> list[float] | None:
     return t.get(WALL[key]) if t.get("mode") == "interleaved" else None
 
 
-def _between(key: str, ma: dict, mb: dict) -> dict | None:
-    """A wall-clock figure of two runs: the rounds test, or 'not testable' (printed with the ratio, no p)."""
+def _between(key: str, ma: dict, mb: dict, factor: float | None = None) -> dict | None:
+    """A wall-clock figure of two runs: the rounds test (a speedup differs beyond ``factor``, default
+    timing.RUNS_FACTOR), or 'not testable' (printed with the ratio, no p)."""
     if key in PASS_LATENCY:  # absolute seconds of each run's own pass: the machine between runs is in them
         return {"test": NOT_JUDGED, "p": None, "differs": False, "items": "-", "not_judged": True}
     a, b = _rounds_of(key, ma), _rounds_of(key, mb)
     if a and b and len(a) > 1 and len(b) > 1:
-        from harness.run.timing import between_runs
+        from harness.run.timing import RUNS_FACTOR, between_runs
 
-        got = between_runs(a, b)
+        got = between_runs(a, b, factor=factor or RUNS_FACTOR)
         if key != "speedup":
             got = {**got, "differs": False, "not_judged": True, "test": NOT_JUDGED}
         docs = [((m.get("speed") or {}).get("timing") or {}).get("docs") for m in (ma, mb)]
@@ -230,7 +231,7 @@ def _paired(key: str, a: stats.Items | None, b: stats.Items | None, stream: str)
     return None
 
 
-def figures_of(entries: list[dict], labels: list[str]) -> list[dict]:
+def figures_of(entries: list[dict], labels: list[str], factor: float | None = None) -> list[dict]:
     """Every figure per entry and run with its 95% interval, its ratio to the first run and, where both runs
     measured the same items, the paired test of the difference (``tests``)."""
     ref = labels[0]
@@ -243,7 +244,7 @@ def figures_of(entries: list[dict], labels: list[str]) -> list[dict]:
             ivs = {lab: (_value_interval(key, e["metrics"][lab], items.get(lab), e["benchmark"])
                          if vals[lab] is not None else None) for lab in labels}
             tests = {lab: (None if vals[lab] is None or vals[ref] is None else
-                           _between(key, e["metrics"][ref], e["metrics"][lab]) if key in WALL else
+                           _between(key, e["metrics"][ref], e["metrics"][lab], factor) if key in WALL else
                            _paired(key, items.get(ref), items.get(lab), e["benchmark"])) for lab in labels[1:]}
             figs[key] = {"values": vals, "intervals": ivs, "ratios": {lab: speedup(vals[lab], vals[ref])
                                                                       for lab in labels[1:]}, "tests": tests}
@@ -434,7 +435,14 @@ def to_csv(labels: list[str], rows: list[dict]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    return run_parser("compare", __doc__)
+    from harness.run.timing import RUNS_FACTOR
+
+    p = run_parser("compare", __doc__)
+    p.add_argument("--speed-factor", type=float, default=RUNS_FACTOR,
+                   help="a speedup differs between runs only beyond this ratio either way (and at p < 0.01 over "
+                        "their round pairs); the default is the spread of idle runs of identical code on a 2-core "
+                        "CI machine: measure yours with `make spread` (default: %(default)s)")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(names)) != len(names):
             raise InputError(f"two runs share the label {names!r}; name them: RUN=a=<run>,b=<run>")
         name = check_name(ns.name or "compare-" + "-vs-".join(names))
-        rows = figures_of(pair(runs), names)
+        if ns.speed_factor <= 1:
+            raise InputError(f"--speed-factor must be above 1, got {ns.speed_factor}")
+        rows = figures_of(pair(runs), names, ns.speed_factor)
         if not rows:
             raise InputError(f"{', '.join(map(str, dirs))}: no metrics file at all (runs not started?)")
     except InputError as e:

@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": f"harness eval {ns.eval_args}", "runs": runs,
             "flagged": [r["run"] for r in runs if r["machine"] != "quiet"],
             "mean_spread": spread_of(runs, "mean"), "row_spread": spread_of(runs, "rows"),
+            # the smallest `make compare --speed-factor` that calls none of these idle pairs different
+            "largest_row_ratio": max((v["max_over_min"] for v in spread_of(runs, "rows").values()), default=None),
             "compare_pairs_kind": ns.pairs, "compare_pairs": pairs,
             "compare_pairs_called_different": sum(1 for x in pairs if x["differ"])})
     if ns.ab:
@@ -164,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in (result.get("mean_spread") or {}).items():
         print(f"{k}: mean speedup {v['lowest']:.2f}x .. {v['highest']:.2f}x over {v['runs']} runs "
               f"(x{v['max_over_min']:.2f}); inside every other run's interval: {v['inside_all_others']}/{v['runs']}")
+    if ns.runs and result.get("largest_row_ratio"):
+        print(f"largest per-task speedup ratio between two of these runs: x{result['largest_row_ratio']:.2f} (a "
+              "`make compare --speed-factor` below it can call identical code different on this machine)")
     if result.get("compare_pairs") is not None and ns.runs:
         print(f"make compare: {result['compare_pairs_called_different']} of {len(result['compare_pairs'])} pairs "
               "called a figure different")
