@@ -21,6 +21,7 @@ from .diffusion_gemma import FOLDER_KNOBS as DIFFUSION_GEMMA_FOLDER_KNOBS, Diffu
 from .knobs import Knobs, folder_knobs
 from .mdm import DREAM_FOLDER_KNOBS, DreamKnobs, FastDllmKnobs, LladaKnobs, dream, fast_dllm, llada
 from .refusion import RefusionKnobs, refusion
+from .sdar import FOLDER_KNOBS as SDAR_FOLDER_KNOBS, SdarKnobs, sdar
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,13 @@ register("diffusion_gemma", diffusion_gemma, DiffusionGemmaKnobs, batched=True, 
          grid=Grid.over("entropy_bound", (0.02, 0.1, 0.5, 2.0),
                         "entropy_bound 0.02, 0.1 (transformers' default), 0.5, 2.0: the sampled tokens of lowest "
                         "entropy are accepted in a step while their entropy sum minus the largest stays below it"))
+
+# SDAR (refusion/decoding/sdar.py): block diffusion on Qwen3 with the block-causal mask it builds itself.
+register("sdar", sdar, SdarKnobs, batched=True, causal=True, masked_diffusion=False, folder_knobs=SDAR_FOLDER_KNOBS,
+         grid=Grid.over("confidence_threshold", (0.95, 0.85, 0.7, 0.5),
+                        "confidence_threshold 0.95, 0.85 (generate.py's), 0.7, 0.5 of low_confidence_dynamic: every "
+                        "masked token drawn above it is committed in a step (at most block_length a forward; the "
+                        "block length is the checkpoint's own, a frontier per trained block size)"))
 
 
 def get_decoder(name: str) -> Decoder:
