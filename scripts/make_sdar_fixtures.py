@@ -44,7 +44,7 @@ UPSTREAM_FILES = ["generate.py (block_diffusion_generate)", "training/model/SDAR
                   "training/model/SDAR-8B-Chat/configuration_sdar.py"]
 SDAR_SEED = 29
 GEN_LENGTH = 32
-EOS_LIKE = 144
+EOS_LIKE = {"sdar": 144, "sdar_moe": 228}
 QUERIES = mrf.DG_QUERIES  # 24 chat prompts
 # Reference settings (generate.py argument names): its command-line defaults (block 4, 4 steps,
 # low_confidence_dynamic at 0.85, temperature 1); another block length with a lower threshold; the static rule;
@@ -58,6 +58,9 @@ SETTINGS = [
 ]
 DEFAULTS = {"block_length": 4, "denoising_steps": 4, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
             "remasking_strategy": "low_confidence_dynamic", "confidence_threshold": 0.85, "eb_threshold": 0.35}
+# The MoE fixture's Qwen3-MoE fields (SDAR-30B-A3B: 128 experts, 8 a token; here 4 and 2).
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+       "mlp_only_layers": [], "norm_topk_prob": True, "output_router_logits": False, "router_aux_loss_coef": 0.001}
 ADDED = mrf.QWEN_ADDED + ["<tool_response>", "</tool_response>", "<think>", "</think>", "<|MASK|>"]
 RAISING = ('"""Stand-in for the SDAR release\'s {name}, written for refusion-bench\'s test fixture (not the '
            'authors\' file):\nthe harness must load this folder without running any file of it."""\n\n'
@@ -79,9 +82,11 @@ FACTS = {
 }
 
 
-def build(root: Path) -> None:
-    """JetLM/SDAR-8B-Chat's layout at tiny size."""
-    d = root / "sdar"
+def build(root: Path, name: str = "sdar") -> None:
+    """JetLM/SDAR-8B-Chat's layout at tiny size; ``sdar_moe``: JetLM/SDAR-30B-A3B-Chat's (Qwen3-MoE's config
+    fields and per-expert tensor names, model_type sdar_moe, SDARMoeForCausalLM and its files in auto_map)."""
+    moe = name == "sdar_moe"
+    d = root / name
     d.mkdir(parents=True, exist_ok=True)
     n, ids = mrf._slow_tokenizer(d, ADDED)
     vocab, kv, hd = mrf._round_up(n, 64), 2, 16
@@ -98,6 +103,11 @@ def build(root: Path) -> None:
            "rope_theta": 1000000, "skip_checkpoint": False, "sliding_window": None, "tie_word_embeddings": False,
            "torch_dtype": "bfloat16", "transformers_version": "4.52.4", "use_cache": False, "use_deepep": False,
            "use_sliding_window": False, "vocab_size": vocab}
+    if moe:
+        cfg.update(architectures=["SDARMoeForCausalLM"], model_type="sdar_moe",
+                   auto_map={"AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
+                             "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+                             "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM"}, **MOE)
     mrf._write_json(d / "config.json", cfg)
     mrf._write_json(d / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"], "do_sample": True,
@@ -114,14 +124,25 @@ def build(root: Path) -> None:
         "tokenizer_class": "Qwen2Tokenizer", "unk_token": None})
     mrf._write_json(d / "special_tokens_map.json", {"additional_special_tokens": addl, **special})
     mrf._write_json(d / "added_tokens.json", {t: ids[t] for t in ADDED})
-    for name in ("modeling_sdar.py", "configuration_sdar.py", "tokenization_qwen2.py"):
-        (d / name).write_text(RAISING.format(name=name))
-    tensors = mrf._weights(mrf._qwen_like_names(False, True, vocab, mrf.HEADS, kv, hd), mrf.SEED + 30,
-                           "lm_head.weight", [ids["<|MASK|>"], *range(n, vocab)])
+    files = ("modeling_sdar_moe.py", "configuration_sdar_moe.py") if moe else ("modeling_sdar.py", "configuration_sdar.py")
+    for f in (*files, "tokenization_qwen2.py"):
+        (d / f).write_text(RAISING.format(name=f))
+    names = mrf._qwen_like_names(False, True, vocab, mrf.HEADS, kv, hd)
+    if moe:  # Qwen3-MoE's sparse block in place of every MLP, per-expert names as the Qwen3-MoE releases store them
+        dense = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        names = [(k, v) for k, v in names if not any(x in k for x in dense)]
+        e, i = MOE["num_experts"], MOE["moe_intermediate_size"]
+        for layer in range(mrf.LAYERS):
+            p = f"model.layers.{layer}.mlp."
+            names += [(p + "gate.weight", (e, mrf.HIDDEN))]
+            names += [(p + f"experts.{x}.{w}.weight", shape) for x in range(e)
+                      for w, shape in (("gate_proj", (i, mrf.HIDDEN)), ("up_proj", (i, mrf.HIDDEN)),
+                                       ("down_proj", (mrf.HIDDEN, i)))]
+    tensors = mrf._weights(names, mrf.SEED + (31 if moe else 30), "lm_head.weight", [ids["<|MASK|>"], *range(n, vocab)])
     # <|im_end|>'s output row close to that of a token the tiny model often draws (EOS_LIKE): some answers end
     # inside the budget, so stopping and rows leaving a batch are tested.
     head = tensors["lm_head.weight"]
-    head[ids["<|im_end|>"]] = head[EOS_LIKE]
+    head[ids["<|im_end|>"]] = head[EOS_LIKE[name]]
     mrf._save_sharded(d, tensors)
 
 
@@ -169,17 +190,64 @@ def _authors(src: Path):
     return gen, modeling
 
 
-def stage_reference(a) -> dict:
+class StoreKV(object):
+    """The MoE reference model: transformers' own Qwen3MoeForCausalLM (4.52.4) behind the call generate.py makes,
+    model(ids, attention_mask=[1, q, kv] 0/1, position_ids, past_key_values, use_cache=True, store_kv=...): the
+    mask as an additive 4-D one, and with store_kv False the cache cut back after the call (read, not written),
+    as SDARAttention does. Written here; the release's modeling_sdar_moe.py is not in JetAstra/SDAR."""
+
+    def __init__(self, model):
+        self.model, self.device = model, model.device
+
+    def eval(self):
+        self.model.eval()
+        return self
+
+    def __call__(self, ids, attention_mask, position_ids, past_key_values, use_cache, store_kv):
+        import torch
+
+        seen = past_key_values.get_seq_length()
+        mask = torch.zeros(attention_mask.shape, dtype=torch.float32).masked_fill(~attention_mask.bool(),
+                                                                                 torch.finfo(torch.float32).min)
+        out = self.model(ids, attention_mask=mask[:, None], position_ids=position_ids,
+                         past_key_values=past_key_values, use_cache=use_cache)
+        if not store_kv:
+            past_key_values.crop(seen)
+        return out
+
+
+def _reference_model(a, name: str, folder: Path):
+    """(model as generate.py calls it, a plain forward(ids, block mask [1, q, q]) -> logits, mask id)."""
+    import torch
+
+    gen_mod, modeling = _authors(Path(a.sdar))
+    raw = json.loads((folder / "config.json").read_text())
+    if name == "sdar":
+        config = modeling.SDARConfig.from_dict(raw)
+        model = modeling.SDARForCausalLM.from_pretrained(str(folder), config=config, torch_dtype=torch.float32).eval()
+        plain = lambda ids, mask: model(ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1])[None],
+                                        use_cache=False).logits
+        return gen_mod, model, plain
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    drop = {"model_type", "architectures", "auto_map", "attn_implementation", "torch_dtype", "transformers_version"}
+    config = Qwen3MoeConfig(**{k: v for k, v in raw.items() if k not in drop})
+    inner = Qwen3MoeForCausalLM.from_pretrained(str(folder), config=config, torch_dtype=torch.float32).eval()
+    wrapped = StoreKV(inner)
+    plain = lambda ids, mask: inner(ids, attention_mask=torch.zeros(mask.shape).masked_fill(
+        ~mask.bool(), torch.finfo(torch.float32).min)[:, None], position_ids=torch.arange(ids.shape[1])[None]).logits
+    return gen_mod, wrapped, plain
+
+
+def stage_reference(a, name: str = "sdar") -> dict:
     import torch
     import transformers
     from transformers import AutoTokenizer
 
-    gen_mod, modeling = _authors(Path(a.sdar))
-    folder = Path(a.out) / "sdar"
-    config = modeling.SDARConfig.from_dict(json.loads((folder / "config.json").read_text()))
-    model = modeling.SDARForCausalLM.from_pretrained(str(folder), config=config, torch_dtype=torch.float32).eval()
+    folder = Path(a.out) / name
+    gen_mod, model, plain = _reference_model(a, name, folder)
     tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-    mask = config.mask_token_id
+    mask = json.loads((folder / "config.json").read_text())["mask_token_id"]
     stop = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
     gens = []
     for setting in SETTINGS:
@@ -195,17 +263,22 @@ def stage_reference(a) -> dict:
     ids = torch.tensor([gens[0]["prompt_ids"][:12]])
     blocks = torch.tril(torch.ones(3, 3)).repeat_interleave(4, 0).repeat_interleave(4, 1)[None]
     with torch.no_grad():
-        logits = model(ids, attention_mask=blocks, position_ids=torch.arange(12)[None], use_cache=False).logits
+        logits = plain(ids, blocks)
     mrf._save_logits(folder, {"block_causal_logits": logits[0]})
-    return {"upstream": [{"repo": UPSTREAM[0], "commit": UPSTREAM[1], "files": UPSTREAM_FILES}],
+    moe = name == "sdar_moe"
+    model_files = ([f"transformers {transformers.__version__} Qwen3MoeForCausalLM (the release's modeling_sdar_moe.py "
+                    "is not in JetAstra/SDAR), behind make_sdar_fixtures.StoreKV"] if moe else UPSTREAM_FILES[1:])
+    return {"upstream": [{"repo": UPSTREAM[0], "commit": UPSTREAM[1], "files": [UPSTREAM_FILES[0]]},
+                         {"model": model_files}],
             "generations": gens, "facts": FACTS,
             "logits": {"input_ids": ids[0].tolist(), "block_length": 4,
-                       "call": "SDARForCausalLM(ids, attention_mask=block-causal [1, 12, 12], position_ids=arange)"},
+                       "call": "forward(ids, block-causal mask [1, 12, 12], position_ids=arange), no cache"},
             "prompt_texts": {"texts": QUERIES, "encode": "tokenizer.apply_chat_template([{'role': 'user', "
                              "'content': text}], add_generation_prompt=True)"},
             "seeding": f"torch.manual_seed({SDAR_SEED}) before each block_diffusion_generate call; batch 1; CPU; "
                        "float32 (weights stored bfloat16); stopping_criteria_idx = generation_config.json eos",
-            "shims": "flash_attn.ops.triton.layer_norm.rms_norm_fn -> float32 RMSNorm; flash_attn.flash_attn_func -> "
+            "shims": "none (no SDAR modeling file runs)" if moe else
+                     "flash_attn.ops.triton.layer_norm.rms_norm_fn -> float32 RMSNorm; flash_attn.flash_attn_func -> "
                      "torch SDPA (no mask); fused_linear_diffusion_cross_entropy -> empty (training only)",
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
 
@@ -218,8 +291,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
-    build(Path(a.out))
-    mrf._write_json(Path(a.out) / "sdar" / "reference.json", stage_reference(a))
+    for name in ("sdar", "sdar_moe"):
+        build(Path(a.out), name)
+        mrf._write_json(Path(a.out) / name / "reference.json", stage_reference(a, name))
     return 0
 
 

@@ -132,6 +132,15 @@ FAMILIES: dict[str, Family] = {
         sources=("JetAstra/SDAR training/model/SDAR-8B-Chat/ config.json, modeling_sdar.py (SDARAttention = Qwen3's "
                  "with store_kv), tokenizer_config.json (mask_token <|MASK|>), generation_config.json",
                  "JetAstra/SDAR generate.py (block_diffusion_generate)")),
+    "sdar_moe": Family(
+        name="sdar_moe", model_class="Qwen3MoeForCausalLM", causal=True, mask_token="<|MASK|>", mask_id=151669,
+        eos_ids=(151643, 151645), to_config=_sdar_config,
+        notes=_SDAR_NOTES.replace("Qwen3 continued", "Qwen3-30B-A3B (MoE) continued") + "; Qwen3-MoE's per-expert "
+              "tensor names (mlp.gate, mlp.experts.N.gate/up/down_proj), fused by transformers' own conversion on "
+              "loading",
+        sources=("JetAstra/SDAR README (SDAR-30B-A3B-Chat / -Sci from Qwen3-30B-A3B-Base); model_type sdar_moe and "
+                 "architecture SDARMoeForCausalLM as the release names them (its modeling_sdar_moe.py is on the hub "
+                 "only, not in the JetAstra/SDAR repository: the MoE layout is Qwen3-MoE's, an assumption)",)),
     "qwen3": Family(name="qwen3", model_class="Qwen3ForCausalLM", causal=None, to_config=plain_config,
                     notes="stock Qwen3 (Qwen3-8B) and this project's tiny models (is_causal in config.json)",
                     sources=("transformers Qwen3Config",)),
@@ -153,7 +162,7 @@ FAMILIES: dict[str, Family] = {
 # config.json model_type -> family (ReFusion is told apart from Qwen3 by its auto_map)
 MODEL_TYPES = {"llada": "llada", "Dream": "dream", "dream": "dream", "qwen3": "qwen3", "qwen2": "qwen2",
                "llama": "llama", "diffusion_gemma": "diffusion_gemma",
-               "sdar": "sdar"}
+               "sdar": "sdar", "sdar_moe": "sdar_moe"}
 
 
 def register_family(family: Family, model_types: tuple[str, ...]) -> Family:
