@@ -21,7 +21,9 @@ DIFFUSION = {"llada", "dream_instruct", "dream_base", "refusion", "d2f_llada", "
 # Layouts whose reference is transformers' own generate (no authors' logits): checked by their decoder's tests
 # (tests/test_decoding_diffusion_gemma.py).
 TRANSFORMERS_ONLY = ["diffusiongemma"]
-BUDGET_BYTES = 3 * 1024 * 1024
+# Layouts checked by their decoder's tests against the authors' generate loop (tests/test_decoding_sdar.py).
+DECODER_TESTED = ["sdar", "sdar_moe"]
+BUDGET_BYTES = 4 * 1024 * 1024
 
 # The released names of each family, as config.json publishes them.
 RELEASED = {
@@ -67,7 +69,7 @@ def _tokenizer(name: str):
 def test_fixtures_fit_the_size_budget():
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     assert 0 < total <= BUDGET_BYTES, f"{total} bytes"
-    assert sorted(p.name for p in ROOT.iterdir()) == sorted(BASES + list(ADAPTERS) + TRANSFORMERS_ONLY)
+    assert sorted(p.name for p in ROOT.iterdir()) == sorted(BASES + list(ADAPTERS) + TRANSFORMERS_ONLY + DECODER_TESTED)
 
 
 @pytest.mark.parametrize("name", BASES + list(ADAPTERS))
