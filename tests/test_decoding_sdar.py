@@ -257,3 +257,17 @@ def test_dry_run_truncated_shard_and_missing_tokenizer_are_one_error_line(tmp_pa
         (bare / n).unlink()
     rc, _, err = _dry(tmp_path, f"s={bare}:sdar", capsys)
     assert "has no tokenizer files" in _one_error(rc, err) and str(bare) in err, err
+
+
+def test_the_trace_draws_blocks_on_absolute_positions(loaded):
+    """make trace: SDAR's first block also holds the prompt's last prompt_tokens % block_length tokens, so its
+    answer's first block is shorter (harness/report/trace.py reads the knob class's absolute_blocks)."""
+    from harness.report.trace import entry
+    from harness.report.trace_draw import groups
+
+    rec = {"tokens": [5] * 10, "knobs": {}, "nfe": 12, "commit_forward": list(range(1, 11)),
+           "commit_kind": ["denoise"] * 10, "forward_phase": ["prefill"] + ["denoise"] * 11, "prompt_tokens": 7}
+    m = entry("s", "sdar", rec, loaded("sdar").tokenizer, {302})
+    assert m["group"] == {"name": "block", "size": 4, "first": 1}
+    assert groups(m) == [(0, 1), (1, 5), (5, 9), (9, 10)]
+    assert groups({**m, "group": {"name": "block", "size": 4}}) == [(0, 4), (4, 8), (8, 10)]  # other decoders

@@ -177,13 +177,24 @@ def entry(name: str, decoder: str, rec: dict, tokenizer, eos: tuple[int, ...] | 
         raise InputError(f"model {name!r}: the record has no commit order (logged before decode traces existed)")
     tokens = [int(t) for t in rec["tokens"]]
     knobs = make_knobs(decoder, rec.get("knobs") or {}).to_dict()
+    group = _group(decoder, knobs)
+    if group and _absolute_blocks(decoder) and rec.get("prompt_tokens") is not None:
+        # blocks on absolute positions (SDAR): the first one also holds the prompt's last tokens
+        group["first"] = group["size"] - int(rec["prompt_tokens"]) % group["size"]
     return {
         "name": name, "decoder": decoder, "knobs": knobs, "nfe": int(rec["nfe"]), "tokens": tokens,
         "pieces": [tokenizer.decode([t]) for t in tokens], "commit_forward": rec["commit_forward"],
         "commit_kind": rec["commit_kind"], "forward_phase": rec.get("forward_phase") or [],
         "eos_at": len(tokens) - 1 if tokens and tokens[-1] in set(eos) else None,
-        "group": _group(decoder, knobs),
+        "group": group,
     }
+
+
+def _absolute_blocks(decoder: str) -> bool:
+    """Whether the decoder lays its blocks on absolute positions (its knob class says ``absolute_blocks``)."""
+    from refusion.decoding import get_decoder
+
+    return bool(getattr(get_decoder(decoder).knobs, "absolute_blocks", False))
 
 
 # ---------------------------------------------------------------- traces a run logged (make report)

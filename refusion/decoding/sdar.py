@@ -54,6 +54,7 @@ Extra stats: block_length, blocks (row blocks decoded), denoise_steps (denoise f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -86,6 +87,8 @@ class SdarKnobs(Knobs):
     top_k: int = knob(0, "keep the top_k logits before drawing; 0 = off", low=0)
     top_p: float = knob(1.0, "nucleus filter before drawing; 1 = off", low=0.0, high=1.0)
     seed: int = seed()
+    # Blocks sit on absolute positions: the trace (harness/report/trace.py) draws the first one shorter.
+    absolute_blocks: ClassVar[bool] = True
 
     def check(self) -> None:
         if self.remasking_strategy == "entropy_bounded" and self.denoising_steps < self.block_length:
