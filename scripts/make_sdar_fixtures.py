@@ -124,7 +124,8 @@ def build(root: Path, name: str = "sdar") -> None:
         "tokenizer_class": "Qwen2Tokenizer", "unk_token": None})
     mrf._write_json(d / "special_tokens_map.json", {"additional_special_tokens": addl, **special})
     mrf._write_json(d / "added_tokens.json", {t: ids[t] for t in ADDED})
-    files = ("modeling_sdar_moe.py", "configuration_sdar_moe.py") if moe else ("modeling_sdar.py", "configuration_sdar.py")
+    stem = "sdar_moe" if moe else "sdar"
+    files = (f"modeling_{stem}.py", f"configuration_{stem}.py")
     for f in (*files, "tokenization_qwen2.py"):
         (d / f).write_text(RAISING.format(name=f))
     names = mrf._qwen_like_names(False, True, vocab, mrf.HEADS, kv, hd)

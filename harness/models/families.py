@@ -82,8 +82,8 @@ def _sdar_config(raw: dict) -> dict:
     return {k: v for k, v in plain_config(raw).items() if k not in training}
 
 
-_SDAR_NOTES = ("Qwen3 continued-trained for block diffusion: the weights and tensor names are Qwen3's (q_norm / k_norm, "
-               "no qkv bias); attention is block-causal (a block sees itself and every earlier block), which the "
+_SDAR_NOTES = ("Qwen3 continued-trained for block diffusion: the weights and tensor names are Qwen3's (q_norm / "
+               "k_norm, no qkv bias); attention is block-causal (a block sees itself and every earlier block), which the "
                "decoder sdar builds as an explicit mask (so the family is causal for the guard); config.json's "
                "block_size is the trained block length (4 by default); <|MASK|> 151669 is an added special token and "
                "the tokenizer's mask token; EOS <|endoftext|> 151643 and <|im_end|> 151645 (generation_config.json)")
