@@ -243,12 +243,13 @@ def test_the_readme_one_gpu_command_passes_the_dry_run(tmp_path, monkeypatch, ca
     assert "{'enable_thinking': False}" in captured.out and not out.exists()
 
 
-def test_the_beyond_table1_models_file_is_the_nine_rows_then_diffusiongemma():
+def test_the_beyond_table1_models_file_is_the_nine_rows_then_beyond_ones():
     """examples/table1_beyond_models.toml: the nine Table 1 rows exactly as examples/table1_models.toml gives
-    them, then DiffusionGemma in its own section (no published numbers: `make report` puts it beyond Table 1)."""
+    them, then DiffusionGemma and SDAR in their own section (no published numbers: `make report` puts it beyond Table 1)."""
     nine = load_models_file(EXAMPLE)
     both = load_models_file(REPO / "examples" / "table1_beyond_models.toml")
     assert [vars(m) for m in both[:9]] == [vars(m) for m in nine]
-    assert [(m.name, m.decoder) for m in both[9:]] == [("diffusiongemma", "diffusion_gemma"), ("llada2_mini", "llada2")]
+    assert [(m.name, m.decoder) for m in both[9:]] == [("diffusiongemma", "diffusion_gemma"), ("llada2_mini", "llada2"),
+                                                      ("sdar", "sdar")]
     assert "# ---------------------------------------------------------------- beyond Table 1" in (
         REPO / "examples" / "table1_beyond_models.toml").read_text()

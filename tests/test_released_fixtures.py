@@ -23,7 +23,9 @@ DIFFUSION = {"llada", "dream_instruct", "dream_base", "refusion", "d2f_llada", "
 TRANSFORMERS_ONLY = ["diffusiongemma"]
 # Layouts whose loading and decoding are tested by their own test file (tests/test_llada2.py).
 OWN_TESTS = ["llada2"]
-BUDGET_BYTES = 3 * 1024 * 1024 + 512 * 1024  # + llada2/ (about 500 KB)
+# Layouts checked by their decoder's tests against the authors' generate loop (tests/test_decoding_sdar.py).
+DECODER_TESTED = ["sdar", "sdar_moe"]
+BUDGET_BYTES = 4 * 1024 * 1024 + 512 * 1024  # sdar/ and sdar_moe/ (about 450 KB each), llada2/ (about 500 KB)
 
 # The released names of each family, as config.json publishes them.
 RELEASED = {
@@ -69,7 +71,8 @@ def _tokenizer(name: str):
 def test_fixtures_fit_the_size_budget():
     total = sum(p.stat().st_size for p in ROOT.rglob("*") if p.is_file())
     assert 0 < total <= BUDGET_BYTES, f"{total} bytes"
-    assert sorted(p.name for p in ROOT.iterdir()) == sorted(BASES + list(ADAPTERS) + TRANSFORMERS_ONLY + OWN_TESTS)
+    assert sorted(p.name for p in ROOT.iterdir()) == sorted(BASES + list(ADAPTERS) + TRANSFORMERS_ONLY + OWN_TESTS +
+                                                            DECODER_TESTED)
 
 
 @pytest.mark.parametrize("name", BASES + list(ADAPTERS))

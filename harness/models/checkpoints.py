@@ -195,6 +195,26 @@ def _expected_names(fam: Family, cfg) -> tuple[set[str], set[str]]:
     return names, optional
 
 
+def _fused_name(name: str, model_type: str) -> str:
+    """The name a stored tensor has in a class whose tensors transformers fuses on loading, by the class's own
+    checkpoint conversion mapping (``from_pretrained`` applies it): a Qwen3-MoE release's per-expert
+    ``mlp.experts.N.gate_proj.weight`` is ``mlp.experts.gate_up_proj`` of the stock class (the sdar_moe family)."""
+    from transformers.conversion_mapping import WeightConverter, get_checkpoint_conversion_mapping
+
+    for conv in get_checkpoint_conversion_mapping(model_type) or ():
+        if not isinstance(conv, WeightConverter):
+            continue
+        targets = conv.target_patterns if isinstance(conv.target_patterns, list) else [conv.target_patterns]
+        sources = conv.source_patterns if isinstance(conv.source_patterns, list) else [conv.source_patterns]
+        if len(targets) != 1 or not all("*" in src for src in sources):
+            continue
+        for src in sources:
+            new, n = re.subn(re.escape(src).replace(r"\*", r"\d+"), targets[0], name)
+            if n:
+                return new
+    return name
+
+
 def _map_name(name: str, mapping) -> str:
     for pattern, repl in mapping.items():
         new, n = re.subn(pattern, repl, name)
@@ -240,7 +260,8 @@ def inspect_checkpoint(path: str | os.PathLike, base: str | os.PathLike | None =
     _tokenizer_files(p)
     names = _weight_names(p)
     want, optional = _expected_names(fam, cfg)
-    have = {_map_name(n, fam.key_mapping) for n in names}
+    model_type = getattr(cfg, "model_type", "")
+    have = {_fused_name(_map_name(n, fam.key_mapping), model_type) for n in names}
     missing, extra = sorted(want - have - optional), sorted(have - want)
     if missing or extra:
         what = (f"lacks {len(missing)} tensor(s) of {fam.model_class}, e.g. {missing[0]!r}" if missing

@@ -74,6 +74,20 @@ def plain_config(raw: dict) -> dict:
     return {k: v for k, v in raw.items() if k not in drop}
 
 
+def _sdar_config(raw: dict) -> dict:
+    """SDAR's config.json (its configuration_sdar.py: Qwen3Config's fields plus training switches) -> Qwen3Config
+    (or Qwen3MoeConfig) kwargs: the fields that only its training code reads are left out, and so is
+    ``attn_implementation`` ("flex_attention", the training kernel; inference here uses the harness's own)."""
+    training = {"attn_implementation", "debug", "ep_size", "fuse_cross_entropy", "micro_forward", "skip_checkpoint",
+                "use_deepep"}
+    return {k: v for k, v in plain_config(raw).items() if k not in training}
+
+
+_SDAR_NOTES = ("Qwen3 continued-trained for block diffusion: the weights and tensor names are Qwen3's (q_norm / "
+               "k_norm, no qkv bias); attention is block-causal (a block sees itself and every earlier block), which the "
+               "decoder sdar builds as an explicit mask (so the family is causal for the guard); config.json's "
+               "block_size is the trained block length (4 by default); <|MASK|> 151669 is an added special token and "
+               "the tokenizer's mask token; EOS <|endoftext|> 151643 and <|im_end|> 151645 (generation_config.json)")
 _LLADA = r"^model\.transformer\."
 FAMILIES: dict[str, Family] = {
     "llada": Family(
@@ -113,6 +127,21 @@ FAMILIES: dict[str, Family] = {
               "<|beginoftext|> 151669 and <|mask|> 151670 are added special tokens (vocab 151671); "
               "the tokenizer is saved slow (vocab.json + merges.txt)",
         sources=("ML-GSAI/ReFusion qwen3/modeling_qwen3_refusion.py, generate.py (mask_id=151670)",)),
+    "sdar": Family(
+        name="sdar", model_class="Qwen3ForCausalLM", causal=True, mask_token="<|MASK|>", mask_id=151669,
+        eos_ids=(151643, 151645), to_config=_sdar_config, notes=_SDAR_NOTES,
+        sources=("JetAstra/SDAR training/model/SDAR-8B-Chat/ config.json, modeling_sdar.py (SDARAttention = Qwen3's "
+                 "with store_kv), tokenizer_config.json (mask_token <|MASK|>), generation_config.json",
+                 "JetAstra/SDAR generate.py (block_diffusion_generate)")),
+    "sdar_moe": Family(
+        name="sdar_moe", model_class="Qwen3MoeForCausalLM", causal=True, mask_token="<|MASK|>", mask_id=151669,
+        eos_ids=(151643, 151645), to_config=_sdar_config,
+        notes=_SDAR_NOTES.replace("Qwen3 continued", "Qwen3-30B-A3B (MoE) continued") + "; Qwen3-MoE's per-expert "
+              "tensor names (mlp.gate, mlp.experts.N.gate/up/down_proj), fused by transformers' own conversion on "
+              "loading",
+        sources=("JetAstra/SDAR README (SDAR-30B-A3B-Chat / -Sci from Qwen3-30B-A3B-Base); model_type sdar_moe and "
+                 "architecture SDARMoeForCausalLM as the release names them (its modeling_sdar_moe.py is on the hub "
+                 "only, not in the JetAstra/SDAR repository: the MoE layout is Qwen3-MoE's, an assumption)",)),
     "qwen3": Family(name="qwen3", model_class="Qwen3ForCausalLM", causal=None, to_config=plain_config,
                     notes="stock Qwen3 (Qwen3-8B) and this project's tiny models (is_causal in config.json)",
                     sources=("transformers Qwen3Config",)),
@@ -143,7 +172,8 @@ FAMILIES: dict[str, Family] = {
 }
 # config.json model_type -> family (ReFusion is told apart from Qwen3 by its auto_map)
 MODEL_TYPES = {"llada": "llada", "Dream": "dream", "dream": "dream", "qwen3": "qwen3", "qwen2": "qwen2",
-               "llama": "llama", "diffusion_gemma": "diffusion_gemma", "llada2_moe": "llada2"}
+               "llama": "llama", "diffusion_gemma": "diffusion_gemma", "llada2_moe": "llada2",
+               "sdar": "sdar", "sdar_moe": "sdar_moe"}
 
 
 def register_family(family: Family, model_types: tuple[str, ...]) -> Family:

@@ -162,7 +162,7 @@ def decode_all(models, units: list[dict], leaf: str | None, prompts: dict[str, s
 def _group(decoder: str, knobs: dict, prompt_tokens: int | None = None) -> dict | None:
     """The unit a decoder fills the answer by: ReFusion's slots, the block decoders' blocks, DiffusionGemma's
     canvases. A decoder whose blocks count from the prompt's start (``blocks_from_prompt_start`` on its knob
-    class: llada2) has a partial first block: ``offset`` is where the answer's first full block starts."""
+    class: llada2, sdar) has a partial first block: ``offset`` is where the answer's first full block starts."""
     from refusion.decoding import get_decoder
 
     for key, name in (("slot_size", "slot"), ("block_length", "block"), ("block_size", "block"),

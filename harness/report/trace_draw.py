@@ -44,12 +44,12 @@ KINDS = {
     "step": ("step", "#64b5cd"),
     "full": ("full forward", "#c44e52"),
     "cached": ("cached forward", "#da8bc3"),
-    "denoise": ("denoise (the canvas argmax holds from here)", "#55a868"),
+    "denoise": ("denoise (the token holds from here)", "#55a868"),
 }
 OTHER_COLOURS = ("#937860", "#8c8c8c", "#ccb974")
 # forward phase -> what the page and the GIF titles call it
 PHASES = {"verify": "global verify", "draft": "infill draft", "infill": "infill verify",
-          "encode": "encoder (cache write)", "denoise": "denoise step"}
+          "encode": "encoder (cache write)", "denoise": "denoise step", "store": "store (block KV write)"}
 
 
 def display(piece: str, eos: bool = False) -> str:
@@ -86,7 +86,7 @@ def groups(m: dict) -> list[tuple[int, int]]:
     g, n = m.get("group"), len(m["tokens"])
     if not g or g["size"] < 1:
         return []
-    first = min(g.get("offset") or 0, n)  # a first block that began in the prompt (llada2)
+    first = min(g.get("offset") or 0, n)  # a first block that began in the prompt (llada2, sdar)
     return ([(0, first)] if first else []) + [(a, min(a + g["size"], n)) for a in range(first, n, g["size"])]
 
 

@@ -22,6 +22,7 @@ from .knobs import Knobs, folder_knobs
 from .llada2 import Llada2Knobs, llada2
 from .mdm import DREAM_FOLDER_KNOBS, DreamKnobs, FastDllmKnobs, LladaKnobs, dream, fast_dllm, llada
 from .refusion import RefusionKnobs, refusion
+from .sdar import FOLDER_KNOBS as SDAR_FOLDER_KNOBS, SdarKnobs, sdar
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,13 @@ register("llada2", llada2, Llada2Knobs, batched=True, causal=False, masked_diffu
          grid=Grid.over("threshold", (0.95, 0.9, 0.7, 0.5),
                         "threshold 0.95, 0.9 (dInfer's LLaDA2 default), 0.7, 0.5: every masked token of the block "
                         "at or above it is committed in a denoise step"))
+
+# SDAR (refusion/decoding/sdar.py): block diffusion on Qwen3 with the block-causal mask it builds itself.
+register("sdar", sdar, SdarKnobs, batched=True, causal=True, masked_diffusion=False, folder_knobs=SDAR_FOLDER_KNOBS,
+         grid=Grid.over("confidence_threshold", (0.95, 0.85, 0.7, 0.5),
+                        "confidence_threshold 0.95, 0.85 (generate.py's), 0.7, 0.5 of low_confidence_dynamic: every "
+                        "masked token drawn above it is committed in a step (at most block_length a forward; the "
+                        "block length is the checkpoint's own, a frontier per trained block size)"))
 
 
 def get_decoder(name: str) -> Decoder:

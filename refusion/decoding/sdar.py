@@ -1,0 +1,261 @@
+"""SDAR block diffusion (JetAstra/SDAR: SDAR-1.7B/4B/8B-Chat on Qwen3, SDAR-30B-A3B on Qwen3-MoE): the loop of
+the authors' ``block_diffusion_generate`` (generate.py, commit c2041a8), written as this project's decoders are
+(docs/design.md §4b), on the stock Qwen3 class with the block-causal mask built here.
+
+The response is decoded in blocks of ``block_length`` tokens laid on the absolute positions: block i holds
+positions [i * block_length, (i + 1) * block_length), so the first block decoded also holds the last
+``prompt_length % block_length`` prompt tokens. A block sees itself and every earlier block (block-causal).
+
+  prefill   one forward of the prompt's whole blocks, writing their KV (none when the prompt is shorter than a
+            block);
+  denoise   per block, at most ``denoising_steps + 1`` forwards of the block against the cache, which they read
+            and do not write: at each a token is drawn for every position from softmax(logits / temperature)
+            (after top_k / top_p) and some are committed by ``remasking_strategy`` with the step's quota
+            (``block_length`` split evenly over ``denoising_steps``, the first steps taking the remainder):
+              low_confidence_dynamic  every masked position whose drawn token's probability is above
+                                      ``confidence_threshold`` when they are at least the quota, else the quota
+                                      of highest probability (generate.py's default);
+              low_confidence_static   the quota of highest probability;
+              sequential              the quota from the first masked position on, left to right;
+              entropy_bounded         the masked positions in order of their entropy while the running sum stays
+                                      below ``eb_threshold``, at least one (below);
+  store     once a block has no mask left, one more forward of it that writes its KV (generate.py's
+            ``store_kv=True`` call), then the next block.
+
+A row stops after the block in which an EOS appears (generate.py's stopping_criteria_idx, the EOS ids of the
+folder's generation config in its __main__); its response is cut after the first EOS and to ``gen_length``
+(generate.py decodes whole blocks up to prompt + gen_length rounded up to a block).
+
+What the authors' code does, kept here: "probability" is that of the drawn token, not of the argmax; the top-k of
+the static and dynamic rules ranks committed positions at -inf and may pick them (then it redraws them) when
+fewer positions are masked than the quota; sequential's window may cover committed positions after the first
+masked one (redrawn too); prompt tokens in the first block can be redrawn so. Where generate.py has no answer,
+ours is said: its entropy_bounded branch never sets the positions to commit (``transfer_index`` is unbound
+there: the call raises at its first step) and sums the entropy of the drawn tokens' probabilities over the whole
+block, not per position; here the positions start empty at every step and the block's sum is taken as every
+masked position's entropy, as the branch reads (so all tie, and torch.sort orders them), which is not checked
+against the authors. A drawn mask id leaves its position masked; past the schedule (generate.py would index
+past its quota list: IndexError) the quota is every masked position, and a block still masked after
+``denoising_steps + 1`` forwards is left so, without its KV, as generate.py's loop leaves it. temperature 0 is
+greedy (the argmax and its probability), which generate.py cannot do (it divides by the temperature); its
+default is 1.0, sampling.
+
+Batches: rows are laid so that every row's first decoded block lands on the same columns (each row's prompt
+padded on the left by whole blocks), positions count from each row's first real token, each row draws from its
+own generator (seeded ``seed``) in the order generate.py draws for that row alone, and a row whose block is done
+waits (its denoise outputs unused, its stream untouched) while others still denoise: a row decodes exactly as
+alone. Rows that ended leave the batch at the next block (their cache rows dropped).
+
+Counting (docs/design.md §6): phases ``prefill``, ``denoise`` and ``store``; NFE = all three, as generate.py
+calls the model; TPF = generated tokens / NFE. A token is committed by the denoise forward that last wrote it.
+Extra stats: block_length, blocks (row blocks decoded), denoise_steps (denoise forwards per row block, summed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .common import (Meter, cache_keep, cache_len, cut_after_eos, eos_ids, forward, is_eos, left_padding_mask,
+                     make_generator, mask_id, new_cache)
+from .knobs import Knobs, gen_length, knob, seed
+
+# generate.py's command-line defaults (its parse_args): what `python generate.py --model_dir ...` runs.
+DEFAULT_BLOCK, DEFAULT_STEPS, DEFAULT_THRESHOLD, DEFAULT_EB = 4, 4, 0.85, 0.35
+STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "entropy_bounded")
+ENTROPY_EPS = 1e-12  # generate.py's clamp before the log
+
+
+@dataclass(frozen=True)
+class SdarKnobs(Knobs):
+    """Knobs of ``sdar``, named as generate.py's arguments; defaults: its command line's. A folder's config.json
+    ``block_size`` (the trained block length) sets block_length and denoising_steps (``FOLDER_KNOBS``)."""
+    gen_length: int = gen_length(256)
+    block_length: int = knob(DEFAULT_BLOCK, "tokens per block (absolute positions: the first block decoded holds "
+                             "the prompt's last prompt_length % block_length tokens)", low=1)
+    denoising_steps: int = knob(DEFAULT_STEPS, "denoising steps a block is scheduled over (block_length split "
+                                "evenly, the first steps taking the remainder)", low=1)
+    remasking_strategy: str = knob("low_confidence_dynamic", "which drawn tokens a step commits (module doc)",
+                                   choices=STRATEGIES)
+    confidence_threshold: float = knob(DEFAULT_THRESHOLD, "low_confidence_dynamic: commit every masked token drawn "
+                                       "with probability above this (when at least the step's quota)",
+                                       low=0.0, high=1.0)
+    eb_threshold: float = knob(DEFAULT_EB, "entropy_bounded: the entropy budget of a step", low=0.0)
+    temperature: float = knob(1.0, "sampling temperature (generate.py: 1.0); 0 = greedy argmax, ours", low=0.0)
+    top_k: int = knob(0, "keep the top_k logits before drawing; 0 = off", low=0)
+    top_p: float = knob(1.0, "nucleus filter before drawing; 1 = off", low=0.0, high=1.0)
+    seed: int = seed()
+    # Blocks sit on absolute positions: the trace (harness/report/trace.py) draws the first one shorter.
+    blocks_from_prompt_start: ClassVar[bool] = True
+
+    def check(self) -> None:
+        if self.remasking_strategy == "entropy_bounded" and self.denoising_steps < self.block_length:
+            raise ValueError(f"entropy_bounded commits one token a step at least: denoising_steps must be >= "
+                             f"block_length {self.block_length}, got {self.denoising_steps}")
+
+
+# The knobs an SDAR folder sets for itself: its trained block length (config.json block_size; the releases
+# with block 8 .. 64 say so there), denoised in as many steps, as the authors' evaluation runs it.
+FOLDER_KNOBS = {"config.json": {"block_length": "block_size", "denoising_steps": "block_size"}}
+
+
+def quotas(block_length: int, steps: int) -> list[int]:
+    """Tokens to commit at each step: block_length split evenly over steps, the first steps one more."""
+    base, extra = divmod(block_length, steps)
+    return [base + (1 if s < extra else 0) for s in range(steps)]
+
+
+def filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [n, V] as generate.py's sampler shapes them: / temperature (unless 1 or greedy), top_k, top_p."""
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, top_k).values[..., -1:]
+        logits = torch.where(logits < kth, torch.full_like(logits, float("-inf")), logits)
+    if top_p < 1.0:
+        ranked, order = torch.sort(logits, descending=True)
+        over = torch.softmax(ranked, dim=-1).cumsum(-1) > top_p
+        drop = torch.zeros_like(over)
+        drop[..., 1:] = over[..., :-1]  # the token that crosses top_p stays
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def draw(logits: torch.Tensor, k: SdarKnobs, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's block logits [L, V] -> (drawn tokens [L], their probabilities [L])."""
+    probs = torch.softmax(filtered(logits, k.temperature, k.top_k, k.top_p), dim=-1)
+    if k.temperature == 0:
+        p, tok = probs.max(dim=-1)
+        return tok, p
+    tok = torch.multinomial(probs, num_samples=1, generator=gen)
+    return tok.squeeze(-1), torch.gather(probs, -1, tok).squeeze(-1)
+
+
+def to_commit(k: SdarKnobs, masked: torch.Tensor, prob: torch.Tensor, quota: int) -> torch.Tensor:
+    """bool [L]: the positions of one row's block that a step commits (module doc). ``masked`` [L] bool, ``prob``
+    [L] the drawn tokens' probabilities, ``quota`` the step's share of the block."""
+    chosen = torch.zeros_like(masked)
+    strategy = k.remasking_strategy
+    if strategy == "sequential":
+        first = int(masked.nonzero()[0, 0])
+        chosen[first:first + quota] = True
+        return chosen
+    if strategy == "entropy_bounded":
+        p = prob.clamp_min(ENTROPY_EPS)
+        ent = torch.where(masked, -(p * p.log()).sum(), torch.inf)
+        ranked, order = torch.sort(ent[None], dim=1, descending=False)
+        spent = torch.cumsum(ranked, dim=1)[0]
+        n = int(torch.searchsorted(spent, torch.tensor(k.eb_threshold, device=spent.device), right=False))
+        chosen[order[0, :max(1, min(n, int(masked.sum())))]] = True
+        return chosen
+    confidence = torch.where(masked, prob, -torch.inf)
+    if strategy == "low_confidence_dynamic":
+        high = confidence > k.confidence_threshold
+        if int(high.sum()) >= quota:
+            return high
+    chosen[torch.topk(confidence, quota).indices] = True
+    return chosen
+
+
+@torch.no_grad()
+def sdar(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    knobs: SdarKnobs | dict | None = None,
+    *,
+    eos_token_id: int | list[int] | None = None,
+    mask_token_id: int | None = None,
+    **overrides,
+) -> tuple[list[torch.Tensor], dict]:
+    """SDAR block diffusion (module doc) of a left-padded batch, every row as alone. model: a causal LM that takes
+    an explicit 4-D mask (the sdar family on Qwen3ForCausalLM); input_ids [B, P], attention_mask [B, P]."""
+    k = SdarKnobs.of(knobs, overrides, "sdar")
+    eos, mask = eos_ids(model, eos_token_id), mask_id(model, mask_token_id)
+    device, size = input_ids.device, k.block_length
+    pad = left_padding_mask(input_ids, attention_mask)
+    batch, width = input_ids.shape
+    lengths = pad.sum(-1).tolist()
+    whole = [n // size for n in lengths]  # prompt blocks prefilled per row
+    blocks = [-(-(n + k.gen_length) // size) - w for n, w in zip(lengths, whole)]  # blocks decoded per row
+    prefill = max(whole) * size
+    schedule = quotas(size, k.denoising_steps)
+
+    meter = Meter(model, ("prefill", "denoise", "store"))
+    bound = 1 + max(blocks) * (k.denoising_steps + 2)  # forwards per row at most
+    meter.track(batch, k.gen_length, device, steps=-(-bound // 3))
+    gens = [make_generator(device, k.seed) for _ in range(batch)]
+    cache = new_cache(model, meter)
+
+    # The prompt's whole blocks, right-aligned at column `prefill`; a row's padding is whole blocks too.
+    ctx = torch.full((batch, prefill), mask, dtype=torch.long, device=device)
+    real = torch.zeros(batch, prefill, dtype=torch.bool, device=device)
+    tails, starts = [], []
+    for b in range(batch):
+        row = input_ids[b, width - lengths[b]:]
+        n = whole[b] * size
+        ctx[b, prefill - n:], real[b, prefill - n:] = row[:n], True
+        tails.append(row[n:])
+        starts.append(n)  # position of the row's first decoded block
+    if prefill:
+        blk = torch.arange(prefill, device=device) // size
+        visible = (blk[None, :] <= blk[:, None])[None] & real[:, None, :] & real[:, :, None]
+        visible |= torch.eye(prefill, dtype=torch.bool, device=device)[None] & ~real[:, :, None]  # pads: themselves
+        pos = (torch.arange(prefill, device=device)[None] - (prefill - torch.tensor(starts, device=device))[:, None])
+        forward(model, meter, "prefill", ctx, position_ids=pos.clamp(min=0), visible=visible, cache=cache)
+    seen = real  # [b, kv] the cache columns each live row sees
+
+    live = list(range(batch))
+    out: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    counts = {"blocks": 0, "denoise_steps": 0}
+    for j in range(max(blocks)):
+        cur = torch.full((len(live), size), mask, dtype=torch.long, device=device)
+        if j == 0:
+            for i, b in enumerate(live):
+                cur[i, :tails[b].numel()] = tails[b]
+        pos = torch.tensor([starts[b] + j * size for b in live], device=device)[:, None] + torch.arange(size,
+                                                                                                          device=device)
+        kv = cache_len(cache)
+        visible = torch.cat([seen[:, None, :].expand(-1, size, -1),
+                             torch.ones(len(live), size, size, dtype=torch.bool, device=device)], dim=-1)
+        steps = [0] * len(live)
+        while True:
+            todo = [i for i in range(len(live)) if steps[i] <= k.denoising_steps and bool((cur[i] == mask).any())]
+            if not todo:
+                break
+            logits = forward(model, meter, "denoise", cur, position_ids=pos, visible=visible, cache=cache)
+            cache_keep(cache, kv)  # a denoise step reads the cache, never writes it
+            for i in todo:
+                b, s = live[i], steps[i]
+                masked = cur[i] == mask
+                tok, prob = draw(logits[i], k, gens[b])
+                quota = schedule[s] if s < k.denoising_steps else int(masked.sum())
+                chosen = to_commit(k, masked, prob, quota)
+                cur[i][chosen] = tok[chosen]
+                cols = [c for c in (pos[i][chosen] - lengths[b]).tolist() if c >= 0]  # prompt tail: no response
+                meter.commit(b, cols, [meter.calls - 1] * len(cols), ["denoise"] * len(cols))
+                steps[i] += 1
+        counts["blocks"] += len(live)
+        counts["denoise_steps"] += sum(steps)
+        forward(model, meter, "store", cur, position_ids=pos, visible=visible, cache=cache)
+        stored = ~(cur == mask).any(-1)  # a block left masked is not in generate.py's cache
+        seen = torch.cat([seen, stored[:, None].expand(-1, size)], dim=-1)
+        keep = []
+        for i, b in enumerate(live):
+            first = max(0, lengths[b] - pos[i, 0].item())  # the prompt's tail is no response
+            out[b].append(cur[i, first:])
+            if j + 1 < blocks[b] and not bool(is_eos(torch.cat(out[b]), eos).any()):
+                keep.append(i)
+        if not keep:
+            break
+        if len(keep) < len(live):
+            idx = torch.tensor(keep, device=device)
+            cache.batch_select_indices(idx)
+            seen = seen[idx]
+        live = [live[i] for i in keep]
+
+    responses = [cut_after_eos(torch.cat(parts), eos)[:k.gen_length] for parts in out]
+    stats = meter.finish(responses, block_length=size, **counts)
+    return responses, stats
