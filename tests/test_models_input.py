@@ -245,7 +245,7 @@ def test_the_readme_one_gpu_command_passes_the_dry_run(tmp_path, monkeypatch, ca
 
 def test_the_beyond_table1_models_file_is_the_nine_rows_then_beyond_ones():
     """examples/table1_beyond_models.toml: the nine Table 1 rows exactly as examples/table1_models.toml gives
-    them, then DiffusionGemma and SDAR in their own section (no published numbers: `make report` puts it beyond Table 1)."""
+    them, then DiffusionGemma, LLaDA2 and SDAR in their own section (no published numbers: `make report` puts it beyond Table 1)."""
     nine = load_models_file(EXAMPLE)
     both = load_models_file(REPO / "examples" / "table1_beyond_models.toml")
     assert [vars(m) for m in both[:9]] == [vars(m) for m in nine]
@@ -253,3 +253,14 @@ def test_the_beyond_table1_models_file_is_the_nine_rows_then_beyond_ones():
                                                       ("sdar", "sdar")]
     assert "# ---------------------------------------------------------------- beyond Table 1" in (
         REPO / "examples" / "table1_beyond_models.toml").read_text()
+
+
+def test_the_block_diffusion_comparison_file_gives_each_row_its_authors_settings():
+    """examples/refusion_vs_block_diffusion.toml (docs/reproduce-table1.md): the AR reference, ReFusion, SDAR and
+    LLaDA2 with their decoders and chat-template settings as the page states them."""
+    rows = load_models_file(REPO / "examples" / "refusion_vs_block_diffusion.toml")
+    assert [(m.name, m.decoder) for m in rows] == [("qwen3", "ar"), ("refusion", "refusion"), ("sdar", "sdar"),
+                                                   ("llada2_mini", "llada2")]
+    args = {m.name: m.knobs.get("chat_template_args") for m in rows}
+    assert args["qwen3"] == args["refusion"] == {"enable_thinking": False} and args["sdar"] == {}
+    assert args["llada2_mini"] is None
