@@ -55,9 +55,12 @@ def check_speedups(run: Path) -> dict:
         assert r["speedup"] == pytest.approx(want, rel=1e-12)
         iv = r["speedup_ci"]
         assert iv["lo"] <= r["speedup"] <= iv["hi"], (r["model"], r["task"], iv)
-        items = r["timed_items"]
-        assert "round pairs" in iv["method"] and (f"and {items} items" in iv["method"] if items > 1
-                                                   else "1 item, not resampled" in iv["method"])
+        items, calls = r["timed_items"], r["timed_calls"]
+        assert "round pairs" in iv["method"] and iv["items"] == items
+        if calls < items:  # batches: a batch is what is resampled, and the label says so
+            assert (f"and {calls} batches ({items} items)" if calls > 1 else f"1 batch ({items} items)") in iv["method"]
+        else:
+            assert (f"and {items} items" if items > 1 else "1 item, not resampled") in iv["method"]
         tps_iv = r["tokens_per_s_ci"]
         assert tps_iv["lo"] <= r["tokens_per_s"] <= tps_iv["hi"] and f"{r['timed_rounds']} rounds" in tps_iv["method"]
         per_model.setdefault(r["model"], []).append(want)

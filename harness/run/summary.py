@@ -46,6 +46,7 @@ def _row(m: dict) -> dict:
         "speedup_source": (m.get("speedup") or {}).get("source") if (m.get("speedup") or {}).get("tokens_per_s")
         is not None else None,
         "timed": timing.get("mode") == "interleaved", "timed_items": timing.get("items"),
+        "timed_calls": timing.get("calls"),
         "timed_rounds": timing.get("rounds") if timing.get("mode") == "interleaved" else None,
         "timed_dropped": timing.get("dropped") or [], "timed_why": timing.get("why"),
         # the rounds' mean request latency (the table's latency percentiles are the pass's, over every item)

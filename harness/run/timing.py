@@ -258,21 +258,27 @@ def _units_text(n: int, unit: str) -> str:
     return f"{n} {unit}{'s' if n != 1 else ''}"
 
 
-def method(units: str, items: int) -> str:
+def method(units: str, items: int, rows: int | None = None) -> str:
     """An interval's method with its units and their counts, e.g. ``bootstrap over 5 round pairs and 3 items,
-    resampled together (2000 resamples)``; with one item nothing but the ``units`` is resampled, and it says so."""
+    resampled together (2000 resamples)``; with one item nothing but the ``units`` is resampled, and it says so.
+    ``rows`` (more than ``items``): the calls are batches, and a batch is what is resampled."""
+    if rows is not None and rows > items:
+        what = f"{items} batch{'es' if items != 1 else ''} ({rows} items)"
+        return (f"bootstrap over {units} and {what}, resampled together ({BOOT} resamples)" if items > 1 else
+                f"bootstrap over {units}; 1 batch ({rows} items), not resampled ({BOOT} resamples)")
     if items > 1:
         return f"bootstrap over {units} and {items} items, resampled together ({BOOT} resamples)"
     return f"bootstrap over {units}; 1 item, not resampled ({BOOT} resamples)"
 
 
-def _interval(dist: np.ndarray, units: str, items: int) -> dict | None:
-    """The 95% percentile interval of a bootstrap distribution, with its ``method`` (``method``)."""
+def _interval(dist: np.ndarray, units: str, items: int, rows: int | None = None) -> dict | None:
+    """The 95% percentile interval of a bootstrap distribution, with its ``method`` (``method``): ``items`` calls
+    resampled, of ``rows`` items in all."""
     d = dist[np.isfinite(dist)]
     if d.size == 0:
         return None
     lo, hi = np.percentile(d, [2.5, 97.5])
-    return {"lo": float(lo), "hi": float(hi), "method": method(units, items), "items": int(items)}
+    return {"lo": float(lo), "hi": float(hi), "method": method(units, items, rows), "items": int(rows or items)}
 
 
 def _latency(wall: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -301,8 +307,9 @@ def figure(records: list[dict], side: str, group: str, key: Any = None) -> dict 
     cpu_tps = tokens.sum() / cpu.sum(axis=1) if np.all(np.isfinite(cpu)) and np.all(cpu.sum(axis=1) > 0) else None
     r, c = wall.shape
     units = _units_text(r, "round")
-    return {"tokens_per_s": float(np.median(per_round)), "interval": _interval(dist, units, c),
-            "latency_s": float(np.median(lat)), "latency_interval": _interval(lat_dist, units, c),
+    n_rows = int(rows.sum())
+    return {"tokens_per_s": float(np.median(per_round)), "interval": _interval(dist, units, c, n_rows),
+            "latency_s": float(np.median(lat)), "latency_interval": _interval(lat_dist, units, c, n_rows),
             "cpu_tokens_per_s": None if cpu_tps is None else float(np.median(cpu_tps)),
             "mean_of_ratios": float(np.mean(tokens / per_call)) if np.all(per_call > 0) else None,
             "per_round": [float(x) for x in per_round], "per_round_latency_s": [float(x) for x in lat],
@@ -347,9 +354,10 @@ def ratio(records: list[dict], side: str, ref: str, group: str, key: Any = None,
     per_pair = _tps(wa, ta) / _tps(wb, tb)
     rho, kappa = _draws(*wa.shape, key=(key, side, ref, group))
     dist = _pair_dist(wa, ta, wb, tb, rho, kappa)
-    return {"ratio": float(np.median(per_pair)), "interval": _interval(dist, pairs_text(rounds), wa.shape[1]),
+    n_rows = int(rows_of(records, side, group).sum())
+    return {"ratio": float(np.median(per_pair)), "interval": _interval(dist, pairs_text(rounds), wa.shape[1], n_rows),
             "p_not_below_1": float(np.mean(dist >= 1.0)), "per_pair": [float(x) for x in per_pair],
-            "pairs": int(wa.shape[0]), "rounds": int(rounds), "items": int(wa.shape[1]),
+            "pairs": int(wa.shape[0]), "rounds": int(rounds), "items": n_rows, "calls": int(wa.shape[1]),
             "statistic": "median over disjoint round pairs of the ratio of throughputs (tokens over seconds of "
                          "the timed items)"}
 
@@ -373,10 +381,12 @@ def mean_ratio(records: list[dict], side: str, ref: str, groups: Sequence[str], 
         kappa = g.integers(0, wa.shape[1], size=(BOOT, wa.shape[1]))
         dists.append(_pair_dist(wa, ta, wb, tb, rho, kappa))
     items = sum(wa.shape[1] for (wa, _), _ in mats)
+    rows = int(sum(rows_of(records, side, g).sum() for g in groups))
     units = f"{pairs_text(rounds)} (drawn once for all {len(mats)} tasks)"
-    iv = _interval(np.mean(dists, axis=0), units, items)
+    iv = _interval(np.mean(dists, axis=0), units, items, rows)
     if iv is not None:
-        iv["method"] = iv["method"].replace(f"{items} items", f"{items} items (each task's own)")
+        iv["method"] = iv["method"].replace(" items)", " items, each task's own)") if rows > items else \
+            iv["method"].replace(f"{items} items", f"{items} items (each task's own)")
     return {"ratio": float(np.mean(points)), "interval": iv, "per_group": dict(zip(groups, points)),
             "statistic": "arithmetic mean over tasks of each task's speedup (median over disjoint round pairs of "
                          "the ratio of throughputs)"}
