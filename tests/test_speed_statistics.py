@@ -69,6 +69,8 @@ def check_speedups(run: Path) -> dict:
         iv = s["mean_speedup_interval"][model]
         assert iv["lo"] <= s["mean_speedup"][model] <= iv["hi"]
         assert "arithmetic mean over tasks" in s["mean_speedup_statistic"][model]
+        one = {r["timed_calls"] for r in s["rows"] if r["model"] == model} == {1}
+        assert ("per task, not resampled" in iv["method"]) == one and "drawn once for all" in iv["method"]
     run_json = json.loads((run / "run.json").read_text())
     methods = run_json["timing_result"]["interval_methods"]
     assert all(v["speedup"] and "round pairs" in v["speedup"] for k, v in methods.items() if not k.startswith(base))

@@ -384,7 +384,10 @@ def mean_ratio(records: list[dict], side: str, ref: str, groups: Sequence[str], 
     rows = int(sum(rows_of(records, side, g).sum() for g in groups))
     units = f"{pairs_text(rounds)} (drawn once for all {len(mats)} tasks)"
     iv = _interval(np.mean(dists, axis=0), units, items, rows)
-    if iv is not None:
+    if iv is not None and all(wa.shape[1] == 1 for (wa, _), _ in mats):  # one call per task: no item resampled
+        one = "1 item" if rows == items else f"1 batch ({rows // len(mats)} items)"
+        iv["method"] = f"bootstrap over {units}; {one} per task, not resampled ({BOOT} resamples)"
+    elif iv is not None:
         iv["method"] = iv["method"].replace(" items)", " items, each task's own)") if rows > items else \
             iv["method"].replace(f"{items} items", f"{items} items (each task's own)")
     return {"ratio": float(np.mean(points)), "interval": iv, "per_group": dict(zip(groups, points)),
