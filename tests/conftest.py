@@ -11,6 +11,8 @@ Fixtures:
   assert_close(actual, expected)      two float computations of the same math agree (dtype-aware tolerance)
   fake_venv                           a VENV for `make` whose setup is done (its python is this one)
   load_example(name)                  the module examples/<name>.py (docs/extending.md's worked examples)
+  dry_run(models)                     (exit status, stdout, stderr) of `harness eval --dry-run` on embedded_math
+  one_error(rc, err)                  err, asserted to be exit 2 with one `error:` line and no traceback
 """
 
 import json
@@ -351,3 +353,30 @@ def runner_reference(runner_setup):
     assert p.returncode == 0, p.stderr[-4000:]
     assert "done:" in p.stdout and s["task"] in p.stdout
     return s["out"] / "ref"
+
+
+# ---------------------------------------------------------------- the dry run of a released layout
+
+
+@pytest.fixture
+def dry_run(tmp_path, capsys):
+    """`dry_run(models) -> (rc, out, err)`: `harness eval --dry-run` of one MODELS string on embedded_math."""
+    def run(models: str) -> tuple[int, str, str]:
+        from harness.run import runner
+
+        rc = runner.main(["--task", "embedded_math", "--models", models, "--out", str(tmp_path / "out"),
+                          "--run-id", "x", "--limit", "1", "--dry-run"])
+        cap = capsys.readouterr()
+        return rc, cap.out, cap.err.strip()
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def one_error():
+    """`one_error(rc, err) -> err`, asserting a failure of exactly one `error:` line (exit 2, no traceback)."""
+    def check(rc: int, err: str) -> str:
+        assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
+        return err
+
+    return check

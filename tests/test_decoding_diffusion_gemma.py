@@ -200,40 +200,26 @@ def test_family_guard_both_ways():
 # ---------------------------------------------------------------- the dry run
 
 
-def _dry(tmp_path, models: str, capsys) -> tuple[int, str, str]:
-    from harness.run import runner
-
-    rc = runner.main(["--task", "embedded_math", "--models", models, "--out", str(tmp_path / "out"),
-                      "--run-id", "x", "--limit", "1", "--dry-run"])
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err.strip()
-
-
-def _one_error(rc: int, err: str) -> str:
-    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
-
-
-def test_dry_run_recognises_the_folder_and_its_canvas(tmp_path, capsys):
-    rc, out, err = _dry(tmp_path, f"dg={FIXTURE}:diffusion_gemma", capsys)
+def test_dry_run_recognises_the_folder_and_its_canvas(tmp_path, dry_run, one_error):
+    rc, out, err = dry_run(f"dg={FIXTURE}:diffusion_gemma")
     assert rc == 0, err
     assert "dg: decoder diffusion_gemma on" in out and "(diffusion_gemma family, causal)" in out, out
     assert "canvas_length=16" in out and "entropy_bound=0.1" in out, out
-    err = _one_error(*_dry(tmp_path, f"dg={FIXTURE}:ar", capsys)[::2])
+    err = one_error(*dry_run(f"dg={FIXTURE}:ar")[::2])
     assert "decoder 'ar' cannot run a diffusion_gemma checkpoint" in err, err
 
 
-def test_dry_run_truncated_shard_and_missing_tokenizer_are_one_error_line(tmp_path, capsys):
+def test_dry_run_truncated_shard_and_missing_tokenizer_are_one_error_line(tmp_path, dry_run, one_error):
     cut = shutil.copytree(FIXTURE, tmp_path / "cut")
     last = cut / "model-00002-of-00002.safetensors"
     os.truncate(last, last.stat().st_size - 100)
-    rc, _, err = _dry(tmp_path, f"dg={cut}:diffusion_gemma", capsys)
-    assert str(last) in _one_error(rc, err) and "truncated" in err, err
+    rc, _, err = dry_run(f"dg={cut}:diffusion_gemma")
+    assert str(last) in one_error(rc, err) and "truncated" in err, err
     bare = shutil.copytree(FIXTURE, tmp_path / "bare")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (bare / name).unlink()
-    rc, _, err = _dry(tmp_path, f"dg={bare}:diffusion_gemma", capsys)
-    assert "has no tokenizer files" in _one_error(rc, err) and str(bare) in err, err
+    rc, _, err = dry_run(f"dg={bare}:diffusion_gemma")
+    assert "has no tokenizer files" in one_error(rc, err) and str(bare) in err, err
 
 
 def test_fixture_keeps_the_release_layout():

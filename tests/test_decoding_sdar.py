@@ -225,38 +225,24 @@ def test_knob_defaults_are_generate_py_and_the_folder_sets_its_block(tmp_path):
 # ---------------------------------------------------------------- the dry run
 
 
-def _dry(tmp_path, models: str, capsys) -> tuple[int, str, str]:
-    from harness.run import runner
-
-    rc = runner.main(["--task", "embedded_math", "--models", models, "--out", str(tmp_path / "out"),
-                      "--run-id", "x", "--limit", "1", "--dry-run"])
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err.strip()
-
-
-def _one_error(rc: int, err: str) -> str:
-    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
-
-
 @pytest.mark.parametrize("name", FIXTURES)
-def test_dry_run_recognises_the_family_and_its_block(tmp_path, capsys, name):
-    rc, out, err = _dry(tmp_path, f"s={ROOT / name}:sdar", capsys)
+def test_dry_run_recognises_the_family_and_its_block(tmp_path, dry_run, one_error, name):
+    rc, out, err = dry_run(f"s={ROOT / name}:sdar")
     assert rc == 0, err
     assert f"({name} family, causal)" in out and "block_length=4" in out and "denoising_steps=4" in out, out
 
 
-def test_dry_run_truncated_shard_and_missing_tokenizer_are_one_error_line(tmp_path, capsys):
+def test_dry_run_truncated_shard_and_missing_tokenizer_are_one_error_line(tmp_path, dry_run, one_error):
     cut = shutil.copytree(ROOT / "sdar", tmp_path / "cut")
     last = cut / "model-00002-of-00002.safetensors"
     os.truncate(last, last.stat().st_size - 100)
-    rc, _, err = _dry(tmp_path, f"s={cut}:sdar", capsys)
-    assert str(last) in _one_error(rc, err) and "truncated" in err, err
+    rc, _, err = dry_run(f"s={cut}:sdar")
+    assert str(last) in one_error(rc, err) and "truncated" in err, err
     bare = shutil.copytree(ROOT / "sdar", tmp_path / "bare")
     for n in ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
         (bare / n).unlink()
-    rc, _, err = _dry(tmp_path, f"s={bare}:sdar", capsys)
-    assert "has no tokenizer files" in _one_error(rc, err) and str(bare) in err, err
+    rc, _, err = dry_run(f"s={bare}:sdar")
+    assert "has no tokenizer files" in one_error(rc, err) and str(bare) in err, err
 
 
 def test_the_trace_draws_blocks_on_absolute_positions(loaded):

@@ -200,40 +200,26 @@ def test_counting_and_the_knob_defaults(loaded):
 # ---------------------------------------------------------------- the dry run
 
 
-def _dry(tmp_path, models: str, capsys) -> tuple[int, str, str]:
-    from harness.run import runner
-
-    rc = runner.main(["--task", "embedded_math", "--models", models, "--out", str(tmp_path / "out"),
-                      "--run-id", "x", "--limit", "1", "--dry-run"])
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err.strip()
-
-
-def _one_error(rc: int, err: str) -> str:
-    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    return err
-
-
-def test_dry_run_recognises_the_family(tmp_path, capsys):
-    rc, out, err = _dry(tmp_path, f"l2={FIXTURE}:llada2", capsys)
+def test_dry_run_recognises_the_family(tmp_path, dry_run, one_error):
+    rc, out, err = dry_run(f"l2={FIXTURE}:llada2")
     assert rc == 0, err
     assert "l2: decoder llada2 on" in out and "(llada2 family, bidirectional)" in out, out
     assert "block_length=32" in out and "threshold=0.9" in out, out
-    err = _one_error(*_dry(tmp_path, f"l2={FIXTURE}:fast_dllm", capsys)[::2])
+    err = one_error(*dry_run(f"l2={FIXTURE}:fast_dllm")[::2])
     assert "decoder 'fast_dllm' cannot run a llada2 checkpoint" in err, err
 
 
-def test_dry_run_truncated_shard_and_missing_tokenizer_are_one_error_line(tmp_path, capsys):
+def test_dry_run_truncated_shard_and_missing_tokenizer_are_one_error_line(tmp_path, dry_run, one_error):
     cut = shutil.copytree(FIXTURE, tmp_path / "cut")
     last = cut / "model-00002-of-00002.safetensors"
     os.truncate(last, last.stat().st_size - 100)
-    rc, _, err = _dry(tmp_path, f"l2={cut}:llada2", capsys)
-    assert str(last) in _one_error(rc, err) and "truncated" in err, err
+    rc, _, err = dry_run(f"l2={cut}:llada2")
+    assert str(last) in one_error(rc, err) and "truncated" in err, err
     bare = shutil.copytree(FIXTURE, tmp_path / "bare")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (bare / name).unlink()
-    rc, _, err = _dry(tmp_path, f"l2={bare}:llada2", capsys)
-    assert "has no tokenizer files" in _one_error(rc, err) and str(bare) in err, err
+    rc, _, err = dry_run(f"l2={bare}:llada2")
+    assert "has no tokenizer files" in one_error(rc, err) and str(bare) in err, err
 
 
 def test_fixture_keeps_the_release_layout_and_the_prompts_reencode(loaded):
