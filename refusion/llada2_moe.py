@@ -25,6 +25,16 @@ divided by their sum (+1e-20) when more than one expert is chosen, times ``route
 is the weighted sum of the chosen experts' SwiGLUs (``moe_intermediate_size``) plus the shared expert, a SwiGLU
 of ``moe_intermediate_size * num_shared_experts``.
 
+The routed experts are computed as vLLM's own CPU path computes them (dInfer runs its MoE through vLLM's
+``FusedMoE``; vllm/model_executor/layers/fused_moe/cpu_fused_moe.py, ``cpu_fused_moe_torch``): the (token, slot)
+pairs ordered by expert, one matmul per expert over its tokens with the stacked [gate; up] weight, the SwiGLU, the
+down matmul, each output back in its (token, slot) place, cast to float32, times its weight, summed over the
+slots, cast back. The stacked weights are ``experts.gate_up_proj`` [E, 2I, hidden] and ``experts.down_proj``
+[E, hidden, I]: the release's per-expert ``mlp.experts.N.{gate,up,down}_proj.weight`` are merged on loading by a
+checkpoint conversion mapping registered with transformers for ``llada2_moe`` (as transformers does for its own
+Qwen-MoE classes). Why this order and not another: a float32 sum's rounding depends on how the matmuls are cut,
+and in this order the logits equal the authors' modelling file's bit for bit (tests/test_llada2.py).
+
 The attention is whatever mask the caller passes: LLaDA2 is a block-diffusion model (block-causal attention,
 bidirectional within a block of 32); the decoder ``llada2`` (refusion/decoding/llada2.py) builds that pattern.
 ``attention_mask``: None (every key), a 2-D padding mask [B, kv] (1 = real key; bidirectional), a bool
@@ -43,7 +53,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.conversion_mapping import (USER_REGISTERED_MAPPINGS, WeightConverter,
+                                             register_checkpoint_conversion_mapping)
+from transformers.core_model_loading import Concatenate, MergeModulelist
 from transformers.utils import ModelOutput
+
+# The release stores each routed expert's three matrices (mlp.experts.N.gate_proj/up_proj/down_proj.weight);
+# this module holds them stacked (Experts). transformers merges them while loading (module doc).
+if "llada2_moe" not in USER_REGISTERED_MAPPINGS:
+    register_checkpoint_conversion_mapping("llada2_moe", [
+        WeightConverter(source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+                        target_patterns="mlp.experts.gate_up_proj",
+                        operations=[MergeModulelist(dim=0), Concatenate(dim=1)]),
+        WeightConverter(source_patterns="mlp.experts.*.down_proj.weight", target_patterns="mlp.experts.down_proj",
+                        operations=[MergeModulelist(dim=0)]),
+    ])
 
 
 class LLaDA2MoeConfig(PretrainedConfig):
@@ -176,22 +200,45 @@ class Router(nn.Module):
         return ids, weights * self.scale
 
 
+class Experts(nn.Module):
+    """The routed experts, stacked: gate_up_proj [E, 2I, hidden] ([gate; up] per expert), down_proj [E, hidden, I].
+    forward(x [N, hidden], ids [N, k], weights [N, k] float32) -> [N, hidden] in vLLM's CPU order (module doc)."""
+
+    def __init__(self, config: LLaDA2MoeConfig):
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n, k = ids.shape
+        inner = self.down_proj.shape[-1]
+        order = ids.reshape(-1).argsort()  # (token, slot) pairs, flattened, grouped by expert
+        counts = torch.bincount(ids.reshape(-1), minlength=self.gate_up_proj.shape[0]).tolist()
+        rows = x[order // k]  # [N*k, hidden], expert 0's tokens first
+        outs, start = [], 0
+        for e, count in enumerate(counts):
+            if count:  # only the experts some token chose run
+                gate_up = F.linear(rows[start:start + count], self.gate_up_proj[e])  # [count, 2I]
+                outs.append(F.linear(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], self.down_proj[e]))
+                start += count
+        placed = torch.empty_like(rows)
+        placed[order] = torch.cat(outs)
+        return (placed.view(n, k, -1).float() * weights[:, :, None]).sum(dim=1).to(x.dtype)
+
+
 class MoE(nn.Module):
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__()
         self.gate = Router(config)
-        self.experts = nn.ModuleList(SwiGLU(config.hidden_size, config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+        self.experts = Experts(config)
         self.shared_experts = (SwiGLU(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
                                if config.num_shared_experts else None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = h.reshape(-1, h.shape[-1])
         ids, weights = self.gate(x)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():  # only the experts some token chose run
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None].to(x.dtype))
+        out = self.experts(x, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view_as(h)
@@ -257,6 +304,9 @@ class LLaDA2MoeModelLM(PreTrainedModel, GenerationMixin):
         elif isinstance(module, Router):
             nn.init.normal_(module.weight, std=std)
             module.expert_bias.zero_()
+        elif isinstance(module, Experts):
+            nn.init.normal_(module.gate_up_proj, std=std)
+            nn.init.normal_(module.down_proj, std=std)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
 

@@ -20,9 +20,10 @@ What the driver supplies in place of the authors' environment (their files are n
   - vLLM is not installed (it needs CUDA): the modules the modelling file imports from it are stand-ins put in
     sys.modules. The one that computes is ``FusedMoE``: it holds the experts as vLLM does (w13 = [gate; up]
     stacked per expert, w2 = down), calls the authors' own routing function (LLaDA2MoeGate.routing, passed as
-    custom_routing_function) and sums weight x down(silu(gate x) * up x) over the chosen experts, as vLLM's
-    fused_experts kernel does; it records the chosen expert ids. The tensor-parallel helpers are the
-    one-process identities (rank 0 of 1).
+    custom_routing_function) and computes the experts as vLLM's own CPU path does (cpu_fused_moe_torch in
+    vllm/model_executor/layers/fused_moe/cpu_fused_moe.py: tokens grouped by expert, one matmul per expert,
+    weight x down(silu(gate x) * up x) summed over the chosen experts); it records the chosen expert ids.
+    The tensor-parallel helpers are the one-process identities (rank 0 of 1).
   - torch.compile is disabled (TORCH_COMPILE_DISABLE=1): the decoders' functions run eagerly.
   - dinfer's package __init__ files (they import the serving stack) are not run: the packages are registered
     with their folders as __path__ and the modules above imported from them.
@@ -176,16 +177,27 @@ def _stand_in_vllm(choices: list):
             self.expert_map = None
 
         def forward_impl(self, hidden_states, router_logits):
+            # vLLM's own CPU path (fused_moe/cpu_fused_moe.py, cpu_fused_moe_torch): the (token, slot) pairs
+            # ordered by expert, one matmul per expert over its tokens with the stacked [gate; up] weight, the
+            # down matmul, each output back in its (token, slot) place, times its weight, summed over the slots.
             weights, ids = self.route(hidden_states, router_logits, self.top_k, True)
             choices.append(ids.clone())
+            n, k = ids.shape
             inner = self.w2_weight.shape[-1]
-            out = torch.zeros_like(hidden_states)
-            for slot in range(ids.shape[1]):
-                w13, w2 = self.w13_weight[ids[:, slot]], self.w2_weight[ids[:, slot]]  # [N, 2I, H], [N, H, I]
-                gu = torch.einsum("nih,nh->ni", w13, hidden_states)
-                act = torch.nn.functional.silu(gu[:, :inner]) * gu[:, inner:]
-                out += weights[:, slot, None].to(hidden_states.dtype) * torch.einsum("nhi,ni->nh", w2, act)
-            return out
+            order = ids.reshape(-1).argsort()
+            per_expert = torch.bincount(ids.reshape(-1), minlength=self.w13_weight.shape[0]).tolist()
+            rows = hidden_states[order // k]
+            outs, start = [], 0
+            for e, count in enumerate(per_expert):
+                if count:
+                    gu = nn.functional.linear(rows[start:start + count], self.w13_weight[e])
+                    act = nn.functional.silu(gu[:, :inner]) * gu[:, inner:]
+                    outs.append(nn.functional.linear(act, self.w2_weight[e]))
+                    start += count
+            placed = torch.empty(n * k, hidden_states.shape[-1], dtype=hidden_states.dtype)
+            placed[order] = torch.cat(outs)
+            out = placed.view(n, k, -1).to(weights.dtype) * weights[:, :, None]
+            return out.sum(dim=1).to(hidden_states.dtype)
 
     class _Linear(nn.Module):  # only used by tensor_parallel(), which the fixture never calls
         def __init__(self, *a, **k):
@@ -226,6 +238,9 @@ def authors(dinfer: Path, out: Path, ids: dict) -> dict:
     from transformers import AutoTokenizer
 
     torch.manual_seed(SEED)
+    # One thread, as the tests compare (tests/conftest.py one_thread): a float32 matmul's rounding can change
+    # with how the work is split between threads.
+    torch.set_num_threads(1)
     choices: list = []
     _stand_in_vllm(choices)
     modeling, uniform, strategy, utils = _import_dinfer(dinfer)
@@ -240,20 +255,28 @@ def authors(dinfer: Path, out: Path, ids: dict) -> dict:
     tok = AutoTokenizer.from_pretrained(str(out))
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
                for q in R.DG_QUERIES]
-    # Logits and expert choices: prompt 0 with every key visible, prompt 1 under the block-causal mask of 8.
+    # Logits and expert choices: prompt 0 with every key visible, prompt 1 under the block-causal mask of 8;
+    # in float32 and again with the weights in float64 (where the authors' code keeps float32, both do).
     logits, routes = {}, {}
-    with torch.no_grad():
-        for i, p in enumerate(prompts[:2]):
-            ids_t = torch.tensor([p])
-            for kind in (("full",), ("block8",))[i]:
-                mask = None
-                if kind == "block8":
-                    blocks = torch.arange(len(p)) // 8
-                    mask = (blocks[None, :] <= blocks[:, None]).float()[None]
-                choices.clear()
-                out_l = model(ids_t, attention_mask=mask).logits
-                logits[f"{kind}_{i}"] = out_l[0].float().contiguous()
-                routes[f"{kind}_{i}"] = torch.stack(choices).to(torch.int64)  # [moe layers, T, k]
+
+    def forward_all(prefix: str) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(prompts[:2]):
+                ids_t = torch.tensor([p])
+                for kind in (("full",), ("block8",))[i]:
+                    mask = None
+                    if kind == "block8":
+                        blocks = torch.arange(len(p)) // 8
+                        mask = (blocks[None, :] <= blocks[:, None]).float()[None]
+                    choices.clear()
+                    out_l = model(ids_t, attention_mask=mask).logits
+                    logits[f"{prefix}{kind}_{i}"] = out_l[0].contiguous()
+                    routes[f"{prefix}{kind}_{i}"] = torch.stack(choices).to(torch.int64)  # [moe layers, T, k]
+
+    forward_all("")
+    model.load_weights(str(out), torch_dtype=torch.float64, device="cpu")
+    forward_all("float64_")
+    model.load_weights(str(out), torch_dtype=torch.float32, device="cpu")
     save_file({**logits, **{f"experts_{k}": v for k, v in routes.items()}}, str(out / "reference.safetensors"))
     gens = []
     for setting in SETTINGS:
@@ -293,6 +316,8 @@ def main() -> int:
         "logits": {"file": "reference.safetensors", "prompts": ref["logit_prompts"],
                    "kinds": {"full_0": "prompt 0, no mask (every key)",
                              "block8_1": "prompt 1, block-causal mask, blocks of 8"},
+                   "dtypes": "<kind>: float32 weights and activations, one thread; float64_<kind>: the weights "
+                             "loaded as float64 (the authors' float32 steps, router and rotary tables, kept)",
                    "experts": "experts_<kind>_<i>: [MoE layer, position, k] expert ids in the authors' top-k order"},
         "generations": ref["generations"],
         "prompt_texts": {"texts": R.DG_QUERIES, "encode": "tokenizer.apply_chat_template([{'role': 'user', "
