@@ -200,3 +200,31 @@ def test_nine_table1_rows_in_one_run_fill_every_published_claim(tmp_path, monkey
         cells = [c.strip() for c in ln.strip("|").split("|")]
         assert re.fullmatch(r"\d+\.\d\d", cells[2]) and re.fullmatch(r"\d+\.\d\d", cells[4]), ln
         assert cells[5] == "1" and cells[6].startswith("refusion / "), ln
+
+
+# The folders beyond Table 1 ship sharded weights (an index and two shards), as their releases do.
+SHARDED = [("diffusiongemma", "diffusion_gemma"), ("sdar", "sdar"), ("sdar_moe", "sdar"), ("llada2", "llada2")]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "tokenizer.model")
+
+
+@pytest.mark.parametrize("folder,decoder", SHARDED, ids=[f for f, _ in SHARDED])
+def test_dry_run_truncated_shard_and_missing_tokenizer_are_one_error_line(folder, decoder, tmp_path, dry_run,
+                                                                           one_error):
+    """The dry run of a copy whose last shard lost its last 100 bytes, and of a copy without its tokenizer
+    files: one `error:` line (exit 2) naming the shard, or the folder."""
+    import os
+    import shutil
+
+    cut = shutil.copytree(ROOT / folder, tmp_path / "cut")
+    last = sorted(cut.glob("model-*-of-*.safetensors"))[-1]
+    os.truncate(last, last.stat().st_size - 100)
+    rc, _, err = dry_run(f"m={cut}:{decoder}")
+    assert str(last) in one_error(rc, err) and "truncated" in err, err
+    bare = shutil.copytree(ROOT / folder, tmp_path / "bare")
+    gone = [bare / n for n in TOKENIZER_FILES if (bare / n).is_file()]
+    assert gone
+    for path in gone:
+        path.unlink()
+    rc, _, err = dry_run(f"m={bare}:{decoder}")
+    assert "has no tokenizer files" in one_error(rc, err) and str(bare) in err, err
