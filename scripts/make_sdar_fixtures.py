@@ -33,6 +33,7 @@ import importlib.machinery
 import importlib.util
 import json
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -55,7 +56,14 @@ SETTINGS = [
     {"remasking_strategy": "low_confidence_static"},
     {"block_length": 8, "denoising_steps": 4, "remasking_strategy": "sequential", "temperature": 0.6, "top_k": 20,
      "top_p": 0.95},
+    {"remasking_strategy": "entropy_bounded"},  # made with ENTROPY_FIX (below)
 ]
+# generate.py's entropy_bounded branch never creates transfer_index (every other branch starts with
+# ``transfer_index = torch.zeros_like(x0, dtype=torch.bool)``), so it raises UnboundLocalError at its first step.
+# Its references come from a copy of generate.py, written to a temporary folder and never kept, with that one
+# line added at the top of the branch, as the other branches have it.
+ENTROPY_BRANCH = 'elif remasking_strategy == "entropy_bounded":\n'
+ENTROPY_FIX = "transfer_index = torch.zeros_like(x0, dtype=torch.bool)"
 DEFAULTS = {"block_length": 4, "denoising_steps": 4, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
             "remasking_strategy": "low_confidence_dynamic", "confidence_threshold": 0.85, "eb_threshold": 0.35}
 # The MoE fixture's Qwen3-MoE fields (SDAR-30B-A3B: 128 experts, 8 a token; here 4 and 2).
@@ -178,6 +186,18 @@ def _shim_imports(pkg: str) -> None:
     mod(f"{pkg}.fused_linear_diffusion_cross_entropy", FusedLinearDiffusionCrossEntropyLoss=None)
 
 
+def _entropy_fixed(src: Path, tmp: Path):
+    """generate.py of ``src`` with ENTROPY_FIX at the top of the entropy_bounded branch, imported from ``tmp``."""
+    text = (src / "generate.py").read_text()
+    at = text.index(ENTROPY_BRANCH)
+    assert text.count(ENTROPY_BRANCH) == 1 and ENTROPY_FIX not in text[at:at + 400], "generate.py changed upstream"
+    line_start = text.rfind("\n", 0, at) + 1
+    indent = " " * (at - line_start + 4)
+    cut = at + len(ENTROPY_BRANCH)
+    (tmp / "generate_entropy_fixed.py").write_text(text[:cut] + indent + ENTROPY_FIX + "\n" + text[cut:])
+    return mrf._load_path("sdar_generate_entropy_fixed", tmp / "generate_entropy_fixed.py")
+
+
 def _authors(src: Path):
     """(generate.py module, modeling_sdar module) of the checkout ``src``, its model folder as a package."""
     folder = src / "training/model/SDAR-8B-Chat"
@@ -251,15 +271,19 @@ def stage_reference(a, name: str = "sdar") -> dict:
     mask = json.loads((folder / "config.json").read_text())["mask_token_id"]
     stop = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
     gens = []
+    with tempfile.TemporaryDirectory() as tmp:
+        fixed = _entropy_fixed(Path(a.sdar), Path(tmp))
     for setting in SETTINGS:
         kw = {**DEFAULTS, **setting}
+        entropy = kw["remasking_strategy"] == "entropy_bounded"
         for q in QUERIES:
             p = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
             torch.manual_seed(SDAR_SEED)
-            x = gen_mod.block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, mask, gen_length=GEN_LENGTH,
-                                                 stopping_criteria_idx=stop, **kw)
+            x = (fixed if entropy else gen_mod).block_diffusion_generate(
+                model, {"input_ids": torch.tensor([p])}, mask, gen_length=GEN_LENGTH, stopping_criteria_idx=stop, **kw)
             gens.append(mrf._gen("sdar.generate.block_diffusion_generate", {"gen_length": GEN_LENGTH, **kw}, p,
-                                 x[0, len(p):].tolist(), seed=SDAR_SEED))
+                                 x[0, len(p):].tolist(), seed=SDAR_SEED,
+                                 **({"patch": f"generate.py + {ENTROPY_FIX!r} (ENTROPY_FIX)"} if entropy else {})))
     # Logits of one block-causal forward (generate.py's prefill call) for the loading test.
     ids = torch.tensor([gens[0]["prompt_ids"][:12]])
     blocks = torch.tril(torch.ones(3, 3)).repeat_interleave(4, 0).repeat_interleave(4, 1)[None]

@@ -1,7 +1,8 @@
 """The sdar decoder against the authors' own block_diffusion_generate (JetAstra/SDAR generate.py on their
 modeling_sdar.py), on the release-layout fixture tests/fixtures/released/sdar (scripts/make_sdar_fixtures.py):
-the stored generations (24 chat prompts x 4 knob settings, seeded, one prompt a call); loading the folder as
-published without running its files; counting; the family in the dry run.
+the stored generations (24 chat prompts x 5 knob settings, seeded, one prompt a call; entropy_bounded's from
+generate.py with the line its branch lacks, see the script); loading the folder as published without running its
+files; counting; the family in the dry run.
 
 The full comparison (every prompt and setting, batch 1 and batch 4) is ``slow``; the default run checks every
 eighth prompt at batch 1 and one batch of 4 per setting.

@@ -32,9 +32,10 @@ fewer positions are masked than the quota; sequential's window may cover committ
 masked one (redrawn too); prompt tokens in the first block can be redrawn so. Where generate.py has no answer,
 ours is said: its entropy_bounded branch never sets the positions to commit (``transfer_index`` is unbound
 there: the call raises at its first step) and sums the entropy of the drawn tokens' probabilities over the whole
-block, not per position; here the positions start empty at every step and the block's sum is taken as every
-masked position's entropy, as the branch reads (so all tie, and torch.sort orders them), which is not checked
-against the authors. A drawn mask id leaves its position masked; past the schedule (generate.py would index
+block, not per position; here the positions start empty at every step, as in every other branch, and the
+block's sum is taken as every masked position's entropy, as the branch reads (so all tie, and torch.sort orders
+them). That reading gives the tokens of generate.py with the one missing line added (the fixture's
+entropy_bounded references, scripts/make_sdar_fixtures.py). A drawn mask id leaves its position masked; past the schedule (generate.py would index
 past its quota list: IndexError) the quota is every masked position, and a block still masked after
 ``denoising_steps + 1`` forwards is left so, without its KV, as generate.py's loop leaves it. temperature 0 is
 greedy (the argmax and its probability), which generate.py cannot do (it divides by the temperature); its
