@@ -141,7 +141,10 @@ FAMILIES: dict[str, Family] = {
               "loading",
         sources=("JetAstra/SDAR README (SDAR-30B-A3B-Chat / -Sci from Qwen3-30B-A3B-Base); model_type sdar_moe and "
                  "architecture SDARMoeForCausalLM as the release names them (its modeling_sdar_moe.py is on the hub "
-                 "only, not in the JetAstra/SDAR repository: the MoE layout is Qwen3-MoE's, an assumption)",)),
+                 "only, not in the JetAstra/SDAR repository)",
+                 "Labman42/JetEngine 11563d1 jetengine/models/sdar_moe.py (the inference engine for the SDAR "
+                 "series): Qwen3-MoE's tensor names and rule (mlp.gate; mlp.experts.N.gate/up/down_proj; softmax "
+                 "over the experts, top-k, renormalised; MoE every decoder_sparse_step layers)")),
     "qwen3": Family(name="qwen3", model_class="Qwen3ForCausalLM", causal=None, to_config=plain_config,
                     notes="stock Qwen3 (Qwen3-8B) and this project's tiny models (is_causal in config.json)",
                     sources=("transformers Qwen3Config",)),
