@@ -5,7 +5,9 @@ For each fixture, every stored generation (24 prompts x its settings):
   - float32, batch 1: how many rows give the authors' tokens (made on a CPU), and whether NFE equals the
     reference. Meaningful for llada2 (greedy). sdar samples (generate.py's temperature 1.0) from each row's
     seeded generator on the model's device, and CUDA's random stream is not the CPU's, so its CPU references
-    are not expected on a GPU (the authors' code on a GPU would draw differently too);
+    are not expected on a GPU. With --authors-on-device FILE (written by ``scripts/make_sdar_fixtures.py
+    --device cuda --reference-only FILE``, the authors' generate.py run on the same GPU in its own environment)
+    the sdar rows are also compared with the authors' tokens made there;
   - float32 and bfloat16, left-padded batches of 4: how many rows equal the same row decoded alone on the same
     device and dtype;
   - bfloat16: no non-finite logits, decode seconds (one pass, not a benchmark);
@@ -14,6 +16,12 @@ For each fixture, every stored generation (24 prompts x its settings):
 It writes one JSON file (default results/gpu/block_diffusion.json). Nothing here is a test: tests never need a GPU.
 
   python scripts/gpu_block_diffusion.py --device cuda --out results/gpu/block_diffusion.json
+
+With the authors' SDAR tokens made on the same GPU (their environment: transformers 4.52.4, tokenizers 0.21,
+huggingface_hub < 1, and a checkout of JetAstra/SDAR; see scripts/make_sdar_fixtures.py):
+
+  PYTHONPATH=<4.52.4 site> python scripts/make_sdar_fixtures.py --sdar SDAR --device cuda --reference-only A.json
+  python scripts/gpu_block_diffusion.py --device cuda --authors-on-device A.json
 """
 
 from __future__ import annotations
@@ -73,7 +81,7 @@ def _settings(cases: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
-def check(name: str, device: str) -> dict:
+def check(name: str, device: str, authors_there: dict | None = None) -> dict:
     decoder = "llada2" if name == "llada2" else "sdar"
     cases = _cases(name)
     rec: dict = {"rows": len(cases)}
@@ -104,6 +112,12 @@ def check(name: str, device: str) -> dict:
              "decode_s_batch1": round(seconds_alone, 2), "decode_s_batch4": round(time.perf_counter() - t0, 2)}
         if name == "llada2":
             r["nfe_equal"] = nfe_equal
+        elif authors_there is not None and dtype == "float32":
+            there = authors_there[name]["generations"]
+            assert [g["prompt_ids"] for g in there] == [c["prompt"] for c in cases]
+            r["authors_tokens_on_device"] = sum(
+                a == cut_after_eos(torch.tensor(g["output_ids"]), tuple(m.eos_ids))[:g["kwargs"]["gen_length"]].tolist()
+                for a, g in zip(alone, there))
         rec[dtype] = r
         if name == "llada2" and dtype == "float32":
             rec["logits"] = _llada2_logits(m)
@@ -145,7 +159,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--fixtures", default="sdar,sdar_moe,llada2")
     ap.add_argument("--out", default=str(REPO / "results" / "gpu" / "block_diffusion.json"))
+    ap.add_argument("--authors-on-device", metavar="JSON", help="the authors' SDAR generations made on this device "
+                    "(module doc)")
     a = ap.parse_args()
+    there = json.loads(Path(a.authors_on_device).read_text()) if a.authors_on_device else None
     if a.device == "cuda" and not torch.cuda.is_available():
         print(f"error: this torch ({torch.__version__}) sees no CUDA device", file=sys.stderr)
         return 2
@@ -157,7 +174,7 @@ def main() -> int:
         torch.backends.cudnn.allow_tf32 = False
     for name in a.fixtures.split(","):
         t0 = time.perf_counter()
-        res["fixtures"][name] = check(name, a.device)
+        res["fixtures"][name] = check(name, a.device, there if name != "llada2" else None)
         res["fixtures"][name]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(name, json.dumps(res["fixtures"][name]), flush=True)
     out = Path(a.out)

@@ -228,8 +228,8 @@ class StoreKV(object):
         import torch
 
         seen = past_key_values.get_seq_length()
-        mask = torch.zeros(attention_mask.shape, dtype=torch.float32).masked_fill(~attention_mask.bool(),
-                                                                                 torch.finfo(torch.float32).min)
+        mask = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device).masked_fill(
+            ~attention_mask.bool(), torch.finfo(torch.float32).min)
         out = self.model(ids, attention_mask=mask[:, None], position_ids=position_ids,
                          past_key_values=past_key_values, use_cache=use_cache)
         if not store_kv:
@@ -238,14 +238,16 @@ class StoreKV(object):
 
 
 def _reference_model(a, name: str, folder: Path):
-    """(model as generate.py calls it, a plain forward(ids, block mask [1, q, q]) -> logits, mask id)."""
+    """(model as generate.py calls it, a plain forward(ids, block mask [1, q, q]) -> logits, mask id), on
+    ``a.device`` (the plain forward: CPU only)."""
     import torch
 
     gen_mod, modeling = _authors(Path(a.sdar))
     raw = json.loads((folder / "config.json").read_text())
     if name == "sdar":
         config = modeling.SDARConfig.from_dict(raw)
-        model = modeling.SDARForCausalLM.from_pretrained(str(folder), config=config, torch_dtype=torch.float32).eval()
+        model = modeling.SDARForCausalLM.from_pretrained(str(folder), config=config,
+                                                         torch_dtype=torch.float32).to(a.device).eval()
         plain = lambda ids, mask: model(ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1])[None],
                                         use_cache=False).logits
         return gen_mod, model, plain
@@ -253,7 +255,8 @@ def _reference_model(a, name: str, folder: Path):
 
     drop = {"model_type", "architectures", "auto_map", "attn_implementation", "torch_dtype", "transformers_version"}
     config = Qwen3MoeConfig(**{k: v for k, v in raw.items() if k not in drop})
-    inner = Qwen3MoeForCausalLM.from_pretrained(str(folder), config=config, torch_dtype=torch.float32).eval()
+    inner = Qwen3MoeForCausalLM.from_pretrained(str(folder), config=config,
+                                                torch_dtype=torch.float32).to(a.device).eval()
     wrapped = StoreKV(inner)
     plain = lambda ids, mask: inner(ids, attention_mask=torch.zeros(mask.shape).masked_fill(
         ~mask.bool(), torch.finfo(torch.float32).min)[:, None], position_ids=torch.arange(ids.shape[1])[None]).logits
@@ -280,10 +283,14 @@ def stage_reference(a, name: str = "sdar") -> dict:
             p = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
             torch.manual_seed(SDAR_SEED)
             x = (fixed if entropy else gen_mod).block_diffusion_generate(
-                model, {"input_ids": torch.tensor([p])}, mask, gen_length=GEN_LENGTH, stopping_criteria_idx=stop, **kw)
+                model, {"input_ids": torch.tensor([p], device=a.device)}, mask, gen_length=GEN_LENGTH,
+                stopping_criteria_idx=stop, **kw)
             gens.append(mrf._gen("sdar.generate.block_diffusion_generate", {"gen_length": GEN_LENGTH, **kw}, p,
                                  x[0, len(p):].tolist(), seed=SDAR_SEED,
                                  **({"patch": f"generate.py + {ENTROPY_FIX!r} (ENTROPY_FIX)"} if entropy else {})))
+    if a.reference_only:
+        return {"device": str(a.device), "generations": gens,
+                "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     # Logits of one block-causal forward (generate.py's prefill call) for the loading test.
     ids = torch.tensor([gens[0]["prompt_ids"][:12]])
     blocks = torch.tril(torch.ones(3, 3)).repeat_interleave(4, 0).repeat_interleave(4, 1)[None]
@@ -312,10 +319,19 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sdar", required=True, help="checkout of JetAstra/SDAR (generate.py, training/model/SDAR-8B-Chat)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests/fixtures/released"))
+    p.add_argument("--device", default="cpu", help="where the authors' code runs (the fixture: cpu)")
+    p.add_argument("--reference-only", metavar="JSON", help="leave the folders as they are: run the authors' code "
+                   "on them and write {fixture: its generations} to JSON (scripts/gpu_block_diffusion.py "
+                   "--authors-on-device reads it)")
     a = p.parse_args()
     import torch
 
     torch.set_num_threads(1)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on a GPU too
+    if a.reference_only:
+        out = {name: stage_reference(a, name) for name in ("sdar", "sdar_moe")}
+        Path(a.reference_only).write_text(json.dumps(out) + "\n")
+        return 0
     for name in ("sdar", "sdar_moe"):
         build(Path(a.out), name)
         mrf._write_json(Path(a.out) / name / "reference.json", stage_reference(a, name))
