@@ -74,10 +74,11 @@ def _decode(m, decoder: str, rows: list[list[int]], knobs: dict):
     return [t.tolist() for t in tokens], stats
 
 
-def _settings(cases: list[dict]) -> list[list[dict]]:
-    groups: dict[str, list[dict]] = {}
-    for c in cases:
-        groups.setdefault(json.dumps(c["knobs"] | {"seed": None}, sort_keys=True), []).append(c)
+def _settings(cases: list[dict]) -> list[list[int]]:
+    """The cases' indices, grouped by knob setting (the seed aside)."""
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(cases):
+        groups.setdefault(json.dumps(c["knobs"] | {"seed": None}, sort_keys=True), []).append(i)
     return list(groups.values())
 
 
@@ -104,8 +105,8 @@ def check(name: str, device: str, authors_there: dict | None = None) -> dict:
         for group in _settings(cases):
             for i in range(0, len(group), 4):
                 part = group[i:i + 4]
-                toks, _ = _decode(m, decoder, [c["prompt"] for c in part], part[0]["knobs"])
-                same_in_batch += sum(t == alone[cases.index(c)] for t, c in zip(toks, part))
+                toks, _ = _decode(m, decoder, [cases[j]["prompt"] for j in part], cases[part[0]]["knobs"])
+                same_in_batch += sum(t == alone[j] for t, j in zip(toks, part))
         hook.remove()
         r = {"authors_tokens": sum(a == c["want"] for a, c in zip(alone, cases)),
              "batch4_equal_to_alone": same_in_batch, "nonfinite_forwards": finite["bad"],

@@ -50,25 +50,21 @@ def _of(setting: str) -> list[dict]:
     return [g for g in GENS if json.dumps(g["kwargs"], sort_keys=True) == setting]
 
 
-def _decode_rows(loaded, gens: list[dict], batch: int) -> list[list[int]]:
+def _decode_rows(loaded, left_pad, gens: list[dict], batch: int) -> list[list[int]]:
     """Decode ``gens`` (one setting) in left-padded batches of ``batch`` (the tokenizer's pad id): each row's tokens."""
     out = []
     pad = loaded.tokenizer.pad_token_id
     for i in range(0, len(gens), batch):
         group = gens[i:i + batch]
         rows = [torch.tensor(g["prompt_ids"]) for g in group]
-        width = max(r.numel() for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, width - r.numel():], mask[b, width - r.numel():] = r, 1
+        ids, mask = left_pad(rows, pad)
         tokens, _ = DECODERS["diffusion_gemma"](loaded.model, ids, mask if len(rows) > 1 else None, _knobs(group[0]))
         out += [t.tolist() for t in tokens]
     return out
 
 
-def _compare(loaded, gens: list[dict], batch: int) -> None:
-    got = _decode_rows(loaded, gens, batch)
+def _compare(loaded, left_pad, gens: list[dict], batch: int) -> None:
+    got = _decode_rows(loaded, left_pad, gens, batch)
     for g, tokens in zip(gens, got):
         assert tokens == _want(g, loaded.eos_ids), (batch, g["kwargs"], g["prompt_ids"])
 
@@ -90,10 +86,10 @@ def _mixed_batch(gens: list[dict], eos) -> list[dict]:
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=[f"setting{i}" for i in range(len(SETTINGS))])
-def test_generate_tokens_seed_for_seed_subset(loaded, setting):
+def test_generate_tokens_seed_for_seed_subset(loaded, left_pad, setting):
     gens = _of(setting)
-    _compare(loaded, gens[::4], 1)  # 6 prompts alone
-    _compare(loaded, _mixed_batch(gens, loaded.eos_ids), 4)  # one left-padded batch of 4
+    _compare(loaded, left_pad, gens[::4], 1)  # 6 prompts alone
+    _compare(loaded, left_pad, _mixed_batch(gens, loaded.eos_ids), 4)  # one left-padded batch of 4
 
 
 def test_the_default_subset_drops_finished_rows_from_a_batch(loaded):
@@ -104,8 +100,8 @@ def test_the_default_subset_drops_finished_rows_from_a_batch(loaded):
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("setting", SETTINGS, ids=[f"setting{i}" for i in range(len(SETTINGS))])
-def test_generate_tokens_seed_for_seed_all_prompts(loaded, setting, batch):
-    _compare(loaded, _of(setting), batch)
+def test_generate_tokens_seed_for_seed_all_prompts(loaded, left_pad, setting, batch):
+    _compare(loaded, left_pad, _of(setting), batch)
 
 
 def test_live_generate_at_other_knobs_canvas_and_seed(loaded):

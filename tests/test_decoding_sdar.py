@@ -66,8 +66,9 @@ def _want(g: dict, eos) -> list[int]:
 
 # Rows of a batch of 4 that may differ from the row alone: the MoE fixture has one. Its first divergence is a
 # sampled draw (generate.py's temperature 1.0) at which the two best candidates' scores are 3.3e-7 apart
-# (relative), and the batch's logits, 1.4e-5 from the row's alone (the batch's padding and its experts' matmuls
-# round differently), are enough to swap them. _float_tie checks that each such row is such a tie.
+# (relative), and the batch's logits, 1.4e-5 from the row's alone (a batch's float32 sums round differently from
+# one row's; expert matmuls that do not depend on the batch still part there), are enough to swap them.
+# _float_tie checks that each such row is such a tie.
 BATCH_FLOAT_TIES = {"sdar": 0, "sdar_moe": 1}
 TIE_MARGIN, TIE_LOGITS = 1e-5, 1e-4  # relative gap of the two best draws; |logit difference| batch vs alone
 
@@ -120,7 +121,7 @@ def _float_tie(m, ids, mask, b: int, g: dict, monkeypatch) -> None:
         assert 0 <= (first - second) / first < TIE_MARGIN, (pos, first, second)
 
 
-def _compare(m, gens: list[dict], batch: int, ties: int = 0, monkeypatch=None) -> None:
+def _compare(m, left_pad, gens: list[dict], batch: int, ties: int = 0, monkeypatch=None) -> None:
     """Decode ``gens`` in left-padded batches of ``batch``; every row must give generate.py's tokens, but for at
     most ``ties`` rows of a batch, each a checked float tie (BATCH_FLOAT_TIES, _float_tie)."""
     differ = []
@@ -128,11 +129,7 @@ def _compare(m, gens: list[dict], batch: int, ties: int = 0, monkeypatch=None) -
     for i in range(0, len(gens), batch):
         group = gens[i:i + batch]
         rows = [torch.tensor(g["prompt_ids"]) for g in group]
-        width = max(r.numel() for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, width - r.numel():], mask[b, width - r.numel():] = r, 1
+        ids, mask = left_pad(rows, pad)
         tokens, _ = DECODERS["sdar"](m.model, ids, mask if len(rows) > 1 else None, _knobs(group[0]))
         for b, (g, t) in enumerate(zip(group, tokens)):
             if t.tolist() != _want(g, m.eos_ids):
@@ -164,18 +161,18 @@ def test_the_reference_covers_24_prompts_and_several_settings():
 
 
 @pytest.mark.parametrize("name,setting", CASES, ids=IDS)
-def test_authors_tokens_seed_for_seed_subset(loaded, name, setting, monkeypatch):
+def test_authors_tokens_seed_for_seed_subset(loaded, name, setting, left_pad, monkeypatch):
     m = loaded(name)
     gens = _of(name, setting)
-    _compare(m, gens[::8], 1)
-    _compare(m, _mixed_batch(gens, m.eos_ids), 4, BATCH_FLOAT_TIES[name], monkeypatch)
+    _compare(m, left_pad, gens[::8], 1)
+    _compare(m, left_pad, _mixed_batch(gens, m.eos_ids), 4, BATCH_FLOAT_TIES[name], monkeypatch)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("name,setting", CASES, ids=IDS)
-def test_authors_tokens_seed_for_seed_all_prompts(loaded, name, setting, batch, monkeypatch):
-    _compare(loaded(name), _of(name, setting), batch, BATCH_FLOAT_TIES[name], monkeypatch)
+def test_authors_tokens_seed_for_seed_all_prompts(loaded, name, setting, batch, left_pad, monkeypatch):
+    _compare(loaded(name), left_pad, _of(name, setting), batch, BATCH_FLOAT_TIES[name], monkeypatch)
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -45,15 +45,11 @@ def _want(g: dict) -> list[int]:
     return cut_after_eos(torch.tensor(g["tokens"]), (EOS,))[:g["knobs"]["gen_length"]].tolist()
 
 
-def _compare(loaded, gens: list[dict], batch: int) -> None:
+def _compare(loaded, left_pad, gens: list[dict], batch: int) -> None:
     for i in range(0, len(gens), batch):
         group = gens[i:i + batch]
         rows = [torch.tensor(g["prompt"]) for g in group]
-        width = max(r.numel() for r in rows)
-        ids = torch.full((len(rows), width), EOS, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, width - r.numel():], mask[b, width - r.numel():] = r, 1
+        ids, mask = left_pad(rows, EOS)
         tokens, stats = DECODERS["llada2"](loaded.model, ids, mask if batch > 1 else None, dict(group[0]["knobs"]),
                                            eos_token_id=list(loaded.eos_ids), mask_token_id=loaded.mask_id)
         for g, t in zip(group, tokens):
@@ -180,19 +176,19 @@ def test_the_reference_covers_24_prompts_and_3_settings():
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_dinfer_tokens_and_forwards_subset(loaded, setting):
-    _compare(loaded, _of(setting)[::8], 1)
+def test_dinfer_tokens_and_forwards_subset(loaded, left_pad, setting):
+    _compare(loaded, left_pad, _of(setting)[::8], 1)
 
 
-def test_a_left_padded_batch_decodes_each_row_as_alone(loaded):
-    _compare(loaded, _of(SETTINGS[0])[4:8], 4)
+def test_a_left_padded_batch_decodes_each_row_as_alone(loaded, left_pad):
+    _compare(loaded, left_pad, _of(SETTINGS[0])[4:8], 4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_dinfer_tokens_all_prompts(loaded, setting, batch):
-    _compare(loaded, _of(setting), batch)
+def test_dinfer_tokens_all_prompts(loaded, left_pad, setting, batch):
+    _compare(loaded, left_pad, _of(setting), batch)
 
 
 def test_counting_and_the_knob_defaults(loaded):
