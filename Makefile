@@ -26,7 +26,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup docs test test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
+.PHONY: help setup docs test test-cpus test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -52,6 +52,13 @@ TEST_WORKERS ?= 2
 
 test: setup ## run the test suite (CPU, tiny models; what CI runs) on TEST_WORKERS=2 workers, without the slow end-to-end process tests
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) $(if $(filter-out 0,$(TEST_WORKERS)),--dist worksteal) $(PYTEST_ARGS)
+
+TEST_CPUS_ARGS ?=
+override TEST_CPUS_ARGS := $(value TEST_CPUS_ARGS)
+export TEST_CPUS_ARGS
+
+test-cpus: setup ## the reference tests (tokens and logits made elsewhere) under other instruction sets and 1 / 4 threads; says which passed (~15 min): make test-cpus [TEST_CPUS_ARGS='--scope all']
+	@set -f; exec $(PY) scripts/test_cpus.py $$TEST_CPUS_ARGS
 
 test-slow: setup ## the slow end-to-end tests: kill/signal/resume of real runs, 2 processes, the sweep, every released family
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
 """Shared test helpers, handed to tests as fixtures (no test module imports another one).
 
 Fixtures:
-  one_thread                          run a module's tiny models on one torch thread
+  one_thread                          run a module's tiny models on one torch thread (REFUSION_TEST_THREADS)
   tiny_qwen3(vocab=..., ...)          a random tiny Qwen3ForCausalLM, causal or bidirectional
   left_pad(rows)                      -> (ids, attention_mask), rows right-aligned, pad 0
   assert_cache_matches_fresh_forward  a refusion on_commit cache vs an independent recomputation
@@ -39,11 +39,13 @@ TINY_CHECKPOINTS = REPO / "checkpoints" / "tiny"
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Tiny models run fastest on one thread; on a loaded 2-core box two threads spin. Restored after."""
+    """Tiny models run fastest on one thread; on a loaded 2-core box two threads spin. Restored after.
+    REFUSION_TEST_THREADS=N runs them on N threads instead (`make test-cpus` checks 1 and 4: a float32 sum
+    is split differently across threads, and the fixture comparisons must hold at any count)."""
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("REFUSION_TEST_THREADS", "1")))
     yield
     torch.set_num_threads(before)
 

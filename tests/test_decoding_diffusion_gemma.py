@@ -20,7 +20,7 @@ from refusion.decoding import DECODERS, check_attention, checkpoint_defaults
 from refusion.decoding.common import cut_after_eos
 from refusion.decoding.diffusion_gemma import DiffusionGemmaKnobs
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.reference]
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "released" / "diffusiongemma"
 REFERENCE = json.loads((FIXTURE / "reference.json").read_text())

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,9 @@ import torch
 
 from refusion.decoding import DECODERS, checkpoint_defaults
 from refusion.decoding.common import cut_after_eos
-from refusion.decoding.sdar import SdarKnobs, quotas, to_commit
+from refusion.decoding.sdar import SdarKnobs, filtered, quotas, to_commit
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.reference]
 
 ROOT = Path(__file__).resolve().parent / "fixtures" / "released"
 FIXTURES = [p.name for p in sorted(ROOT.glob("sdar*")) if (p / "reference.json").is_file()]
@@ -64,18 +66,30 @@ def _want(g: dict, eos) -> list[int]:
     return cut_after_eos(torch.tensor(g["output_ids"]), tuple(eos))[:g["kwargs"]["gen_length"]].tolist()
 
 
-# Rows of a batch of 4 that may differ from the row alone: the MoE fixture has one. Its first divergence is a
-# sampled draw (generate.py's temperature 1.0) at which the two best candidates' scores are 3.3e-7 apart
-# (relative), and the batch's logits, 1.4e-5 from the row's alone (a batch's float32 sums round differently from
-# one row's; expert matmuls that do not depend on the batch still part there), are enough to swap them.
-# _float_tie checks that each such row is such a tie.
-BATCH_FLOAT_TIES = {"sdar": 0, "sdar_moe": 1}
-TIE_MARGIN, TIE_LOGITS = 1e-5, 1e-4  # relative gap of the two best draws; |logit difference| batch vs alone
+# Tokens made on another machine are exact only where a margin decides them. A sampled draw is
+# torch.multinomial(p) = argmax(p / q) with q ~ Exp(1) from the generator's state; where the two best scores p / q
+# lie within TIE_MARGIN of each other (relative), another CPU's float32 rounding (logits within the suite's
+# tolerance, ~1e-5 at these magnitudes, so a token's p moves by ~2e-5 relative against another's) can swap them:
+# the fixture's tokens then come from the runner-up. A row that differs from the fixture passes only when it is
+# reproduced exactly by giving at most MAX_TIES such near-tied draws to their runner-up, every other draw as the
+# decoder made it (same generator state, same consumption); any difference decided by a margin fails.
+TIE_MARGIN = 1e-4
+MAX_TIES = 2
 
 
-def _draws(m, ids, mask, knobs: dict, row: int, monkeypatch) -> list[tuple]:
-    """Every draw of batch row ``row``, in order: (block logits [L, V], the row's generator state before the
-    draw, drawn tokens [L])."""
+def _scores(logits: torch.Tensor, k: SdarKnobs, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p [L, V], the draw's scores p / q [L, V]) of one sampled draw, recomputed from the generator state before
+    it; greedy (temperature 0) scores are p itself."""
+    probs = torch.softmax(filtered(logits, k.temperature, k.top_k, k.top_p), dim=-1)
+    if k.temperature == 0:
+        return probs, probs
+    q = torch.empty_like(probs).exponential_(1, generator=torch.Generator().manual_seed(0).set_state(state))
+    return probs, probs / q
+
+
+def _row_draws(m, ids, mask, knobs: dict, row: int, monkeypatch, flips=()) -> tuple[list[int], list[torch.Tensor]]:
+    """Decode a batch; return row ``row``'s tokens and the scores of its every draw, in order. ``flips`` =
+    {(draw index, position)}: those draws give their runner-up (by score) instead, with its probability."""
     sdar_mod = importlib.import_module("refusion.decoding.sdar")
     made, seen = [], []
     real_make, real_draw = sdar_mod.make_generator, sdar_mod.draw
@@ -85,58 +99,74 @@ def _draws(m, ids, mask, knobs: dict, row: int, monkeypatch) -> list[tuple]:
         return made[-1]
 
     def draw(logits, k, gen):
-        state = gen.get_state()
+        state = gen.get_state() if gen is not None else None
         tok, prob = real_draw(logits, k, gen)
         if gen is made[row]:
-            seen.append((logits.clone(), state, tok.clone()))
+            probs, score = _scores(logits, k, state)
+            assert torch.equal(score.argmax(-1), tok), "the draw is not argmax(p / q) from its generator state"
+            for pos in [p for (i, p) in flips if i == len(seen)]:
+                alt = int(score[pos].topk(2).indices[1])
+                tok, prob = tok.clone(), prob.clone()
+                tok[pos], prob[pos] = alt, probs[pos, alt]
+            seen.append(score)
         return tok, prob
 
     with monkeypatch.context() as mp:
         mp.setattr(sdar_mod, "make_generator", make)
         mp.setattr(sdar_mod, "draw", draw)
-        DECODERS["sdar"](m.model, ids, mask, knobs)
-    return seen
+        tokens, _ = DECODERS["sdar"](m.model, ids, mask, knobs)
+    return tokens[row].tolist(), seen
 
 
-def _float_tie(m, ids, mask, b: int, g: dict, monkeypatch) -> None:
-    """Row ``b`` of a batch decodes differently from the same row alone: assert that it parts at a sampled draw
-    that a float rounding decides. The draw is recomputed here, independently of the decoder: for one sample
-    torch.multinomial(p) is argmax(p / q) with q ~ Exp(1) from the same generator state; at the first draw
-    whose tokens differ the two runs must hold the same generator state, logits within TIE_LOGITS, and the
-    alone run's scores of the two tokens drawn must be within TIE_MARGIN (relative)."""
-    knobs = _knobs(g)
-    assert (knobs["temperature"], knobs["top_k"], knobs["top_p"]) == (1.0, 0, 1.0)  # p = softmax(logits)
-    width = len(g["prompt_ids"])
-    alone = _draws(m, ids[b:b + 1, -width:], None, knobs, 0, monkeypatch)
-    batch = _draws(m, ids, mask, knobs, b, monkeypatch)
-    step = next(i for i, (x, y) in enumerate(zip(alone, batch)) if not torch.equal(x[2], y[2]))
-    (la, state, ta), (lb, state_b, tb) = alone[step], batch[step]
-    assert torch.equal(state, state_b)
-    assert (la - lb).abs().max().item() < TIE_LOGITS
-    q = torch.empty_like(la).exponential_(1, generator=torch.Generator().manual_seed(0).set_state(state))
-    score_a, score_b = torch.softmax(la, -1) / q, torch.softmax(lb, -1) / q
-    assert torch.equal(score_a.argmax(-1), ta) and torch.equal(score_b.argmax(-1), tb)
-    for pos in (ta != tb).nonzero()[:, 0].tolist():
-        first, second = score_a[pos, ta[pos]].item(), score_a[pos, tb[pos]].item()
-        assert 0 <= (first - second) / first < TIE_MARGIN, (pos, first, second)
+def _near_ties(scores: list[torch.Tensor], after: int = -1) -> list[tuple[int, int]]:
+    """(draw index, position) of every draw after ``after`` whose two best scores are within TIE_MARGIN."""
+    out = []
+    for i, s in enumerate(scores):
+        if i > after:
+            top = s.topk(2, dim=-1).values  # [L, 2]
+            gap = (top[:, 0] - top[:, 1]) / top[:, 0]
+            out += [(i, int(p)) for p in (gap < TIE_MARGIN).nonzero()[:, 0]]
+    return out
 
 
-def _compare(m, left_pad, gens: list[dict], batch: int, ties: int = 0, monkeypatch=None) -> None:
-    """Decode ``gens`` in left-padded batches of ``batch``; every row must give generate.py's tokens, but for at
-    most ``ties`` rows of a batch, each a checked float tie (BATCH_FLOAT_TIES, _float_tie)."""
-    differ = []
+def _tie_flips(m, ids, mask, b: int, g: dict, monkeypatch) -> tuple | None:
+    """The near-tied draws (at most MAX_TIES, each later than the last) whose runner-ups reproduce the fixture's
+    tokens for row ``b``, or None when no such set exists."""
+    want, knobs = _want(g, m.eos_ids), _knobs(g)
+
+    def search(flips: tuple) -> tuple | None:
+        got, scores = _row_draws(m, ids, mask, knobs, b, monkeypatch, flips)
+        if got == want:
+            return flips
+        if len(flips) == MAX_TIES:
+            return None
+        for tie in _near_ties(scores, flips[-1][0] if flips else -1):
+            found = search(flips + (tie,))
+            if found is not None:
+                return found
+        return None
+    return search(())
+
+
+def _compare(m, left_pad, gens: list[dict], batch: int, monkeypatch, ties: list | None = None) -> None:
+    """Decode ``gens`` in left-padded batches of ``batch``; every row gives generate.py's tokens, or is a proven
+    float tie (_tie_flips), appended to ``ties``."""
     pad = m.tokenizer.pad_token_id
     for i in range(0, len(gens), batch):
         group = gens[i:i + batch]
         rows = [torch.tensor(g["prompt_ids"]) for g in group]
         ids, mask = left_pad(rows, pad)
-        tokens, _ = DECODERS["sdar"](m.model, ids, mask if len(rows) > 1 else None, _knobs(group[0]))
+        mask = mask if len(rows) > 1 else None
+        tokens, _ = DECODERS["sdar"](m.model, ids, mask, _knobs(group[0]))
         for b, (g, t) in enumerate(zip(group, tokens)):
             if t.tolist() != _want(g, m.eos_ids):
-                differ.append((batch, g["kwargs"], g["prompt_ids"]))
-                if len(rows) > 1 and len(differ) <= ties:
-                    _float_tie(m, ids, mask, b, g, monkeypatch)
-    assert len(differ) <= (ties if batch > 1 else 0), differ
+                flips = _tie_flips(m, ids, mask, b, g, monkeypatch)
+                assert flips is not None, ("differs from generate.py's tokens, and no near-tied draw explains it",
+                                           batch, g["kwargs"], g["prompt_ids"])
+                warnings.warn(f"float tie: batch {batch}, {g['kwargs']}, prompt {g['prompt_ids'][:6]}...: "
+                              f"generate.py's tokens with the runner-up at (draw, position) {flips}")
+                if ties is not None:
+                    ties.append((batch, g["kwargs"], flips))
 
 
 def _mixed_batch(gens: list[dict], eos) -> list[dict]:
@@ -164,15 +194,38 @@ def test_the_reference_covers_24_prompts_and_several_settings():
 def test_authors_tokens_seed_for_seed_subset(loaded, name, setting, left_pad, monkeypatch):
     m = loaded(name)
     gens = _of(name, setting)
-    _compare(m, left_pad, gens[::8], 1)
-    _compare(m, left_pad, _mixed_batch(gens, m.eos_ids), 4, BATCH_FLOAT_TIES[name], monkeypatch)
+    _compare(m, left_pad, gens[::8], 1, monkeypatch)
+    _compare(m, left_pad, _mixed_batch(gens, m.eos_ids), 4, monkeypatch)
+
+
+def test_the_tie_check_explains_near_ties_only(loaded, monkeypatch):
+    """A planted difference: generate.py's tokens with one draw given to its runner-up where the two best scores
+    are far apart. The check refuses it at TIE_MARGIN, and finds exactly that draw once the margin is wider than
+    its gap (so it does search, and the margin is what decides)."""
+    m = loaded("sdar")
+    g = _of("sdar", _settings("sdar")[1])[0]
+    ids, knobs = torch.tensor([g["prompt_ids"]]), _knobs(g)
+    got, scores = _row_draws(m, ids, None, knobs, 0, monkeypatch)
+    assert got == _want(g, m.eos_ids)
+    for pos in range(scores[0].shape[0]):
+        planted, _ = _row_draws(m, ids, None, knobs, 0, monkeypatch, ((0, pos),))
+        if planted != got:
+            break
+    top = scores[0][pos].topk(2).values
+    gap = float((top[0] - top[1]) / top[0])
+    assert gap > 100 * TIE_MARGIN
+    fake = {**g, "output_ids": planted}
+    assert _tie_flips(m, ids, None, 0, fake, monkeypatch) is None
+    monkeypatch.setattr(sys.modules[__name__], "TIE_MARGIN", gap * 1.01)
+    monkeypatch.setattr(sys.modules[__name__], "MAX_TIES", 1)  # a margin this wide admits many draws
+    assert _tie_flips(m, ids, None, 0, fake, monkeypatch) == ((0, pos),)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("name,setting", CASES, ids=IDS)
 def test_authors_tokens_seed_for_seed_all_prompts(loaded, name, setting, batch, left_pad, monkeypatch):
-    _compare(loaded(name), left_pad, _of(name, setting), batch, BATCH_FLOAT_TIES[name], monkeypatch)
+    _compare(loaded(name), left_pad, _of(name, setting), batch, monkeypatch)
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -19,7 +19,7 @@ import torch
 from refusion.decoding import DECODERS, check_attention
 from refusion.decoding.common import cut_after_eos
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.reference]
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "released" / "llada2"
 REFERENCE = json.loads((FIXTURE / "reference.json").read_text())

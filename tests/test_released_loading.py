@@ -85,6 +85,7 @@ def _decoder_call(generator: str, kw: dict) -> tuple[str, dict] | None:
     return None
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_loader_recognises_the_family_and_gives_the_authors_logits(name, loaded, assert_close):
     from safetensors.torch import load_file
@@ -106,6 +107,7 @@ def test_loader_recognises_the_family_and_gives_the_authors_logits(name, loaded,
     assert cfg_eos is None or cfg_eos in m.eos_ids
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_decoders_give_the_authors_greedy_tokens(name, loaded):
     from harness.run.lm_adapter import checkpoint_knobs
