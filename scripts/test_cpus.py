@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from harness.run.store import atomic_write_json
+from harness.speed.ab import machine
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "results" / "test_cpus.json"
@@ -50,16 +51,6 @@ SCOPES = {"reference": ["-m", "reference"], "all": ["-m", "not slow"]}
 # Variables a setting sets or that would override one: cleared first, so each setting is only itself.
 CLEARED = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "REFUSION_TEST_THREADS",
            "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def env_for(name: str) -> dict[str, str]:
@@ -132,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         runs.append({"setting": name, "float_ties": ties, "env": SETTINGS[name], "torch_capability_and_threads": cap,
                      "returncode": r.returncode, "passed": ok, "summary": line, "seconds": secs,
                      "failed": [ln for ln in r.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]})
-    record = {"made": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_model(),
+    mach = machine()
+    record = {"made": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": mach["cpu"],
+              "key_flags": mach["key_flags"],
               "scope": ns.scope, "pytest_args": ns.pytest_args, "workers": ns.workers, "runs": runs}
     try:
         import torch
@@ -141,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, out)
+    atomic_write_json(out, record)
     bad = [r["setting"] for r in runs if not r["passed"]]
     print(f"{len(runs) - len(bad)} of {len(runs)} settings passed" + (f"; failed: {', '.join(bad)}" if bad else "")
           + f"; {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
