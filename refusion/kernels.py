@@ -38,6 +38,7 @@ Flex compiles lazily: the first call for a query-length bucket compiles (about 2
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import OrderedDict
@@ -283,6 +284,15 @@ def _flex_core(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_i
     return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def flex_compiles_on_cpu() -> bool:
+    """Whether inductor can build flex attention for the CPU in this process.
+
+    Its CPU template needs AVX2 or AVX-512 (transpose and VNNI packing helpers exist only there), so it does
+    not build on a CPU without AVX2, nor when ATEN_CPU_CAPABILITY=default turns the vector kernels off
+    (torch 2.13 then fails in the C++ compiler rather than saying so). Mirrors torch's own check."""
+    return torch.backends.cpu.get_cpu_capability() != "DEFAULT" and os.environ.get("ATEN_CPU_CAPABILITY") != "default"
+
+
 _COMPILED = None
 FLEX_VARIANTS = 64  # compiled variants of _flex_core allowed in one process (buckets x head shapes x dtypes)
 _SEEN: set = set()  # compile units announced so far
@@ -319,6 +329,12 @@ def flex_slot_attention(query, key, value, prefix_len, slot_lens, scale=None, *,
             plan.q_slot, plan.k_slot, plan.k_pos, scale)
     if not compiled:
         return _flex_core(*args)[:, :, :n]
+    if query.device.type == "cpu" and not flex_compiles_on_cpu():
+        raise RuntimeError(
+            "compiled flex attention needs AVX2 or AVX-512 on the CPU, and this process runs ATen's "
+            f"{torch.backends.cpu.get_cpu_capability()} kernels (ATEN_CPU_CAPABILITY="
+            f"{os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}); use the sdpa attention backend "
+            "(refusion_sdpa) or flex_slot_attention(..., compiled=False)")
     unit = (query.device.type, query.dtype, q_pad, heads, key.shape[1], dim, scale)
     fresh = unit not in _SEEN
     if fresh:

@@ -3,7 +3,8 @@
 A float32 sum rounds differently with the vector width of the kernel that computes it (AVX-512, AVX2, no
 vectors) and with how many threads split it, so tokens made on one machine (the authors' references, another
 CPU) hold on another only where a margin decides them. This runs pytest once per setting below, each in fresh
-processes (the variables are read when torch and its libraries load), and says which passed:
+processes (the variables are read when torch and its libraries load) with its own inductor cache, and says
+which passed:
 
     native        this CPU's best kernels, one torch thread per test worker (what `make test` runs)
     aten-default  ATEN_CPU_CAPABILITY=default: ATen's kernels without vector instructions
@@ -29,6 +30,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,6 +60,10 @@ def env_for(name: str) -> dict[str, str]:
     env.update(SETTINGS[name])
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
+    # Each setting stands for another machine, and another machine has its own inductor cache: torch 2.13
+    # keys compiled CPU kernels by the host CPU, not by ATEN_CPU_CAPABILITY, so a kernel built for AVX-512
+    # would be loaded under the AVX2 setting (and crashes there). Without this, settings share one cache.
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"refusion-test-cpus-inductor-{name}")
     return env
 
 
