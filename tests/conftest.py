@@ -13,10 +13,12 @@ Fixtures:
   load_example(name)                  the module examples/<name>.py (docs/extending.md's worked examples)
   dry_run(models)                     (exit status, stdout, stderr) of `harness eval --dry-run` on embedded_math
   one_error(rc, err)                  err, asserted to be exit 2 with one `error:` line and no traceback
+  shared_once(name, make)             a folder ``make(folder)`` filled once per session, shared by the xdist workers
 """
 
 import json
 import os
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -331,29 +333,62 @@ def load_example():
 
 
 @pytest.fixture(scope="session")
-def runner_setup(tmp_path_factory):
-    """A random tiny causal checkpoint, a 6-document generation task and an output folder, shared by every test
-    that drives ``harness eval`` end to end (tests/test_runner.py, tests/test_faults.py): each uses its own run ids."""
-    root = tmp_path_factory.mktemp("runner")
-    ckpt = build_checkpoint(root / "ckpt")
-    tasks = build_task(root / "tasks", "tiny_gen", n=6)
-    return {"root": root, "ckpt": ckpt, "tasks": tasks, "models": f"a={ckpt}:ar:gen_length=24", "out": root / "out",
-            "task": "tiny_gen", "n_docs": 6}
+def shared_once(tmp_path_factory):
+    """`shared_once(name, make) -> folder`: ``make(folder)`` runs once per test session, in whichever pytest-xdist
+    worker asks first; the other workers wait for it and get the same folder. For the expensive runs that tests in
+    several modules read (each worker would otherwise make its own copy). Without xdist: a temp folder."""
+    from filelock import FileLock
+
+    # Under xdist each worker's basetemp is <session temp>/popen-gwN, so their parent is this session's, shared.
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def get(name: str, make) -> Path:
+        folder = root / f"shared-{name}"
+        with FileLock(str(root / f"shared-{name}.lock")):
+            if not (folder / ".made").is_file():
+                shutil.rmtree(folder, ignore_errors=True)  # left half-made by a worker whose make failed
+                folder.mkdir(parents=True)
+                make(folder)
+                (folder / ".made").touch()
+        return folder
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def runner_reference(runner_setup):
+def runner_setup(shared_once):
+    """A random tiny causal checkpoint, a 6-document generation task and an output folder, shared by every test
+    that drives ``harness eval`` end to end (tests/test_runner.py, tests/test_faults.py): each uses its own run ids."""
+    def make(root: Path) -> None:
+        build_checkpoint(root / "ckpt")
+        build_task(root / "tasks", "tiny_gen", n=6)
+
+    root = shared_once("runner", make)
+    ckpt = root / "ckpt"
+    return {"root": root, "ckpt": ckpt, "tasks": root / "tasks", "models": f"a={ckpt}:ar:gen_length=24",
+            "out": root / "out", "task": "tiny_gen", "n_docs": 6}
+
+
+@pytest.fixture(scope="session")
+def runner_reference(runner_setup, shared_once):
     """The uninterrupted single-process run of ``runner_setup`` (run id ``ref``): what resumed, faulty, sharded or
-    data-parallel runs must reproduce."""
+    data-parallel runs must reproduce. Made once per session, whichever xdist worker needs it first."""
     import subprocess
 
     s = runner_setup
-    cmd = [sys.executable, "-m", "harness", "eval", "--task", s["task"], "--models", s["models"], "--tasks-dir",
-           str(s["tasks"]), "--out", str(s["out"]), "--run-id", "ref", "--threads", "1", "--no-chat-template"]
-    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"},
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert "done:" in p.stdout and s["task"] in p.stdout
+
+    def make(_marker: Path) -> None:
+        cmd = [sys.executable, "-m", "harness", "eval", "--task", s["task"], "--models", s["models"], "--tasks-dir",
+               str(s["tasks"]), "--out", str(s["out"]), "--run-id", "ref", "--threads", "1", "--no-chat-template"]
+        shutil.rmtree(s["out"] / "ref", ignore_errors=True)
+        p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                                               "TOKENIZERS_PARALLELISM": "false"},
+                           capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-4000:]
+        assert "done:" in p.stdout and s["task"] in p.stdout
+
+    shared_once("runner-reference", make)
     return s["out"] / "ref"
 
 

@@ -18,17 +18,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    """(result, out path, report folder) of `scaling --quick` with the default decoders."""
+def quick(shared_once):
+    """(result, out path, report folder) of `scaling --quick` with the default decoders (made once per session,
+    by whichever xdist worker runs these tests first; read-only to the tests)."""
     import torch
 
-    threads = torch.get_num_threads()
-    tmp = tmp_path_factory.mktemp("scaling")
+    def make(tmp: Path) -> None:
+        threads = torch.get_num_threads()
+        try:
+            assert scaling.main(["--quick", "--out", str(tmp / "scaling.json"), "--report", str(tmp / "report")]) == 0
+        finally:
+            torch.set_num_threads(threads)
+
+    tmp = shared_once("scaling-quick", make)
     out, report = tmp / "scaling.json", tmp / "report"
-    try:
-        assert scaling.main(["--quick", "--out", str(out), "--report", str(report)]) == 0
-    finally:
-        torch.set_num_threads(threads)
     return json.loads(out.read_text()), out, report
 
 
