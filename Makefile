@@ -26,7 +26,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup docs test test-cpus test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
+.PHONY: help setup docs decoders-doc test test-cpus test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -230,6 +230,9 @@ $(DOCS_STAMP): | $(STAMP)
 docs: $(DOCS_STAMP) ## build the docs site (README, docs/, the committed reports) into build/site/, strict
 	$(PY) scripts/docs_site.py --out build/docs
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --config-file mkdocs.yml
+
+decoders-doc: setup ## regenerate docs/decoders.md (every decoder's capabilities, the presets, every knob table) from the registry
+	$(PY) -m harness knobs --markdown > docs/decoders.md.tmp && mv docs/decoders.md.tmp docs/decoders.md
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache

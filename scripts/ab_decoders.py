@@ -30,11 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the working tree's packages, wherever the script is started from
 
 from harness.models.checkpoints import load_model  # noqa: E402
-from harness.run.presets import PRESETS  # noqa: E402
+from harness.run.presets import PRESETS, REGRESS_MODELS  # noqa: E402
 from tasks.embedded import load_split  # noqa: E402
 from tasks.info import TASKS  # noqa: E402
 
-DEFAULT_DECODERS = "ar,refusion,llada,fast_dllm,dream,d2f"
+DEFAULT_DECODERS = ",".join(REGRESS_MODELS)  # the presets make regress checks
 
 
 def base_package(commit: str, into: Path):

@@ -187,3 +187,57 @@ def test_the_kernels_table_is_the_committed_benchmark():
             value, unit = built.split()
             scale, digits = {"MiB": (2 ** 20, 1), "KiB": (1024, 0)}[unit]
             assert value == f"{r['extra_bytes'] / scale:.{digits}f}", (cells[0], backend, built)
+
+
+# ---------------------------------------------------------------- the decoder registry is the only list
+
+
+def test_the_decoders_page_is_generated_from_the_registry():
+    """docs/decoders.md (capabilities, presets, knob tables) is `python -m harness knobs --markdown`'s output:
+    a registered decoder, a changed flag, knob default or help text, or a hand edit of the page fails here."""
+    from harness.run.knobs import DOC_PAGE, markdown
+
+    page = (REPO / DOC_PAGE).read_text(encoding="utf-8")
+    assert page == markdown(), f"{DOC_PAGE} differs from the registry: regenerate it with `make decoders-doc`"
+
+
+def test_the_decoders_table_states_each_entrys_flags():
+    """The generated table against the entries it is read from, cell by cell (so the generator cannot drop
+    or reorder a column silently): one row per registered decoder, in registry order."""
+    from harness.run.knobs import markdown
+    from refusion.decoding import DECODERS
+
+    rows = _table(markdown(), "| decoder | batched | compile | sampling | attention | families | MDM row | grid |")
+    assert [r[0] for r in rows] == [f"[`{n}`](#{n})" for n in DECODERS]
+    for cells, d in zip(rows, DECODERS.values()):
+        yes = {"yes": True, "no": False}
+        assert yes[cells[1]] == d.batched and yes[cells[2]] == ("compile" in d.knobs.names())
+        assert yes[cells[3]] == ("seed" in d.knobs.names()) and yes[cells[6]] == d.masked_diffusion
+        assert cells[4] == ("causal" if d.causal else "bidirectional")
+
+
+# A line that names this many registered decoders is a list of them; it belongs in the generated page only.
+LIST_NAMES = 5
+
+
+def _decoder_lists(text: str, names: list[str]) -> list[str]:
+    pattern = {n: re.compile(r"(?<![\w/.-])%s(?![\w/-])" % re.escape(n)) for n in names}
+    return [line.strip() for line in text.splitlines() if sum(bool(p.search(line)) for p in pattern.values())
+            >= LIST_NAMES]
+
+
+def test_no_page_or_module_lists_the_decoders_by_hand():
+    """Prose and comments point to docs/decoders.md (or the registry) instead of enumerating decoders: a
+    hand-written list drifts (it said every causal decoder takes `compile`, and listed 6 of 9 batched ones).
+    Scanned: the user pages and every Python file of refusion/, harness/ and scripts/; skipped: the generated
+    page and the registry itself. The scan finds a planted list (below)."""
+    from refusion.decoding import DECODERS
+
+    names = list(DECODERS)
+    planted = "every batched decoder (`ar`, `refusion`, `llada`, `fast_dllm`, `dream`) takes batches"
+    assert _decoder_lists(planted, names) == [planted]
+    skip = {"docs/decoders.md", "refusion/decoding/__init__.py"}
+    scanned = [f for f in FILES if f not in skip and (f in USER_PAGES or (
+        f.endswith(".py") and f.split("/")[0] in ("refusion", "harness", "scripts")))]
+    found = {f: hits for f in scanned if (hits := _decoder_lists((REPO / f).read_text(encoding="utf-8"), names))}
+    assert not found, found

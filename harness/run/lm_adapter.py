@@ -17,8 +17,8 @@ Requests
   sampling settings are ignored: the decoders define decoding); ``gen_length``
   is the knob when given, else the request's ``max_gen_toks``; the text is cut
   at the first stop string. Rows are batched (left padding) when
-  ``batch_size`` > 1 (every decoder takes batches: ``ar``, ``refusion``,
-  ``llada``, ``fast_dllm``, ``dream``, ``d2f``); the default is 1, as in the paper.
+  ``batch_size`` > 1 and the decoder's registry entry says ``batched`` (docs/decoders.md); else they are
+  decoded one at a time. The default is 1, as in the paper.
 - ``loglikelihood``: exact for causal checkpoints (one forward, sum of token
   log-probs). For bidirectional (``config.is_causal = False``) checkpoints it is
   the Monte-Carlo estimate LLaDA uses: mask a random subset of the continuation

@@ -6,9 +6,8 @@ record quality, latency, tokens/s, NFE/TPF, memory and speedup (docs/design.md Â
         --models 'ar=checkpoints/tiny/ar:ar,rf=checkpoints/tiny/refusion:refusion:slot_size=8,token_threshold=0.3'
 
 MODELS is a comma-separated list of ``name=checkpoint:decoder[:knob=value,...]``
-(knobs continue after commas until the next ``name=...:``) or preset names
-(``ar``, ``refusion``, ``llada``, ``fast_dllm``, ``dream``, ``d2f``, ..., optionally
-``preset:knob=value``) or ``all`` (every preset; harness/run/presets.py MODEL_GROUPS).
+(knobs continue after commas until the next ``name=...:``) or preset names (harness/run/presets.py PRESETS,
+docs/decoders.md; optionally ``preset:knob=value``) or ``all`` (every preset; MODEL_GROUPS there).
 
 Everything is validated before anything is written (exit 2 with one line naming
 the problem and the valid choices; ``--debug`` shows the full traceback instead).

@@ -157,8 +157,17 @@ def run_long_prompt(model, tokenizer, n: int, rounds: int = 9) -> dict:
     return res
 
 
-# Eager vs compiled (the decoder knob ``compile``, docs/design.md §6a): one preset per decoder, called directly.
-COMPILED_PRESETS = ("ar", "refusion", "llada", "fast_dllm", "dream", "d2f")
+def compiled_presets() -> list[str]:
+    """Eager vs compiled (the decoder knob ``compile``, docs/design.md §6a): the first preset of each decoder that
+    takes ``compile`` (its registry entry's capability), in preset order."""
+    from harness.run.presets import PRESETS
+    from refusion.decoding import DECODERS
+
+    first: dict[str, str] = {}
+    for name, spec in PRESETS.items():
+        if DECODERS[spec.decoder].compile:
+            first.setdefault(spec.decoder, name)
+    return list(first.values())
 
 
 def run_compiled(n: int, threads: int, rounds: int = 9) -> dict:
@@ -180,7 +189,7 @@ def run_compiled(n: int, threads: int, rounds: int = 9) -> dict:
 
     torch.set_num_threads(threads)
     out, loaded = {}, {}
-    for name in COMPILED_PRESETS:
+    for name in compiled_presets():
         spec = PRESETS[name]
         if spec.checkpoint not in loaded:
             loaded[spec.checkpoint] = load_model(str(REPO / spec.checkpoint))

@@ -5,8 +5,8 @@ training tokens seen.
                              [--n 100] [--batch 16] [--out reports/curves]
 
 Each point evaluates one set of weights on a fixed slice of the embedded TEST split (the first
-``--n`` items of every kind) with the model's own preset decoder (``PRESET_OF``: ar -> ar,
-refusion -> refusion, mdm -> llada, dream -> dream, d2f -> d2f; knobs as `make eval` sets them:
+``--n`` items of every kind) with the model's own preset decoder (``PRESET_OF``: the first preset on
+``checkpoints/tiny/<model>`` in harness/run/presets.py, so mdm is decoded by llada; knobs as `make eval` sets them:
 the task table's budget under the preset's knobs), called in-process through the decoder registry
 in left-padded batches of ``--batch`` where the decoder batches, and scored by the tasks' own
 scoring (tasks/scoring.py). The weights are the trainer's snapshots
@@ -32,9 +32,12 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from harness.run.presets import PRESETS, TINY
 from harness.run.store import atomic_save_figure, atomic_write_json
+from refusion.train import MODEL_NAMES
 
-PRESET_OF = {"ar": "ar", "refusion": "refusion", "mdm": "llada", "dream": "dream", "d2f": "d2f"}
+# Tiny model -> the preset that decodes it: the first preset on its folder (mdm -> llada).
+PRESET_OF = {m: next(n for n, s in PRESETS.items() if s.checkpoint == f"{TINY}/{m}") for m in MODEL_NAMES}
 DEFAULT_N = 100
 DEFAULT_BATCH = 16
 DEFAULT_OUT = Path("reports/curves")

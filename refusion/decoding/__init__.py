@@ -78,6 +78,11 @@ class Decoder:
     that file} (``knobs.folder_knobs``; Dream's generation_config.json, DiffusionGemma's config.json and
     generation_config.json), read by ``checkpoint_defaults``.
 
+    Capabilities read from the entry (``capabilities``), never listed anywhere else: ``batched`` above,
+    ``compile`` and ``sampling`` (its knob class declares ``compile`` / ``seed``), ``families`` (its one
+    family, or every family of its attention). The docs' decoder and knob tables (docs/decoders.md) are generated
+    from these entries (harness/run/knobs.py ``markdown``), and a test fails when the page drifts.
+
     Calling it runs ``fn`` and checks the result's contract (``check_result``): a decoder that
     generated tokens without a counted forward is an error, never a TPF of 0."""
     name: str
@@ -108,6 +113,35 @@ class Decoder:
                     self.knobs.check_each(dict(point), decoder=self.name)
                 except ValueError as e:
                     raise ValueError(f"decoder {self.name!r}: grid point {dict(point)}: {e}") from None
+
+    @property
+    def compile(self) -> bool:
+        """It takes the knob ``compile`` (torch.compile with static shapes; refusion/decoding/compiled.py)."""
+        return "compile" in self.knobs.names()
+
+    @property
+    def sampling(self) -> bool:
+        """It can sample: its knob class has ``seed`` (the generator of its draws; where it also has
+        ``temperature``, 0 is greedy)."""
+        return "seed" in self.knobs.names()
+
+    def families(self, table: Mapping[str, bool | None]) -> list[str]:
+        """The model families it runs, given ``table``: family name -> that family's attention (True causal,
+        False bidirectional, None read from the checkpoint's config, causal by default). A decoder with a
+        ``family`` runs that one; any other runs every family of its attention that has no decoder of its own."""
+        if self.family is not None:
+            return [self.family]
+        own = {d.family for d in DECODERS.values() if d.family is not None}
+        return [f for f, causal in table.items()
+                if f not in own and (causal is None or causal == self.causal)]
+
+    def capabilities(self) -> dict[str, Any]:
+        """The flags a table of decoders shows: batched, compile, sampling, attention, masked_diffusion (an MDM
+        baseline row of the reports), family (None: any of its attention), the grid's varied knobs."""
+        return {"batched": self.batched, "compile": self.compile, "sampling": self.sampling,
+                "attention": "causal" if self.causal else "bidirectional",
+                "masked_diffusion": self.masked_diffusion, "family": self.family,
+                "grid": self.grid.varied() if self.grid is not None else []}
 
     def __call__(self, *args: Any, **kwargs: Any):
         tokens, stats = self.fn(*args, **kwargs)

@@ -14,9 +14,8 @@ test hooks (``on_commit``), which no command line can set.
 
 Shared knob makers (``gen_length``, ``temperature``, ``seed``, ``compile_knob``) give a knob the
 same meaning and help wherever a decoder declares it; a decoder has only the knobs its class
-declares. ``compile`` (``compile_knob``, docs/design.md "Compiled decoding") is declared by
-``ar``, ``refusion``, ``llada``, ``fast_dllm``, ``dream`` and ``d2f``, not by ``diffusion_gemma`` nor ``llada2``,
-whose forwards always run eagerly (``python -m harness knobs diffusion_gemma`` lists no ``compile``).
+declares. Which decoders declare ``compile`` (``compile_knob``, docs/design.md "Compiled decoding") is their
+registry entry's ``compile`` capability (docs/decoders.md); the others always run eagerly.
 """
 
 from __future__ import annotations
@@ -155,8 +154,8 @@ def seed() -> Any:
 
 
 def compile_knob() -> Any:
-    """The ``compile`` knob of every decoder but ``diffusion_gemma`` (docs/design.md "Compiled decoding"; off by
-    default)."""
+    """The ``compile`` knob (docs/design.md "Compiled decoding"; off by default), declared by the decoders whose
+    forwards can run compiled (the registry's ``compile`` capability)."""
     return knob(False, "run the model forward under torch.compile with static shapes (bucketed queries, a "
                        "preallocated KV cache; same tokens); off = the paper's eager setting")
 
