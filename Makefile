@@ -11,6 +11,13 @@ STAMP := $(VENV)/.setup-done
 # machine whose pip configuration offers a local CPU wheel (find-links), as CI's does, gets that one
 # (docs/install.md "Which torch").
 TORCH_PIN := $(shell grep -oE '"torch==[^"]+"' pyproject.toml | tr -d '"')
+# Byte-code: where PYTHONDONTWRITEBYTECODE is set (CI images, many Dockerfiles) Python never writes a .pyc
+# on import, and every process (each test worker, each worker a run starts) would compile torch, transformers
+# and lm_eval from source again, about 20 s a process on 2 cores. The targets clear it, so the first process
+# to import a module writes its .pyc (into .venv and the ignored __pycache__ folders) and the rest read it.
+# Compiling the whole venv ahead (compileall, 17,000 files) cost 45 s of a 133 s install on a slow 2-core
+# machine; importing compiles only what runs.
+export PYTHONDONTWRITEBYTECODE :=
 
 TASK ?= embedded
 MODELS ?=
@@ -33,16 +40,12 @@ help: ## list the targets
 
 setup: $(STAMP) ## create .venv and install the project (editable, with test extra); instant when done
 
-# Byte-code: pip compiles one file after another (--no-compile skips that); compileall then compiles the
-# venv on every core. It must happen here: where PYTHONDONTWRITEBYTECODE is set (CI images, many Dockerfiles)
-# Python never writes a .pyc on import, and each process would compile torch, transformers and lm_eval from
-# source again (about 20 s per process on 2 cores). Its only errors are files for newer Pythons (pip skips
-# them too), hence `|| true`.
+# pip would compile every file it installs, one after another (--no-compile skips that): byte-code is written
+# on first import instead (PYTHONDONTWRITEBYTECODE above).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile $(TORCH_PIN)
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[test]'
-	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	@touch $(STAMP)
 
 # `make test` spreads the tests over TEST_WORKERS pytest-xdist workers (one thread each, tests/conftest.py);

@@ -158,9 +158,10 @@ def test_flex_compiled_matches_reference(heads, kv_heads, dim, assert_close):
 # ---------------------------------------------------------------- triton
 
 
-def _triton_grid(env: dict, device: str, dtype: str, folder: Path, assert_close) -> list[dict]:
-    """Run the grid in a subprocess; compare every (kernel, reference) pair it saved in this process."""
-    grid = json.dumps({"layouts": LAYOUTS, "heads": HEADS, "dims": DIMS})
+def _triton_grid(env: dict, device: str, dtype: str, folder: Path, assert_close, layouts=LAYOUTS) -> list[dict]:
+    """Run the grid (``layouts`` x HEADS x DIMS) in a subprocess; compare every (kernel, reference) pair it saved
+    in this process."""
+    grid = json.dumps({"layouts": layouts, "heads": HEADS, "dims": DIMS})
     save = folder / "pairs.pt"
     cmd = [sys.executable, str(HERE / "triton_interpret_check.py"), "--device", device, "--dtype", dtype,
            "--grid", grid, "--save", str(save)]
@@ -173,14 +174,23 @@ def _triton_grid(env: dict, device: str, dtype: str, folder: Path, assert_close)
     return rows
 
 
-def test_triton_kernel_matches_reference_in_the_interpreter(tmp_path, assert_close):
+# The interpreter runs every program in Python (47 s for the whole grid on a slow 2-core machine): `make test`
+# takes a sample with every case of the kernel -- no prefix and several slots, a prefix split over programs
+# (split-KV) with slots of 1 to 9 tokens, both GQA ratios, both head sizes, the model forward --, and
+# `make test-slow` the whole grid.
+TRITON_SAMPLE = [(0, [3, 5, 1]), (19, [1, 6, 2, 9])]
+
+
+@pytest.mark.parametrize("layouts", [pytest.param(TRITON_SAMPLE, id="sample"),
+                                     pytest.param(LAYOUTS, id="grid", marks=pytest.mark.slow)])
+def test_triton_kernel_matches_reference_in_the_interpreter(layouts, tmp_path, assert_close):
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    rows = _triton_grid(env, "cpu", "float32", tmp_path, assert_close)
+    rows = _triton_grid(env, "cpu", "float32", tmp_path, assert_close, layouts)
     splits = sum(1 for r in rows if "splits" in r)  # split-KV runs of the layouts with a prefix > 16 keys
-    assert splits == 2 * len(HEADS)
-    assert len(rows) == len(LAYOUTS) * len(HEADS) * len(DIMS) + splits + 1  # the grid, splits, one model forward
+    assert splits == sum(p > 16 for p, _ in layouts) * len(HEADS) > 0
+    assert len(rows) == len(layouts) * len(HEADS) * len(DIMS) + splits + 1  # the grid, splits, one model forward
 
 
 @pytest.mark.gpu
