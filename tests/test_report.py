@@ -471,6 +471,41 @@ def test_same_model_with_other_knobs_in_two_runs_is_one_row_per_run(tmp_path):
                                                                     "refusion@new"}
 
 
+def test_compare_prints_the_speed_rule_it_applies(tmp_path):
+    """The between-runs speed rule in compare.md is read back (its p threshold and factor) and applied by hand,
+    with scipy's Mann-Whitney test, to per-pair samples on both sides of each threshold: it decides as
+    timing.between_runs does, at the default factor and at one given with --speed-factor."""
+    import numpy as np
+    from scipy.stats import mannwhitneyu
+
+    from harness.report import compare
+    from harness.run import timing
+
+    runs, out = tmp_path / "runs", tmp_path / "reports"
+    for name in ("a", "b"):
+        fake_run(runs, name, [("ar", "ar")], {("ar", "embedded_math"): (0.5, 100.0, 1.0)}, ["embedded_math"])
+    samples = [([2.0, 2.1, 2.0, 2.2, 2.1], [3.5, 3.6, 3.4, 3.7, 3.5]),   # p at its floor, 1.7x apart
+               ([2.0, 2.1, 2.0, 2.2, 2.1], [2.8, 2.9, 2.85, 3.0, 2.85]),  # p at its floor, 1.36x apart
+               ([2.0, 2.1, 2.0, 2.2, 2.1], [2.0, 3.6, 2.1, 3.5, 2.2]),   # overlapping: p far above
+               ([2.0, 2.1, 2.0, 2.2, 2.1], [1.1, 1.2, 1.1, 1.3, 1.2])]   # slower, 1.75x
+    for factor in (None, 1.3):
+        args = [] if factor is None else ["--speed-factor", str(factor)]
+        assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--name", "c", *args]) == 0
+        md = (out / "c" / "compare.md").read_text()
+        m = re.search(r"a difference only at p < ([0-9.e-]+) and beyond ([0-9.]+)x either way", md)
+        assert m, md[:2000]
+        alpha, printed = float(m.group(1)), float(m.group(2))
+        assert (alpha, printed) == (timing.RUNS_ALPHA, factor or timing.RUNS_FACTOR)
+        for a, b in samples:
+            ratio = float(np.median(b) / np.median(a))
+            by_hand = (mannwhitneyu(a, b, alternative="two-sided", method="exact").pvalue < alpha
+                       and max(ratio, 1 / ratio) > printed)
+            assert timing.between_runs(a, b, factor=printed)["differs"] == by_hand, (a, b, factor)
+    # The thresholds matter on these samples: the first pair differs at both factors, the second at 1.3x only.
+    assert timing.between_runs(*samples[1], factor=1.3)["differs"]
+    assert not timing.between_runs(*samples[1])["differs"]
+
+
 def test_compare_writes_each_figure_side_by_side_with_ratios(tmp_path, capsys):
     runs, out = tmp_path / "runs", tmp_path / "reports"
     fake_run(runs, "a", [("ar", "ar"), ("refusion", "refusion")],

@@ -335,7 +335,9 @@ def _fmt(v: Any, spec: str) -> str:
     return NOT_MEASURED if v is None else format(v, spec)
 
 
-def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: list[dict]) -> str:
+def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: list[dict],
+             factor: float | None = None) -> str:
+    """compare.md; ``factor``: the speed factor ``rows`` were judged with (None: timing.RUNS_FACTOR)."""
     labels = [r["label"] for r in runs]
     ref = labels[0]
     lines = [f"# Compare: {' vs '.join(labels)}", "",
@@ -353,7 +355,7 @@ def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: li
     missing = [f"{r['label']}: {len(r['missing'])} metrics file(s) missing" for r in runs if r["missing"]]
     if missing:
         lines += ["", "Partial: " + "; ".join(missing) + "."]
-    lines += ["", *differs_md(rows, labels)]
+    lines += ["", *differs_md(rows, labels, factor)]
     lines += ["## Model settings that differ", ""]
     if diffs:
         lines += _md_table(["model", "setting", *labels],
@@ -390,15 +392,19 @@ def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: li
     return "\n".join(lines)
 
 
-def differs_md(rows: list[dict], labels: list[str]) -> list[str]:
-    """The section naming every row whose paired test says it differs from the first run, with its p-value."""
+def differs_md(rows: list[dict], labels: list[str], factor: float | None = None) -> list[str]:
+    """The section naming every row whose paired test says it differs from the first run, with its p-value.
+    ``factor``: the speed factor the rows were judged with (None: timing.RUNS_FACTOR); the rule printed is
+    ``timing.between_runs_rule`` of it."""
+    from harness.run.timing import RUNS_ALPHA, RUNS_FACTOR, between_runs_rule
+
     found = differing(rows, labels)
     lines = ["## Rows that differ", "",
              f"Paired tests against `{labels[0]}` on the items both runs measured (95%: p < {stats.ALPHA}): McNemar's "
              "exact test for quality (binary scores; else a paired bootstrap of the difference), a paired bootstrap "
              "(2000 resamples, fixed seed) for TPF and NFE. Speed between runs is judged through each run's speedup "
-             "over its own reference (measured interleaved in that run): a Mann-Whitney U test of the two runs' "
-             "per-round speedups, a difference only at p < 0.002 and beyond 1.1x (asv's rule). Absolute tokens/s and "
+             f"over its own reference (measured interleaved in that run): {between_runs_rule(RUNS_ALPHA, factor or RUNS_FACTOR)}. "
+             "Absolute tokens/s and "
              "latency get their ratio printed and are not judged: the machine's speed between two runs is in neither "
              f"run's rounds. A run without rounds (a single pass) gets \"{NOT_TESTABLE}\", never a p-value. Only "
              "these rows differ by more than chance; every other difference below is within it.", ""]
@@ -468,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     settings, diffs = run_settings(runs), model_differences(runs)
     target = Path(ns.out) / name
     with atomic_dir(target) as tmp:
-        atomic_write_text(tmp / "compare.md", markdown(runs, settings, diffs, rows))
+        atomic_write_text(tmp / "compare.md", markdown(runs, settings, diffs, rows, ns.speed_factor))
         atomic_write_text(tmp / "compare.csv", to_csv(names, rows))
         atomic_write_json(tmp / "compare.json", {
             "runs": [{"label": r["label"], "dir": _show_path(str(r["dir"])), "missing": r["missing"], **s}

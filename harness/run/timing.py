@@ -404,6 +404,13 @@ def min_p(n_a: int, n_b: int) -> float:
     return min(1.0, 2.0 / math.comb(n_a + n_b, n_a))
 
 
+def between_runs_rule(alpha: float = RUNS_ALPHA, factor: float = RUNS_FACTOR) -> str:
+    """The rule ``between_runs`` applies, in words, from the values it is called with: what `make compare`
+    prints, so the printed rule is the one applied (tests/test_report.py parses it back)."""
+    return (f"an exact two-sided Mann-Whitney U test of the two runs' per-pair speedups (one value per disjoint "
+            f"round pair of a run), a difference only at p < {alpha:g} and beyond {factor:g}x either way (asv's rule)")
+
+
 def between_runs(a: Sequence[float], b: Sequence[float], alpha: float = RUNS_ALPHA,
                  factor: float = RUNS_FACTOR) -> dict:
     """Two runs' per-pair values of one figure (``ratio``'s ``per_pair``: disjoint round pairs, independent
