@@ -164,7 +164,8 @@ def test_dtype_and_chat_template_args_are_recorded_and_applied(setup, tmp_path, 
     out = tmp_path / "out"
     rc = runner.main(["--task", "tiny_gen", "--tasks-dir", str(setup["tasks"]), "--models", f"a={setup['ckpt']}:ar",
                       "--out", str(out), "--run-id", "r", "--limit", "1", "--dtype", "bfloat16",
-                      "--chat-template-args", "enable_thinking=false,style=terse"])
+                      "--chat-template-args", "enable_thinking=false,style=terse",
+                      "--timing", "sequential", "--memory-items", "0"])  # no rounds, no memory pass: not checked here
     assert rc == 0, capsys.readouterr().err
     run = json.loads((out / "r" / "run.json").read_text())
     assert run["dtype"] == "bfloat16" and run["dtype_requested"] == "bfloat16"
