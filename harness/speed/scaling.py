@@ -28,8 +28,10 @@ and tokens/s; for memory against batch also the linear fit peak = a + b * batch 
 **Budget** (``--memory-budget``): per decoder, the largest batch B* with a + b * B* + weights <= budget, from
 the linear fit of the batch sweep (its prompt and generation length). Its throughput is measured by a timed
 decode (warm-up + ``--budget-rounds``) at min(B*, ``--budget-max-batch``), with a tracked decode at that batch
-to check the fit's prediction; when B* is above the cap the throughput at B* is extrapolated from the two
-largest measured batches (log-log) and marked so.
+to check the fit's prediction. B* itself is extrapolated wherever it is above the largest measured batch. When
+B* is above the cap, the throughput at B* is extrapolated too, and marked so: latency taken linear in batch,
+fitted on the ``EXTRAPOLATION_POINTS`` largest measured batches (``latency_line``), tokens/s = B* x gen /
+(a + b B*).
 
 **Resume.** Each finished point (all decoders at one size) is written at once to a partial file beside
 ``--out`` named by a hash of the settings; a run with the same settings continues from it, and it is removed
