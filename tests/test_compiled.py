@@ -303,6 +303,7 @@ def test_harness_records_compile_time_apart(make_checkpoint, tmp_path):
     items = [{"key": f"k{i}", "task": "t", "doc_id": i, "idx": 0, "context": text, "until": [],
               "knobs": {"gen_length": 4}} for i, text in enumerate(["one two", "three four five"])]
     recs = call.run(items, rank=0)
+    assert [r["batch_id"] for r in recs] == ["k0", "k0"]  # one call: one resampling unit (harness/run/stats.py)
     assert call.warmup_compile == {"compilations": 3, "compile_s": pause}
     assert [r["compiled"] for r in recs] == [True, True] and [r["compilations"] for r in recs] == [3, 0]
     assert [r["compile_s"] for r in recs] == [pause / 2] * 2

@@ -292,6 +292,13 @@ def test_oom_nan_and_a_sample_that_never_ends_fail_only_their_items(setup, refer
         {"task": TASK, "doc_id": 2, "reason": "non-finite logits at forward 1"},
         {"task": TASK, "doc_id": 4, "reason": "out of memory"}]}
     assert m["speed"]["samples"] == N_DOCS - 3
+    # Each decoded row names its call, so the single-pass intervals resample calls (harness/run/stats.py).
+    logged = [json.loads(x) for x in (run_dir / "models" / "a" / "samples" / f"{TASK}.jsonl").open()]
+    calls = {}
+    for r in logged:
+        if not r.get("failed"):
+            calls.setdefault(r["batch_id"], []).append(r["doc_id"])
+    assert sum(map(len, calls.values())) == N_DOCS - 3 and all(len(d) <= 2 for d in calls.values()), calls
     assert f"| a | {TASK} | {N_DOCS} (3 failed) |" in (run_dir / "summary.md").read_text()
     last = p.stderr.strip().splitlines()[-1]
     assert last == (f"warning: a on {TASK}: 3 failed item(s), counted as wrong: document 0 (forward budget exceeded "

@@ -210,3 +210,76 @@ def test_formatting():
     assert stats.fmt_interval({"lo": 0.1234, "hi": 0.5}, ".2f", 100) == " [12.34, 50.00]"
     assert stats.fmt_interval(None, ".2f") == ""
     assert (stats.fmt_p(0.0004), stats.fmt_p(0.0312), stats.fmt_p(None)) == ("<0.001", "0.031", "-")
+
+
+# ---------------------------------------------------------------- batches are the units of a batched run
+
+
+def _batched_rows(n_docs: int = 12, batch: int = 4, legacy: bool = False) -> list[dict]:
+    """Sample-log rows of ``n_docs`` documents decoded ``batch`` at a time: the rows of a call share its wall time
+    (latency_s, batch_wall_s) and split it evenly (decode_s), as harness/run/lm_decode.py writes them."""
+    rows = []
+    for d in range(n_docs):
+        call = d // batch
+        wall = 0.5 + 0.37 * call  # every call its own time
+        r = {"task": "t", "doc_id": d, "filter": "none", "metrics": {"exact_match": float(d % 2)},
+             "generated_tokens": 10 + 3 * d, "decode_s": wall / batch, "latency_s": wall, "batch_wall_s": wall,
+             "batch_size": batch, "nfe": 7 + call, "rank": 0}
+        if not legacy:
+            r["batch_id"] = f"k{call * batch}"
+        rows.append(r)
+    return rows
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["batch_id", "older-log"])
+def test_a_batch_4_runs_speed_intervals_resample_its_batches(legacy):
+    """12 documents at batch 4 are 3 calls: the single-pass intervals resample the 3 batches, not the 12 rows.
+    Checked independently: every bootstrap value of tokens/s is the ratio of sums over some multiset of 3 whole
+    batches (10 possible values), and the interval's label names 3 batches. Resampling the rows instead (the
+    old way) gives values outside that set, so the check can fail. Logs written before ``batch_id`` group the
+    rows by their call's rank and wall time."""
+    from itertools import combinations_with_replacement
+
+    it = stats.items_from_rows(_batched_rows(legacy=legacy), "exact_match,none")
+    groups = stats.speed_groups(it)
+    units = stats.unit_members(groups)
+    assert units is not None and len(units) == 3 and [len(u) for u in units] == [4, 4, 4]  # unit count = batches
+    cols = stats.speed_columns(it)
+    per = [(cols["tokens"][u].sum(), cols["seconds"][u].sum()) for u in units]
+    allowed = np.array([sum(per[g][0] for g in c) / sum(per[g][1] for g in c)
+                        for c in combinations_with_replacement(range(3), 3)])
+    dist = stats.boot_dist(cols, stats.SPEED["tokens_per_s"], "t", groups=groups)
+    assert np.all(np.min(np.abs(dist[:, None] - allowed[None, :]), axis=1) < 1e-9 * allowed.max())
+    assert len(np.unique(np.round(dist, 9))) > 3  # the draws do vary
+    rows_way = stats.boot_dist(cols, stats.SPEED["tokens_per_s"], "t")
+    assert np.any(np.min(np.abs(rows_way[:, None] - allowed[None, :]), axis=1) > 1e-6)
+    ivs = stats.row_intervals(it, "t")
+    for name in ("tokens_per_s", "latency_p50_s", "latency_p90_s", "tpf"):
+        assert "over 3 batches (12 items" in ivs[name]["method"], ivs[name]
+    # Latency percentiles over batches: the interval's ends are batch latencies (every row of a call waits it).
+    lat = sorted({float(cols["latency"][u][0]) for u in units})
+    assert ivs["latency_p50_s"]["lo"] >= lat[0] and ivs["latency_p50_s"]["hi"] <= lat[-1]
+    # Quality does not depend on the batch (each row decodes as alone): its interval stays over items.
+    assert ivs["quality"]["method"] == "wilson"
+
+
+def test_paired_speedups_keep_either_sides_batches_whole():
+    """b at batch 4 against a at batch 1: the paired units are b's 3 batches; at batch 1 on both sides the items
+    are the units and the distribution is the plain paired bootstrap's, bit for bit."""
+    b = stats.items_from_rows(_batched_rows(), "exact_match,none")
+    one = [dict(r, batch_size=1, batch_id=None, decode_s=r["decode_s"] * 2, latency_s=r["decode_s"] * 2,
+                batch_wall_s=r["decode_s"] * 2) for r in _batched_rows()]
+    a = stats.items_from_rows(one, "exact_match,none")
+    assert a.batch is None
+    ok = a.decoded & b.decoded
+    groups = stats.paired_groups(a, b, ok)
+    assert len(stats.unit_members(groups)) == 3
+    got = stats.paired_ratio(a, b)
+    assert "over 3 batches (12 items both decoded" in got["interval"]["method"]
+    assert got["interval"]["lo"] <= got["ratio"] <= got["interval"]["hi"]
+    plain = stats.paired_ratio(a, a)
+    assert "over 12 items both decoded" in plain["interval"]["method"]
+    cols = {"tokens": a.tokens, "seconds": a.seconds}
+    same = np.arange(len(a.keys))  # every item its own group: the plain bootstrap
+    assert np.array_equal(stats.boot_dist(cols, stats.SPEED["tokens_per_s"], "k", groups=same),
+                          stats.boot_dist(cols, stats.SPEED["tokens_per_s"], "k"))

@@ -153,6 +153,9 @@ class DecoderCall:
                 "compilations": int(stats.get("compilations", 0)) if row == 0 else 0,
             }
             rec["tpf"] = rec["generated_tokens"] / rec["nfe"] if rec["nfe"] else 0.0
+            # The call's id (its first row's key): the rows of one call share its time, so the statistics
+            # resample them together (harness/run/stats.py batch_of).
+            rec["batch_id"] = items[0]["key"]
             rec.update({k: int(v) for k, v in stats.items() if k.startswith("nfe_")})
             if "commit_forward" in stats:  # the decode trace (harness trace): per token, the forward that fixed it
                 rec.update(commit_forward=stats["commit_forward"][row], commit_kind=stats["commit_kind"][row],

@@ -72,12 +72,46 @@ def resamples(n: int, key: Any, boot: int = BOOT) -> Any:
 
 
 def boot_dist(columns: dict[str, np.ndarray], stat: Callable[[dict[str, np.ndarray]], np.ndarray], key: Any,
-              boot: int = BOOT) -> np.ndarray:
+              boot: int = BOOT, groups: np.ndarray | None = None) -> np.ndarray:
     """``boot`` values of ``stat`` over resamples of the items: ``columns`` are per-item arrays of one length,
-    ``stat`` maps the resampled columns ([r, n] each) to [r] values."""
+    ``stat`` maps the resampled columns ([r, n] each) to [r] values.
+
+    ``groups`` (one label per item): resample whole groups instead (a cluster bootstrap), every item of a drawn
+    group taken each time it is drawn: the rows of one batch share its call's time, so they are one draw, not
+    several. Without groups, or when every group is one item, the items are resampled as before (the same
+    values, bit for bit)."""
     n = len(next(iter(columns.values())))
-    out = [stat({k: v[idx] for k, v in columns.items()}) for idx in resamples(n, key, boot)]
+    units = unit_members(groups)
+    if units is None:
+        out = [stat({k: v[idx] for k, v in columns.items()}) for idx in resamples(n, key, boot)]
+        return np.concatenate(out) if out else np.zeros(0)
+    out = []
+    for idx in resamples(len(units), (key, "groups"), boot):
+        for row in idx:  # one resample: the drawn groups' items, a group as often as it was drawn
+            take = np.concatenate([units[g] for g in row])
+            out.append(stat({k: v[take][None, :] for k, v in columns.items()}))
     return np.concatenate(out) if out else np.zeros(0)
+
+
+def unit_members(groups: np.ndarray | None) -> list[np.ndarray] | None:
+    """The item indices of each group, in first-seen order; None when there are no groups of two or more items
+    (every item its own unit: the plain bootstrap)."""
+    if groups is None or len(groups) == 0:
+        return None
+    order: dict[Any, list[int]] = {}
+    for i, g in enumerate(groups.tolist()):
+        order.setdefault(g, []).append(i)
+    if len(order) == len(groups):
+        return None
+    return [np.array(v, dtype=int) for v in order.values()]
+
+
+def unit_text(n: int, groups: np.ndarray | None, what: str = "items") -> str:
+    """What a bootstrap resampled, for an interval's label: "N items", or "G batches (N items)"."""
+    units = unit_members(groups)
+    if units is None:
+        return f"{n} {what if n != 1 else what.rstrip('s')}"
+    return f"{len(units)} batch{'es' if len(units) != 1 else ''} ({n} {what}; a batch's rows are one draw)"
 
 
 def percentile_interval(dist: np.ndarray) -> tuple[float, float] | None:
@@ -133,6 +167,9 @@ class Items:
     seconds: np.ndarray
     nfe: np.ndarray
     latency: np.ndarray | None = None  # None: the seconds (one row per call)
+    # The call each item was decoded in (``batch_of``): items of one batch share its time, so single-pass speed
+    # statistics resample batches (``boot_dist``'s groups). None: every item its own call (batch 1).
+    batch: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.latency is None:
@@ -146,7 +183,7 @@ class Items:
         pos = {k: i for i, k in enumerate(self.keys)}
         idx = np.array([pos[k] for k in keys], dtype=int)
         return Items(list(keys), self.score[idx], self.tokens[idx], self.seconds[idx], self.nfe[idx],
-                     self.latency[idx])
+                     self.latency[idx], None if self.batch is None else self.batch[idx])
 
     @property
     def has_scores(self) -> bool:
@@ -174,6 +211,7 @@ def items_from_rows(rows: list[dict], primary: str | None, rename: Callable[[str
 
     metric, flt = _split_primary(primary)
     vals: dict[tuple[str, Any], list[float]] = {}
+    calls: dict[tuple[str, Any], Any] = {}
     for r in rows:
         key = (rename(r["task"]) if rename else r["task"], r["doc_id"])
         v = vals.setdefault(key, [math.nan] * 5)
@@ -183,9 +221,28 @@ def items_from_rows(rows: list[dict], primary: str | None, rename: Callable[[str
         if r.get("generated_tokens") is not None and not r.get("failed") and r.get("decode_s") is not None:
             v[1], v[2], v[3] = float(r["generated_tokens"]), float(r["decode_s"]), float(r.get("nfe") or math.nan)
             v[4] = latency_of(r)
+            calls[key] = batch_of(r, key)
     keys = sorted(vals, key=lambda k: (k[0], str(k[1])))
     cols = np.array([vals[k] for k in keys], dtype=float).reshape(len(keys), 5)
-    return Items(keys, cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], cols[:, 4])
+    codes: dict[Any, int] = {}
+    batch = np.array([codes.setdefault(calls.get(k, ("item", k)), len(codes)) for k in keys], dtype=int)
+    return Items(keys, cols[:, 0], cols[:, 1], cols[:, 2], cols[:, 3], cols[:, 4],
+                 batch if unit_members(batch) is not None else None)
+
+
+def batch_of(record: dict, key: tuple[str, Any]) -> Any:
+    """The call a decoded sample-log row came from: its ``batch_id`` (harness/run/lm_decode.py: the key of the
+    call's first row), or, in logs written before that field, the call's rank and wall time (the rows of one
+    call share ``batch_wall_s``, and in older logs ``latency_s``, to the bit); the row's own key at batch 1, or
+    when a log gives no way to tell its calls apart."""
+    if int(record.get("batch_size") or 1) <= 1:
+        return ("item", key)
+    if record.get("batch_id") is not None:
+        return ("batch", str(record["batch_id"]))
+    wall = record.get("batch_wall_s", record.get("latency_s"))
+    if wall is None:
+        return ("item", key)
+    return ("batch", record.get("rank"), float(wall), int(record["batch_size"]))
 
 
 def samples_path(run_dir: Path, model: str, unit: str) -> Path:
@@ -252,6 +309,11 @@ def speed_columns(it: Items) -> dict[str, np.ndarray]:
     return {"tokens": it.tokens[ok], "seconds": it.seconds[ok], "nfe": it.nfe[ok], "latency": it.latency[ok]}
 
 
+def speed_groups(it: Items) -> np.ndarray | None:
+    """The batch of each decoded item (``speed_columns``'s order), or None at batch 1."""
+    return None if it.batch is None else it.batch[it.decoded]
+
+
 def quality_interval(it: Items | None = None, value: float | None = None, n: int | None = None,
                      stream: Any = "quality") -> Interval | None:
     """The 95% interval of a quality figure (a share in [0, 1]): from the items (Wilson for binary scores, else
@@ -274,14 +336,14 @@ def row_intervals(it: Items | None, stream: Any, value: float | None = None, n: 
     where the items cannot give it), as dicts (``Interval.to_dict``), plus ``items``: how many were used."""
     out: dict[str, Any] = {"quality": quality_interval(it, value, n, (stream, "quality"))}
     cols = speed_columns(it) if it is not None else None
+    groups = speed_groups(it) if it is not None else None
     for name, stat in SPEED.items():
         got = None
         if cols is not None and len(cols["tokens"]) and not (name in ("tpf", "nfe_mean") and
                                                              not np.all(np.isfinite(cols["nfe"]))):
-            got = percentile_interval(boot_dist(cols, stat, (stream, "speed")))
+            got = percentile_interval(boot_dist(cols, stat, (stream, "speed"), groups=groups))
         n = len(cols["tokens"]) if cols is not None else 0
-        out[name] = Interval(*got, f"bootstrap over {n} item{'s' if n != 1 else ''} ({BOOT} resamples)") \
-            if got else None
+        out[name] = Interval(*got, f"bootstrap over {unit_text(n, groups)} ({BOOT} resamples)") if got else None
     out = {k: (v.to_dict() if v is not None else None) for k, v in out.items()}
     out["items"] = {"scored": int(np.isfinite(it.score).sum()) if it is not None else None,
                     "decoded": int(it.decoded.sum()) if it is not None else None}
@@ -329,10 +391,12 @@ def paired_quality(a: Items, b: Items, stream: Any = "paired") -> dict | None:
 
 
 def paired_ratio_dist(a: Items, b: Items, figure: str, stream: Any) -> tuple[float | None, np.ndarray]:
-    """(b's figure / a's, its paired bootstrap distribution) over the items both decoded; (None, []) if none."""
+    """(b's figure / a's, its paired bootstrap distribution) over the items both decoded; (None, []) if none.
+    Items decoded in one batch on either side are resampled together (``paired_groups``)."""
     ok = a.decoded & b.decoded
     if not ok.any():
         return None, np.zeros(0)
+    groups = paired_groups(a, b, ok)
     cols = {f"{side}_{k}": v[ok] for side, it in (("a", a), ("b", b)) for k, v in
             (("tokens", it.tokens), ("seconds", it.seconds), ("nfe", it.nfe))}
     stat = SPEED[figure]
@@ -344,7 +408,32 @@ def paired_ratio_dist(a: Items, b: Items, figure: str, stream: Any) -> tuple[flo
             return np.where(one > 0, two / np.where(one > 0, one, 1), np.nan)
 
     point = ratio({k: v[None, :] for k, v in cols.items()})[0]
-    return (float(point) if np.isfinite(point) else None), boot_dist(cols, ratio, (stream, "speed"))
+    return (float(point) if np.isfinite(point) else None), boot_dist(cols, ratio, (stream, "speed"), groups=groups)
+
+
+def paired_groups(a: Items, b: Items, ok: np.ndarray) -> np.ndarray | None:
+    """The resampling units of two rows' shared items (same keys, same order; ``ok`` the items both decoded):
+    items decoded in one call on either side are one unit, joined across both sides (connected components), so
+    no resample splits a batch of either row. None when every item is its own call on both sides."""
+    if a.batch is None and b.batch is None:
+        return None
+    n = int(ok.sum())
+    parent = list(range(n))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for side in (a.batch, b.batch):
+        if side is None:
+            continue
+        first: dict[int, int] = {}
+        for i, g in enumerate(side[ok].tolist()):
+            j = first.setdefault(g, i)
+            parent[find(i)] = find(j)
+    return np.array([find(i) for i in range(n)], dtype=int)
 
 
 def paired_ratio(a: Items, b: Items, figure: str = "tokens_per_s", stream: Any = "paired") -> dict | None:
@@ -359,11 +448,12 @@ def paired_ratio(a: Items, b: Items, figure: str = "tokens_per_s", stream: Any =
     ci, p = percentile_interval(dist), boot_p(dist, 1.0)
     if point is None:
         return None
-    n = int((a.decoded & b.decoded).sum())
+    ok = a.decoded & b.decoded
+    n = int(ok.sum())
+    units = unit_text(n, paired_groups(a, b, ok), "items both decoded")
     return {"items": n, "ratio": point, "test": "paired bootstrap",
             "interval": None if ci is None else {"lo": ci[0], "hi": ci[1], "items": n,
-                                                 "method": f"paired bootstrap over {n} items both decoded ({BOOT} "
-                                                           "resamples)"},
+                                                 "method": f"paired bootstrap over {units} ({BOOT} resamples)"},
             "p": p, "differs": p is not None and p < ALPHA}
 
 
@@ -373,17 +463,20 @@ def mean_ratio_interval(pairs: list[tuple[Items, Items]], figure: str = "tokens_
     (the mean of the per-task ratios on the items both decoded) and its stratified paired bootstrap interval
     (each task's items resampled on their own, the ratios averaged per resample). None when a task has no
     shared decoded item."""
-    dists, points, n = [], [], 0
+    dists, points, n, batches = [], [], 0, 0
     for i, (a, b) in enumerate(pairs):
         keys = shared_keys(a, b)
         if not keys:
             return None
-        point, dist = paired_ratio_dist(a.take(keys), b.take(keys), figure, streams[i] if streams else i)
+        a, b = a.take(keys), b.take(keys)
+        point, dist = paired_ratio_dist(a, b, figure, streams[i] if streams else i)
         if point is None:
             return None
         dists.append(dist)
         points.append(point)
         n += len(keys)
+        units = unit_members(paired_groups(a, b, a.decoded & b.decoded))
+        batches += len(units) if units is not None else 0
     if not dists:
         return None
     ci = percentile_interval(np.mean(np.vstack(dists), axis=0))
@@ -391,7 +484,9 @@ def mean_ratio_interval(pairs: list[tuple[Items, Items]], figure: str = "tokens_
             "interval": None if ci is None else {
                 "lo": ci[0], "hi": ci[1], "items": n,
                 "method": f"stratified paired bootstrap over {n} items of {len(points)} tasks, each task's items "
-                          f"resampled on their own ({BOOT} resamples)"},
+                          + (f"resampled on their own, in batches where a task was decoded in batches ({batches} "
+                             "batches in all; a batch's rows are one draw)" if batches else "resampled on their own")
+                          + f" ({BOOT} resamples)"},
             "statistic": "arithmetic mean over tasks of each task's speedup (the ratio of throughputs, tokens over "
                          "seconds, on the items both decoded)"}
 
@@ -415,7 +510,7 @@ def speed_dist(it: Items, figure: str, stream: Any) -> np.ndarray:
     cols = speed_columns(it)
     if not len(cols["tokens"]):
         return np.zeros(0)
-    return boot_dist(cols, SPEED[figure], (stream, "speed"))
+    return boot_dist(cols, SPEED[figure], (stream, "speed"), groups=speed_groups(it))
 
 
 def fmt_interval(iv: dict | Interval | None, spec: str, scale: float = 1.0) -> str:

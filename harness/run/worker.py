@@ -58,7 +58,7 @@ def _sample_rows(samples: dict, records: dict[tuple, dict], unit: dict) -> list[
                    "prompt": s["arguments"][0][0] if s.get("arguments") else None,
                    "response": rec.get("response"), "filtered_resps": s.get("filtered_resps"),
                    "filter": s.get("filter"), "metrics": {k: s[k] for k in s.get("metrics", []) if k in s}}
-            for k in ("failed", "generated_tokens", "nfe", "tpf", "decode_s", "latency_s", "forward_s", "batch_size", "kv_peak_bytes", "gpu_peak_bytes",
+            for k in ("failed", "generated_tokens", "nfe", "tpf", "decode_s", "latency_s", "forward_s", "batch_size", "batch_id", "batch_wall_s", "kv_peak_bytes", "gpu_peak_bytes",
                       "prompt_tokens", "tokens", "knobs", "rank", "commit_forward", "commit_kind", "forward_phase",
                       "compiled", "compilations", "compile_s"):
                 if k in rec:
