@@ -967,3 +967,18 @@ def test_a_system_beyond_table1_has_its_own_section_and_is_measured_against_the_
     sp = (out / "b" / "speedup.md").read_text().split("## " + paper.EMBEDDED.title)[1]
     assert next(r for r in _md_section(sp, "### vs ar (AR baseline)") if r[0] == "dg")[2] == "1.50"
     assert next(r for r in _md_section(sp, "### vs llada (MDM baseline)") if r[0] == "dg")[2] == "7.50"
+
+
+def test_an_avg_without_an_interval_says_why():
+    """A row's Avg tokens/s gets no interval when its columns cannot be resampled together, and says why instead of
+    falling back silently: columns timed in different runs (their rounds do not pair), or timed and single-pass
+    columns mixed."""
+    apart = {"a": {"task": "a", "quality": 50.0, "tokens_per_s": 10.0, "timed": True, "_run_dir": "/r1",
+                   "model_in_run": "m"},
+             "b": {"task": "b", "quality": 40.0, "tokens_per_s": 20.0, "timed": True, "_run_dir": "/r2",
+                   "model_in_run": "m"}}
+    avg = paper_report._average(apart, 2, {})
+    assert avg["tokens_per_s"] == 15.0 and avg["tokens_per_s_ci"] is None
+    assert "timed in different runs" in avg["tokens_per_s_ci_why"]
+    mixed = {**apart, "b": {**apart["b"], "timed": False, "_run_dir": "/r1"}}
+    assert "single pass" in paper_report._average(mixed, 2, {})["tokens_per_s_ci_why"]

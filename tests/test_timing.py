@@ -318,3 +318,33 @@ def test_pairs_time_each_model_against_the_reference_two_at_a_time(runner_refere
     assert all(0.5 < rows[n]["speedup"] < 2 and rows[n]["speedup_ci"]["lo"] <= rows[n]["speedup"] for n in "bc")
     md = (run / "summary.md").read_text()
     assert "Speed: 3 timed rounds of 2 item(s) per task, the models in turn (abba, two at a time against a)" in md
+
+
+def _block_records(side: str, walls: dict[str, list[list[float]]], tokens: int = 30) -> list[dict]:
+    """Timed-round records of one side: per group, per round, one block of calls with these wall seconds."""
+    return [{"side": side, "group": g, "round": r, "repeat": 1,
+             "calls": [{"wall_s": w, "cpu_s": w, "tokens": tokens, "rows": 1} for w in row]}
+            for g, rounds_ in walls.items() for r, row in enumerate(rounds_)]
+
+
+def test_the_average_over_tasks_draws_the_rounds_once():
+    """Table 1's Avg tokens/s of a timed row (timing.mean_figure): the point is the mean of each task's figure, and
+    the resamples draw one set of rounds for every task. Two tasks with the same walls in every round and one call
+    each: every bootstrap value is then a median over one multiset of rounds, which draws made for each task on
+    its own (the old way: their mean of two different medians) would leave."""
+    from itertools import combinations_with_replacement
+
+    walls = [[1.0], [1.3], [0.8], [1.9]]  # 4 rounds, one call: a slow round is slow for both tasks
+    recs = _block_records("a", {"t1": walls, "t2": walls})
+    got = timing.mean_figure(recs, "a", ["t1", "t2"], with_dist=True)
+    one = timing.figure(recs, "a", "t1")
+    assert got["tokens_per_s"] == pytest.approx(one["tokens_per_s"])  # the mean of two equal figures
+    tps = [30 / w[0] for w in walls]
+    medians = {round(float(np.median(c)), 9) for c in combinations_with_replacement(tps, 4)}
+    assert {round(float(v), 9) for v in got["dist"]} <= medians
+    assert "4 rounds (drawn once for all 2 tasks)" in got["interval"]["method"]
+    assert got["interval"]["lo"] <= got["tokens_per_s"] <= got["interval"]["hi"]
+    # Drawn per task, the same data gives means of two medians that no single multiset has.
+    g = np.random.default_rng(0)
+    own = [np.median(np.array(tps)[g.integers(0, 4, size=(200, 4))], axis=1) for _ in range(2)]
+    assert not {round(float(v), 9) for v in np.mean(own, axis=0)} <= medians

@@ -75,10 +75,34 @@ def _average(cells: dict[str, dict], n_columns: int, dists: dict[str, dict] | No
     out = {"quality": _mean(qs), "tokens_per_s": _mean(ts), "columns": min(len(qs), len(ts)),
            "complete": len(qs) == len(ts) == n_columns, "quality_ci": None, "tokens_per_s_ci": None}
     for what, vals in (("quality", qs), ("tokens_per_s", ts)):
+        if what == "tokens_per_s" and any(c.get("timed") for c in cells.values() if c.get(what) is not None):
+            out[f"{what}_ci"], out[f"{what}_ci_why"] = _timed_average(cells)
+            continue
         got = [(dists or {}).get(k, {}).get(what) for k, c in cells.items() if c.get(what) is not None]
         iv = stats.mean_interval(got) if vals and all(d is not None for d in got) else None
         out[f"{what}_ci"] = None if iv is None else {"lo": iv[0], "hi": iv[1], "method": "stratified bootstrap"}
+        if iv is None and vals:
+            out[f"{what}_ci_why"] = "a column has no per-item log to resample"
     return out
+
+
+def _timed_average(cells: dict[str, dict]) -> tuple[dict | None, str | None]:
+    """(interval, None) of a row's Avg tokens/s whose columns were timed in rounds, from ``timed.mean_in_run``:
+    one run timed every column, so its rounds are drawn once for all of them and each task's items on their
+    own; else (None, why)."""
+    from harness.report import timed
+
+    got = [c for c in cells.values() if c.get("tokens_per_s") is not None]
+    if not all(c.get("timed") for c in got):
+        return None, "some columns were timed in rounds and some in a single pass: no joint interval"
+    places = {(c.get("_run_dir"), c.get("model_in_run")) for c in got}
+    if len(places) != 1 or None in next(iter(places)):
+        return None, "the columns were timed in different runs, whose rounds do not pair: no joint interval"
+    run_dir, model = next(iter(places))
+    m = timed.mean_in_run(run_dir, model, [c["task"] for c in got])
+    if m is None or m["interval"] is None:
+        return None, "the run's timing.json does not hold every column's rounds"
+    return {**m["interval"], "method": m["interval"]["method"]}, None
 
 
 def cell_items(rs: RunSet, cell: dict) -> stats.Items | None:
@@ -438,9 +462,10 @@ def legend(rs: RunSet) -> str:
             f"second row marked `{PAPER_ROW.strip()}`). `[lo, hi]` = 95% interval (harness/run/stats.py): quality by "
             "Wilson's score interval (items scored 0 or 1; else a bootstrap over items), tokens/s of a run timed in "
             "rounds by a bootstrap over rounds and items (harness/run/timing.py), of a single pass by a bootstrap over "
-            "items (2000 resamples, fixed seed), Avg by a bootstrap stratified by task; a figure without one: the "
-            "run kept no per-item logs for it (the published rows have none). The notes below say how each run's "
-            "speed was timed.")
+            "items (2000 resamples, fixed seed), Avg by a bootstrap stratified by task (a timed Avg tokens/s: the "
+            "run's rounds drawn once for every task, each task's items on their own); a figure without one: the "
+            "run kept no per-item logs for it (the published rows have none), or, for an Avg, the line under the "
+            "table says why. The notes below say how each run's speed was timed.")
 
 
 def run_notes(rs: RunSet) -> list[str]:
@@ -543,6 +568,10 @@ def table1_md(rs: RunSet, data: dict) -> str:
         if beyond and suite_measured(s["ours"]):
             lines += ["", f"### {BEYOND_TITLE}", "", BEYOND_NOTE, ""]
             lines += _md_table(head, [_row_cells(r, suite) for r in beyond])
+        why = [f"{r['model']}: {r['average'][f'{w}_ci_why']}" for r in s["ours"] for w in ("quality", "tokens_per_s")
+               if r["average"].get(f"{w}_ci_why") and suite_measured(s["ours"])]
+        if why:
+            lines += ["", "Avg without an interval: " + "; ".join(why) + "."]
         metrics = sorted({f"{c['task']}={c['quality_metric']}" for r in s["ours"] for c in r["cells"].values()})
         if metrics:
             lines += ["", "Quality metric per task: " + ", ".join(metrics)]

@@ -53,6 +53,16 @@ def _timing_of(run_dir: str | Path) -> dict | None:
     return _TIMED[key][1]
 
 
+def mean_in_run(run_dir: str | Path, model: str, units: list[str]) -> dict | None:
+    """``model``'s mean tokens/s over ``units`` from one run's timed rounds, the rounds drawn once for all of them
+    (``timing.mean_figure``). None when no pass timed the model on every unit."""
+    timed = _timing_of(run_dir)
+    if not timed or not timed.get("passes"):
+        return None
+    ps = next((p for p in timed["passes"] if model in p["sides"]), None)
+    return None if ps is None else timing.mean_figure(ps["records"], model, units, key=str(Path(run_dir).name))
+
+
 def ratio_in_run(run_dir: str | Path, model: str, ref: str, units: list[str]) -> dict | None:
     """``model``'s tokens/s over ``ref``'s from one run's timed rounds, when one pass timed both: per unit
     (``timing.ratio``) and their mean (``timing.mean_ratio``). None when the run has no such rounds."""

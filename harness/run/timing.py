@@ -395,6 +395,37 @@ def mean_ratio(records: list[dict], side: str, ref: str, groups: Sequence[str], 
                          "the ratio of throughputs)"}
 
 
+def mean_figure(records: list[dict], side: str, groups: Sequence[str], key: Any = None,
+                with_dist: bool = False) -> dict | None:
+    """The arithmetic mean over groups of one side's tokens/s (``figure``: the median over rounds), with the
+    interval of the same statistic on resamples that draw the rounds once for every group (a round holds every
+    group's blocks, so they move together) and each group's calls on their own: Table 1's Avg tokens/s of a row
+    timed in one run. None when a group has no blocks of ``side``."""
+    mats = [matrix(records, side, g) for g in groups]
+    if not mats or any(m is None for m in mats):
+        return None
+    rounds = min(m[0].shape[0] for m in mats)
+    walls = [m[0][:rounds] for m in mats]
+    points = [float(np.median(_tps(w, m[2]))) for w, m in zip(walls, mats)]
+    g = _rng("mean_figure", key, side, tuple(groups))
+    rho = g.integers(0, rounds, size=(BOOT, rounds))
+    dists = []
+    for w, m in zip(walls, mats):
+        kappa = g.integers(0, w.shape[1], size=(BOOT, w.shape[1]))
+        dists.append(np.median(_tps(w, m[2], rho, kappa), axis=1))
+    items = sum(w.shape[1] for w in walls)
+    rows = int(sum(rows_of(records, side, grp).sum() for grp in groups))
+    units = f"{_units_text(rounds, 'round')} (drawn once for all {len(mats)} tasks)"
+    iv = _interval(np.mean(dists, axis=0), units, items, rows)
+    if iv is not None:
+        iv["method"] = iv["method"].replace(", resampled together", ", each task's own, resampled together")
+    out = {"tokens_per_s": float(np.mean(points)), "interval": iv, "per_group": dict(zip(groups, points)),
+           "statistic": "arithmetic mean over tasks of each task's tokens/s (median over rounds)"}
+    if with_dist:  # the bootstrap values themselves (tests)
+        out["dist"] = np.mean(dists, axis=0)
+    return out
+
+
 # ---------------------------------------------------------------- between runs
 
 
