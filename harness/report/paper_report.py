@@ -271,13 +271,22 @@ def is_masked_diffusion(decoder: str) -> bool:
     return bool(entry and entry.masked_diffusion)
 
 
+def _ar_role(m: dict) -> str:
+    """An AR reference's role, naming what runs it: an engine row (decoder ar@vllm, docs/engines.md) is the AR
+    model as served, its latency measured at the client; a plain ar row is transformers' loop."""
+    eng = (m.get("engine") or {}).get("name")
+    if eng:
+        return f"AR baseline, {'vLLM' if eng == 'vllm' else eng} at client"
+    return "AR baseline"
+
+
 def references(rs: RunSet) -> list[tuple[str, str]]:
     """(row, role) pairs speedups are measured against: every row of the runs' AR baselines and of every
     other AR model (the paper measures ReFusion against each AR row), then every MDM baseline (a model with
     rows per run or per prompt variant is a reference in each)."""
     bases = {r["baseline"] for r in rs.runs if r.get("baseline")} or {rs.baseline}
-    out = [(m["name"], "AR baseline") for m in rs.models if m["model"] in bases]
-    out += [(m["name"], "AR baseline") for m in rs.models if m["decoder"] == "ar" and m["model"] not in bases]
+    out = [(m["name"], _ar_role(m)) for m in rs.models if m["model"] in bases]
+    out += [(m["name"], _ar_role(m)) for m in rs.models if m["decoder"] == "ar" and m["model"] not in bases]
     from harness.report.aup import not_own_points
 
     extra = not_own_points(rs)  # a frontier's other grid points are rows, not references

@@ -44,7 +44,8 @@ class RunSet:
         for r in self.runs:
             if r.get("baseline"):
                 return r["baseline"]
-        return next((m["model"] for m in self.models if m["decoder"] == "ar"), None)
+        plain = [m["model"] for m in self.models if m["decoder"] == "ar" and not m.get("engine")]
+        return next(iter(plain), next((m["model"] for m in self.models if m["decoder"] == "ar"), None))
 
     @property
     def merged(self) -> bool:

@@ -21,12 +21,13 @@ def known_error(exc: BaseException) -> str | None:
     """
     from tasks.data import DataError
     from harness.run.faults import disk_full
+    from harness.run.engine import EngineError
     from harness.run.lm_adapter import CheckpointError
 
     if (line := disk_full(exc)) is not None:
         return line
     for e in _chain(exc):
-        if isinstance(e, (DataError, CheckpointError)):
+        if isinstance(e, (DataError, CheckpointError, EngineError)):
             return str(e).replace("\n", " ")
     try:
         from jinja2.exceptions import UndefinedError

@@ -31,7 +31,8 @@ def finalize(run_dir: Path) -> dict:
     from harness.run.rounds import apply_timing, load_timing
 
     # Wall-clock figures from the timed rounds (harness/run/timing.py), or marked as a single pass.
-    timed = apply_timing(load_timing(run_dir, cfg), cfg, rows)
+    raw = load_timing(run_dir, cfg)
+    timed = apply_timing(raw, cfg, rows)
     if timed["mode"] == "interleaved":
         means = {**{k: None for k in means}, **timed["mean_speedup"]}  # the rounds' statistic, not the pass's
     # run.json records how the speed figures were timed: the guard's verdict, what was dropped, and each
@@ -51,6 +52,16 @@ def finalize(run_dir: Path) -> dict:
     result = summary.summary(cfg, rows, summary.warmup_compile(run_dir, cfg), means)
     result["timing"] = {k: v for k, v in timed.items() if k != "mean_speedup"}
     result["memory_pass"] = None if memory is None else {"settings": memory["settings"], "docs": memory["docs"]}
+    if any(m.get("engine") for m in cfg["models"]):
+        # Engine rows (ar@vllm, docs/engines.md): the speedup against every AR baseline, and the engine's greedy
+        # agreement with the transformers row. Only then: a run without one keeps its summary as it was.
+        from harness.run import agreement, speedups
+
+        result["speedups"] = speedups.all_speedups(raw, cfg)
+        result["baseline_labels"] = {b: speedups.baseline_label(cfg, b) for b in speedups.ar_baselines(cfg)}
+        result["agreement"] = agreement.check(run_dir, cfg)
+        if result["agreement"] is not None:
+            atomic_write_json(run_dir / "agreement.json", result["agreement"])
     atomic_write_json(run_dir / "summary.json", result)
     atomic_write_text(run_dir / "summary.md", summary.markdown(result))
     return result

@@ -189,7 +189,8 @@ def run_models(run_dir: Path, cfg: dict, debug: bool, rates: dict[str, float] | 
             print(f"[{i}/{n}] {m['name']}: already finished, skipped", file=sys.stderr)
             print(progress.finished(m["name"], decoded_share=0.0), file=sys.stderr)
             continue
-        print(f"[{i}/{n}] {m['name']}: {m['decoder']} on {m['checkpoint']}", file=sys.stderr)
+        eng = f"@{m['engine']['name']}" if m.get("engine") else ""  # ar@vllm: served by the engine
+        print(f"[{i}/{n}] {m['name']}: {m['decoder']}{eng} on {m['checkpoint']}", file=sys.stderr)
         if rank == 0:
             summary.session_ran(run_dir / "run.json", m["name"])
         cmd = worker_command(run_dir, m["name"], cfg["num_processes"], _worker_port(cfg["launch"]), debug,

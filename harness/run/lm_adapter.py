@@ -309,6 +309,27 @@ class RefusionBenchLM(TemplateLM):
                 for req in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="loglikelihood_rolling")]
 
 
+def attach_engine(lm: RefusionBenchLM, engine: dict | None, log: str) -> RefusionBenchLM:
+    """An engine row (run.json's model ``engine``, decoder ar@vllm): start its server and let ``lm``'s decoder
+    calls go to it (harness/run/engine_decoder.py) instead of the ar loop; ``lm`` unchanged without one."""
+    if engine:
+        from pathlib import Path
+
+        from harness.run.engine import EngineSpec
+        from harness.run.engine_decoder import EngineDecoder
+
+        lm.engine = EngineDecoder(lm.decoder, EngineSpec(**engine["knobs"]), lm.pretrained, lm.dtype,
+                                  str(lm._device), Path(log))
+        lm.call.decoder = lm.engine
+    return lm
+
+
+def close_engine(lm: RefusionBenchLM) -> None:
+    """Stop an engine row's server (nothing otherwise); also done at exit and on a stop signal."""
+    if getattr(lm, "engine", None) is not None:
+        lm.engine.close()
+
+
 def set_seed(seed: int) -> None:
     """Seed every RNG a decode might touch (decoders also take their own seed knob)."""
     random.seed(seed)

@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     docs = rounds.timed_docs(run_dir, cfg, {"items": k, "rounds": 1})
     result: dict = {"settings": settings, "docs": {u: [list(d) for d in v] for u, v in docs.items()}, "models": {}}
     for m in cfg["models"]:
+        if m.get("engine"):  # its decode memory lives in the server's processes, out of this tracker's sight
+            result.setdefault("skipped", {})[m["name"]] = "engine row: the server holds the decode memory"
+            continue
         rows = {}
         for u, keys in docs.items():
             by_key = rounds._rows(run_dir, m["name"], u)

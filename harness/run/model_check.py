@@ -89,12 +89,23 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
         if m.decoder not in DECODERS:
             raise InputError(f"model {m.name!r}: " + unknown("decoder", m.decoder, DECODERS))
         knobs = {k: v for k, v in m.knobs.items() if k not in (*LOAD_OPTIONS, TEMPLATE_OPTION)}
+        engine: dict[str, Any] = {}
+        if m.engine:  # ar@vllm: the engine's knobs leave the decoder's (harness/run/engine.py EngineSpec)
+            from harness.run.engine import EngineError, EngineSpec, split_knobs
+
+            try:
+                spec, knobs = split_knobs(m.engine, knobs)
+            except EngineError as e:
+                raise InputError(f"model {m.name!r}: {e}") from None
+            engine = {"engine": {"name": m.engine, "knobs": spec.to_dict()}}
         accepted = DECODERS[m.decoder].knobs.names()
         bad = [k for k in knobs if k not in accepted]
         if bad:
-            raise InputError(f"model {m.name!r}: unknown knob(s) {', '.join(bad)} for decoder {m.decoder!r}"
-                             f"{did_you_mean(bad[0], [*accepted, *LOAD_OPTIONS, TEMPLATE_OPTION])}; valid knobs: "
-                             + hints_short_list(accepted, lister=f"python -m harness knobs {m.decoder}"))
+            extra = EngineSpec.knob_names() if m.engine else ()
+            raise InputError(f"model {m.name!r}: unknown knob(s) {', '.join(bad)} for decoder {m.label!r}"
+                             f"{did_you_mean(bad[0], [*accepted, *extra, *LOAD_OPTIONS, TEMPLATE_OPTION])}; valid knobs: "
+                             + hints_short_list(accepted, lister=f"python -m harness knobs {m.decoder}")
+                             + (f"; engine knobs: {', '.join(extra)}" if extra else ""))
         # Not resolved here: the base's name as given (a symlink named like the model) is what its adapter's
         # base_model_name_or_path is compared with; run.json records the resolved folder (info.base.path).
         load: dict[str, Any] = {k: str(_local_path(str(v)).absolute()) for k, v in m.knobs.items()
@@ -123,7 +134,7 @@ def validate_models(models: list[ModelSpec], units: list[dict], task_defaults: b
         task_knobs, resolved = _leaf_knobs(m, knobs, own, units, task_defaults, seed, budgets or {})
         out.append({**m.to_dict(), "knobs": knobs, **load, "checkpoint": str(ckpt.resolve()),
                     "family": info.family.name, "causal": info.causal, "task_knobs": task_knobs,
-                    "resolved_knobs": resolved})
+                    "resolved_knobs": resolved, **engine})
     return out
 
 
@@ -184,11 +195,18 @@ def describe_resolved(cfg: dict) -> str:
     for m in cfg["models"]:
         attn = "causal" if m["causal"] else "bidirectional"
         own = m.get(TEMPLATE_OPTION, cfg["chat_template_args"])
-        lines.append(f"{m['name']}: decoder {m['decoder']} on {m['checkpoint']} ({m['family']} family, {attn}"
+        eng = m.get("engine")
+        lines.append(f"{m['name']}: decoder {m['decoder']}{'@' + eng['name'] if eng else ''} on {m['checkpoint']} "
+                     f"({m['family']} family, {attn}"
                      + (f", LoRA on base {m['base']}" if m.get("base") else "")
                      + (f", chat template arguments {own}" if own != cfg["chat_template_args"] else "")
                      + (", compiled: torch.compile, static shapes" if (cfg.get("compile") or {}).get(m["name"]) else "")
                      + ")")
+        if eng:
+            ver = eng.get("versions") or {}
+            lines.append(f"  engine {eng['name']} {ver.get('vllm', '?')} (torch {ver.get('torch', '?')}, "
+                         f"{ver.get('python', 'venv')}): " + ", ".join(f"{k}={v}" for k, v in eng["knobs"].items()
+                                                                 if k != "engine"))
         for u in cfg["units"]:
             groups: dict[str, list[str]] = {}
             for leaf in u["leaves"]:

@@ -2,6 +2,8 @@
 
 A ``MODELS`` string is a comma-separated list of ``name=checkpoint:decoder[:knob=value,...]`` (knobs
 continue after commas until the next ``name=...:``) or preset names (``preset[:knob=value,...]``, ``all``).
+The decoder ``ar@vllm`` is the ``ar`` decoder served by vLLM (harness/run/engine.py); its knobs are ar's
+and the engine's (``dtype``, ``max_num_seqs``, ``kv_cache_memory_bytes``, ...), split by the model check.
 It is read strictly: a plain value (a decoder, a knob's value, a chat-template argument) that holds ``=``
 or ``:`` is another model's spec swallowed by a missing comma, and the error names that model; a
 chat-template argument must be a literal the template can take (a bool for ``enable_thinking``, a number
@@ -12,7 +14,7 @@ A models file (``--models-file``, TOML: the stdlib reads it) holds one ``[[model
     [[models]]
     name = "qwen3"                           # required: letters, digits, '_', '.', '-'
     path = "/ckpt/Qwen3-8B"                  # the checkpoint folder (relative: to the file's folder)
-    decoder = "ar"                           # or preset = "refusion" instead of path and decoder
+    decoder = "ar"                           # or "ar@vllm"; or preset = "refusion" instead of path and decoder
     knobs = { gen_length = 512 }             # optional: the decoder's knobs, typed values
     chat_template_args = { enable_thinking = false }
     base = "/ckpt/Dream-v0-Base-7B"          # optional: the base folder of a LoRA adapter
@@ -160,7 +162,8 @@ def parse_models(spec: str) -> list[ModelSpec]:
                 raise _swallowed(":".join(parts[1:]), name, "decoder", tuple(DECODERS))
             if len(parts) > 2:
                 knob_text.insert(0, ":".join(parts[2:]))
-            base = ModelSpec(name, checkpoint, decoder)
+            decoder, engine = _engine_of(decoder, f"model {name!r}")
+            base = ModelSpec(name, checkpoint, decoder, engine=engine)
         else:
             name, *rest = head.split(":")
             if name not in PRESETS:
@@ -190,6 +193,17 @@ def parse_models(spec: str) -> list[ModelSpec]:
             knobs[k] = literal(v)
         models.append(replace(base, name=name, knobs=knobs))
     return check_names(models)
+
+
+def _engine_of(decoder: str, who: str) -> tuple[str, str | None]:
+    """``ar@vllm`` -> ("ar", "vllm") (the ar decoder served by an engine, harness/run/engine.py); a plain
+    decoder -> (decoder, None); InputError naming the valid engines."""
+    from harness.run.engine import EngineError, split_decoder
+
+    try:
+        return split_decoder(decoder)
+    except EngineError as e:
+        raise InputError(f"{who}: {e}") from None
 
 
 def check_names(models: list[ModelSpec]) -> list[ModelSpec]:
@@ -253,9 +267,10 @@ def _entry(p: Path, i: int, e: dict) -> ModelSpec:
             raise InputError(f"{who}: field {missing[0]!r} is missing (or give 'preset')")
         from refusion.decoding import DECODERS
 
-        if e["decoder"] not in DECODERS:
-            raise InputError(f"{who}: field 'decoder': " + unknown("decoder", e["decoder"], DECODERS))
-        spec = ModelSpec(name, _file_path(p, e["path"]), e["decoder"])
+        decoder, engine = _engine_of(e["decoder"], f"{who}: field 'decoder'")
+        if decoder not in DECODERS:
+            raise InputError(f"{who}: field 'decoder': " + unknown("decoder", decoder, DECODERS))
+        spec = ModelSpec(name, _file_path(p, e["path"]), decoder, engine=engine)
     knobs = dict(spec.knobs)
     own = e.get("knobs", {})
     if not isinstance(own, dict):

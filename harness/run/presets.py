@@ -20,9 +20,18 @@ class ModelSpec:
     checkpoint: str
     decoder: str
     knobs: dict[str, Any] = field(default_factory=dict)
+    engine: str | None = None  # decoder "ar@vllm": the ar decoder served by an engine (harness/run/engine.py)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "checkpoint": self.checkpoint, "decoder": self.decoder, "knobs": dict(self.knobs)}
+        out = {"name": self.name, "checkpoint": self.checkpoint, "decoder": self.decoder, "knobs": dict(self.knobs)}
+        if self.engine:  # only then: run.json of a run without an engine row stays as it was
+            out["engine"] = {"name": self.engine}
+        return out
+
+    @property
+    def label(self) -> str:
+        """The decoder as the user wrote it: ``ar`` or ``ar@vllm``."""
+        return f"{self.decoder}@{self.engine}" if self.engine else self.decoder
 
 
 # The default run: every decoder on the committed tiny checkpoints, with the knobs of the

@@ -126,8 +126,8 @@ class ModelSide:
     """One model of the run as a timing side: its prepared requests per unit, in batches of the run's batch
     size, and the quality pass's tokens to check every timed decode against."""
 
-    def __init__(self, spec: dict, cfg: dict, rows: dict[str, list[dict]]) -> None:
-        from harness.run.lm_adapter import RefusionBenchLM
+    def __init__(self, spec: dict, cfg: dict, rows: dict[str, list[dict]], run_dir: Path = Path(".")) -> None:
+        from harness.run.lm_adapter import RefusionBenchLM, attach_engine
 
         self.name = spec["name"]
         self.lm = RefusionBenchLM(
@@ -136,6 +136,8 @@ class ModelSide:
             task_knobs=spec["task_knobs"], dtype=cfg.get("dtype", "float32"), base=spec.get("base"),
             chat_template_args=spec.get("chat_template_args", cfg.get("chat_template_args")) or None,
             response_extract="python_fence" if cfg.get("prompts") == "paper" else None, **spec["knobs"])
+        attach_engine(self.lm, spec.get("engine"), str(run_dir / "models" / spec["name"] / "engine-rounds.log"))
+        self.quiet_s: list[float] = []  # an engine row: seconds waited for its server to go idle, per block
         self.expected: dict[tuple[str, object], list[int]] = {}
         self.batches: dict[str, list[list[dict]]] = {}
         self.dropped: dict[tuple[str, int], dict] = {}  # (group, call) -> the call's documents and its fault
@@ -195,6 +197,18 @@ class ModelSide:
         return {"failed": self.dropped[(group, ci)]["reason"], "rows": len(batch)}
 
     def block(self, group: str, repeat: int) -> list[dict]:
+        engine = getattr(self.lm, "engine", None)  # an engine row's server (lm_adapter.attach_engine)
+        if engine is not None:
+            # vLLM's CPU worker spins for about a second after each step: wait (outside every clock) until its
+            # server is idle before the block, so its own block starts from rest, and after it, so the next
+            # row's block is not timed beside a busy server (docs/engines.md "Fairness").
+            self.quiet_s.append(engine.wait_quiet())
+        calls = self._block(group, repeat)
+        if engine is not None:
+            self.quiet_s.append(engine.wait_quiet())
+        return calls
+
+    def _block(self, group: str, repeat: int) -> list[dict]:
         calls: list[dict] = []
         for rep in range(repeat):
             for ci in range(len(self.batches[group])):
@@ -209,6 +223,9 @@ class ModelSide:
         return calls
 
     def close(self) -> None:
+        from harness.run.lm_adapter import close_engine
+
+        close_engine(self.lm)
         del self.lm
         gc.collect()
         try:
@@ -356,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                     loaded.pop(n).close()
             for n in members:
                 if n not in loaded:
-                    loaded[n] = ModelSide(specs[n], cfg, rows[n])
+                    loaded[n] = ModelSide(specs[n], cfg, rows[n], run_dir)
             guard = guard_mod.Guard(busy_share=float(t["busy_share"]), gpu_index=gpu)
             desc = "timed rounds" + (f" ({n} vs {ref})" if len(plan) > 1 else "")
             got = timing.run_rounds([loaded[n] for n in members], groups, rounds=int(t["rounds"]), order=t["order"],
@@ -370,11 +387,17 @@ def main(argv: list[str] | None = None) -> int:
     except timing.TimingMismatch as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    finally:
+        from harness.run.lm_adapter import close_engine
+
+        for side in loaded.values():  # engine servers stopped on every way out (also at exit)
+            close_engine(side.lm)
+    quiet = {n: round(sum(s.quiet_s), 1) for n, s in loaded.items() if s.quiet_s}
     device = str(cfg["device"])
     atomic_write_json(run_dir / "timing.json", {
         "settings": t, "docs": {u: [list(k) for k in ks] for u, ks in docs.items()}, "reference": ref,
         "memory": mode, "passes": passes, "seconds": round(time.monotonic() - t0, 1),
-        "dropped": dropped, "retried": retried,
+        "dropped": dropped, "retried": retried, **({"engine_quiet_wait_s": quiet} if quiet else {}),
         "clock": ("wall time, the device synchronised at the edges of every call; CPU time beside it"
                   if device.startswith("cuda") else "wall time; the process's CPU time beside it")})
     return 0

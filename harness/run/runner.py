@@ -203,12 +203,13 @@ def build_config(ns: argparse.Namespace) -> dict:
     except ValueError as e:
         raise InputError(str(e)) from None
     model_cfgs = validate_models(models, units, task_defaults, inspected, ns.seed, budgets)
+    check_engines(model_cfgs, resolve_dtype(ns.dtype, device))
     baseline = ns.baseline
     if baseline is not None and baseline not in [m["name"] for m in model_cfgs]:
         raise InputError(f"--baseline {baseline!r} is not a model of this run; valid: "
                          f"{', '.join(m['name'] for m in model_cfgs)}")
     if baseline is None:
-        baseline = next((m["name"] for m in model_cfgs if m["decoder"] == "ar"), None)
+        baseline = next((m["name"] for m in model_cfgs if m["decoder"] == "ar" and not m.get("engine")), None)
     launch = {k: getattr(ns, k) for k in cluster.LAUNCH_OPTIONS if getattr(ns, k) is not None}
     try:
         cluster.check_launch(launch, ns.num_processes)
@@ -232,6 +233,22 @@ def build_config(ns: argparse.Namespace) -> dict:
         "chat_template_args": run_template_args, "compile": compile_settings(model_cfgs), "timing": timing,
         "memory_pass": {"items": ns.memory_items},
     }
+
+
+def check_engines(model_cfgs: list[dict], dtype: str) -> None:
+    """Every engine row's venv imports its engine (harness/run/engine.py check_engine), before any model loads
+    and in a dry run too: InputError, one line, otherwise. Records the versions and the dtype the server gets."""
+    from harness.run.engine import EngineError, EngineSpec, check_engine
+
+    for m in model_cfgs:
+        if not m.get("engine"):
+            continue
+        knobs = m["engine"]["knobs"]
+        try:
+            m["engine"]["versions"] = check_engine(EngineSpec(**knobs))
+        except EngineError as e:
+            raise InputError(f"model {m['name']!r}: {e}") from None
+        knobs["dtype"] = knobs.get("dtype") or dtype
 
 
 def timing_config(ns: argparse.Namespace) -> dict:

@@ -19,7 +19,9 @@ def _row(m: dict) -> dict:
     failed = (m.get("failed") or {}).get("items", [])
     return {
         # n counts every item; the failed ones (harness/run/faults.py) scored as wrong, outside the speed figures
-        "model": m["model"], "task": m["task"], "decoder": m["decoder"], "samples": s["samples"] + len(failed),
+        "model": m["model"], "task": m["task"], "samples": s["samples"] + len(failed),
+        # an engine row (ar@vllm) names its engine; its latency is measured at the client
+        "decoder": m["decoder"] + (f"@{m['engine']['name']}" if m.get("engine") else ""), "engine": bool(m.get("engine")),
         "failed": len(failed), "failed_items": failed,
         # code verdicts on programs importing a package the sandbox did not give (no namespaces, a private venv)
         "sandbox_withheld": (m.get("sandbox_withheld") or {}).get("count", 0),
@@ -331,8 +333,29 @@ def _cells(r: dict, run_timed: bool = False) -> list[str]:
         text = _fmt(v, spec) if spec else _fmt(v)
         if spec and v is not None:
             text += fmt_interval(r.get(f"{key}_ci"), spec) + _suffix(r, key, run_timed)
+            if r.get("engine") and key.startswith("latency"):
+                text += " (at client)"
         out.append(text)
     return out
+
+
+def _other_baselines(s: dict) -> tuple[list[str], list[list[str]]]:
+    """(headers, cells per row) of the speedup columns against the AR baselines after the run's own (engine
+    rows, harness/run/speedups.py); ([], []) for a run without them."""
+    from harness.run.stats import fmt_interval
+
+    labels = s.get("baseline_labels") or {}
+    others = [b for b in (s.get("speedups") or {}) if b != s.get("baseline")]
+    heads = [f"speedup vs {labels.get(b, b)} [95% CI]" for b in others]
+    cells = []
+    for r in s["rows"]:
+        row = []
+        for b in others:
+            got = ((s["speedups"][b].get(r["model"]) or {}).get("per_task") or {}).get(r["task"])
+            row.append("1.00x (itself)" if r["model"] == b else "-" if not got else
+                       f"{got['ratio']:.2f}x{fmt_interval(got['interval'], '.2f')}")
+        cells.append(row)
+    return heads, cells
 
 
 def _columns(s: dict) -> list[int]:
@@ -342,7 +365,18 @@ def _columns(s: dict) -> list[int]:
 
 def _head(s: dict, keep: list[int]) -> list[str]:
     """Column headings; a single pass says so beside every wall-clock figure, a timed run beside the figures
-    that still come from the decoding pass (the latency percentiles)."""
+    that still come from the decoding pass (the latency percentiles). With several AR baselines (engine rows)
+    the speedup column names its own, and the others' columns follow (``_other_baselines``)."""
+    if s.get("speedups") and s.get("baseline"):
+        label = (s.get("baseline_labels") or {}).get(s["baseline"], s["baseline"])
+        s = {**s, "_vs": f"speedup vs {label} [95% CI]"}
+    head = _head_plain(s, keep)
+    if s.get("_vs"):
+        head = [s["_vs"] + h[len("speedup [95% CI]"):] if h.startswith("speedup [95% CI]") else h for h in head]
+    return head + _other_baselines(s)[0]
+
+
+def _head_plain(s: dict, keep: list[int]) -> list[str]:
     if single_pass(s):
         return [COLUMNS[i][0] + (" (single pass)" if COLUMNS[i][1] in SPEED_KEYS else "") for i in keep]
     return [COLUMNS[i][0].replace(" [", " (pass) [") if COLUMNS[i][1] in SPEED_KEYS and COLUMNS[i][1] not in
@@ -358,7 +392,9 @@ def markdown(s: dict) -> str:
     if note:
         lines += [f"**{note}**", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(_cells(r, not single_pass(s))[i] for i in keep) + " |" for r in s["rows"]]
+    extra = _other_baselines(s)[1]
+    lines += ["| " + " | ".join([_cells(r, not single_pass(s))[i] for i in keep] + (extra[j] if extra else []))
+              + " |" for j, r in enumerate(s["rows"])]
     failed = [f"{r['model']} on {r['task']}: " + ", ".join(f"document {f['doc_id']} ({f['reason']})"
                                                         for f in r["failed_items"])
               for r in s["rows"] if r.get("failed_items")]
@@ -374,6 +410,13 @@ def markdown(s: dict) -> str:
         lines += ["", "Mean per-task speedup [95% CI]: " + ", ".join(f"{k} {v:.2f}x{fmt_interval(ivs.get(k), '.2f')}"
                                                                      for k, v in s["mean_speedup"].items())
                   + (f" ({'; '.join(how)})" if how else "")]
+    from harness.run import agreement, speedups
+
+    for line in speedups.lines(s) + agreement.lines(s.get("agreement")):
+        lines += ["", line]
+    if any(r.get("engine") for r in s["rows"]):
+        lines += ["", "Engine rows (ar@vllm): latency and tokens/s are measured at the client, per request over "
+                  "HTTP, with the server's CPU time counted as the row's own (docs/engines.md)."]
     lines += ["", intervals_note(s.get("baseline"), single_pass(s), (s.get("timing") or {}).get("rounds"))]
     if timing_note(s):
         lines += ["", timing_note(s)]
@@ -393,7 +436,9 @@ def markdown(s: dict) -> str:
 def table(s: dict) -> str:
     keep = _columns(s)
     head = _head(s, keep)
-    body = [[c[i] for i in keep] for c in (_cells(r, not single_pass(s)) for r in s["rows"])]
+    extra = _other_baselines(s)[1]
+    body = [[c[i] for i in keep] + (extra[j] if extra else [])
+            for j, c in enumerate(_cells(r, not single_pass(s)) for r in s["rows"])]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
@@ -449,6 +494,12 @@ def failed_lines(s: dict, run_dir: Path) -> list[str]:
 def one_line(s: dict, run_dir: Path) -> str:
     parts = [f"{k} {v:.2f}x" for k, v in s["mean_speedup"].items() if k != s["baseline"]]
     vs = f"; mean speedup vs {s['baseline']}: {', '.join(parts)}" if s.get("baseline") and parts else ""
+    for base, per in (s.get("speedups") or {}).items():  # engine rows: the other AR baselines
+        more = [f"{k} {v['ratio']:.2f}x" for k, v in per.items() if v.get("ratio") is not None]
+        if base != s.get("baseline") and more:
+            vs += f"; vs {base}: {', '.join(more)}"
+    for p in (s.get("agreement") or {}).get("pairs", []):
+        vs += f"; agreement {p['engine']}/{p['reference']} {p['equal']}/{p['items']}{'' if p['ok'] else ' FAILED'}"
     k = resumed(s.get("sessions") or [])
     merged = next((x["merged"] for x in s.get("sessions") or [] if x.get("merged")), None)
     again = f"; merged from {merged} shards" if merged else f"; resumed, measured in {k} sessions" if k > 1 else ""

@@ -139,6 +139,9 @@ def _main(ns: argparse.Namespace) -> int:
     quiet_libraries()  # no per-task metadata hint, no weight-loading bar; warnings and errors stay
     mdir = run_dir / "models" / spec["name"]
     lm, res = _evaluate(cfg, spec, mdir, ns.retry_failed)
+    from harness.run.lm_adapter import close_engine
+
+    close_engine(lm)  # an engine row's server: stopped before the results are written (also at exit, on any signal)
     lm.barrier()
     # Every rank's keys, RSS and counts go to rank 0, which alone writes files.
     mine = {"keys": lm.keys_by_task, "peak_rss_bytes": _peak_rss_bytes(), "computed": lm.computed,
@@ -159,7 +162,7 @@ def _evaluate(cfg: dict, spec: dict, mdir: Path, retry_failed: bool = False):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from harness.run.lm_adapter import RefusionBenchLM, set_seed
+    from harness.run.lm_adapter import RefusionBenchLM, attach_engine, set_seed
 
     set_seed(cfg["seed"])
     lm = RefusionBenchLM(
@@ -169,6 +172,7 @@ def _evaluate(cfg: dict, spec: dict, mdir: Path, retry_failed: bool = False):
         chat_template_args=spec.get("chat_template_args", cfg.get("chat_template_args")) or None,
         response_extract="python_fence" if cfg.get("prompts") == "paper" else None, retry_failed=retry_failed,
         **spec["knobs"])
+    attach_engine(lm, spec.get("engine"), str(mdir / "engine.log"))  # ar@vllm: decoded by its server
     # The built-in tasks folder, then the run's --tasks-dir folders (runner.task_manager: later ones win).
     dirs = list(dict.fromkeys([cfg["tasks_dir"], *cfg.get("tasks_dirs", [])]))
     tm = TaskManager(include_path=dirs, include_defaults=False)
@@ -260,6 +264,7 @@ def _unit_metrics(cfg: dict, spec: dict, unit: dict, recs: list[dict], gen_recs:
                 "dtype": cfg.get("dtype", "float32"), "chat_template_args": spec.get("chat_template_args", cfg.get("chat_template_args", {})),
                 "environment": cfg.get("environment")},
         "knobs_used": spec.get("resolved_knobs", {}).get(unit["leaves"][0]) if unit["leaves"] else None,
+        **({"engine": spec["engine"]} if spec.get("engine") else {}),  # ar@vllm: the engine, its knobs, versions
     }
 
 
