@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     mach = machine()
     record = {"made": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "cpu": mach["cpu"],
               "key_flags": mach["key_flags"],
-              "scope": ns.scope, "pytest_args": ns.pytest_args, "workers": ns.workers, "runs": runs}
+              "scope": ns.scope, "pytest_args": ns.pytest_args, "workers": ns.workers,
+              # without it the tests on the real benchmarks' data files skip (as in `make test`)
+              "data_dir_set": bool(os.environ.get("REFUSION_DATA_DIR")), "runs": runs}
     try:
         import torch
 

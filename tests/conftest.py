@@ -360,17 +360,21 @@ def shared_once(tmp_path_factory):
 
 @pytest.fixture
 def fake_engine(tmp_path):
-    """`fake_engine(mode="ok", child=False, health_timeout_s=60) -> EngineServer`, not yet started: the real
-    lifecycle code (keeper, process group, health wait, stop) around tests/engine_double.py, a real HTTP server
-    that speaks the engine's API subset; every server made here is stopped after the test."""
+    """`fake_engine(mode="ok", child=False, health_timeout_s=60, eos=None) -> EngineServer`, not yet started: the
+    real lifecycle code (keeper, process group, health wait, stop) around tests/engine_double.py, a real HTTP
+    server that speaks the engine's API subset (``eos``: the double's own EOS, as a model's); every server made
+    here is stopped after the test."""
     from harness.run.engine import EngineServer, free_port
 
     made = []
 
-    def make(mode: str = "ok", child: bool = False, health_timeout_s: float = 60.0) -> EngineServer:
+    def make(mode: str = "ok", child: bool = False, health_timeout_s: float = 60.0,
+             eos: int | None = None) -> EngineServer:
         port = free_port()
         cmd = [sys.executable, str(REPO / "tests" / "engine_double.py"), "--port", str(port), "--mode", mode]
-        server = EngineServer(cmd + (["--child"] if child else []), port, tmp_path / f"engine-{len(made)}.log",
+        cmd += ["--child"] if child else []
+        cmd += ["--eos", str(eos)] if eos is not None else []
+        server = EngineServer(cmd, port, tmp_path / f"engine-{len(made)}.log",
                               health_timeout_s=health_timeout_s, name="double")
         made.append(server)
         return server

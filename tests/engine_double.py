@@ -2,13 +2,13 @@
 (stdlib http.server) that speaks the subset of vLLM's OpenAI-compatible API the harness uses, so the client and
 the server's lifecycle (harness/run/engine.py) run for real in CI without vLLM.
 
-    python tests/engine_double.py --port P [--mode ok|crash|never-healthy] [--child]
+    python tests/engine_double.py --port P [--mode ok|crash|never-healthy] [--child] [--eos ID]
 
 - ``GET /health``: 200 (``never-healthy``: 503 forever; ``crash``: the process exits with code 3 at once);
 - ``POST /v1/completions`` with ``prompt`` a list of token ids: greedy tokens by a fixed rule, token ``i`` of
   the answer = (last prompt id + 1 + i) % 50, cut after the first of ``stop_token_ids`` or at ``max_tokens``,
-  returned as ``choices[0].token_ids``; a prompt whose last id is 999 makes the server exit (a crash while
-  serving);
+  returned as ``choices[0].token_ids``; with ``--eos ID`` also after ID, unless the request sets
+  ``ignore_eos``; a prompt whose last id is 999 makes the server exit (a crash while serving);
 - ``--child``: like vLLM's engine core, a second process below the server, which leaves its session (setsid)
   and sleeps: stopping the server must take it too.
 """
@@ -26,12 +26,13 @@ VOCAB = 50
 CRASH_ID = 999
 
 
-def answer(prompt: list[int], max_tokens: int, stop: list[int]) -> list[int]:
+def answer(prompt: list[int], max_tokens: int, stop: list[int], eos: int | None = None,
+           ignore_eos: bool = False) -> list[int]:
     out = []
     for i in range(max_tokens):
         t = (prompt[-1] + 1 + i) % VOCAB
         out.append(t)
-        if t in stop:
+        if t in stop or (t == eos and not ignore_eos):
             break
     return out
 
@@ -41,6 +42,8 @@ def main() -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--mode", choices=("ok", "crash", "never-healthy"), default="ok")
     p.add_argument("--child", action="store_true")
+    p.add_argument("--eos", type=int, default=None, help="the model's own EOS: answers stop there unless the "
+                   "request sets ignore_eos (as vLLM stops at the tokenizer's EOS)")
     ns = p.parse_args()
     if ns.mode == "crash":
         return 3
@@ -76,7 +79,8 @@ def main() -> int:
                 return
             if prompt[-1] == CRASH_ID:
                 os._exit(5)
-            toks = answer(prompt, int(body["max_tokens"]), list(body.get("stop_token_ids") or []))
+            toks = answer(prompt, int(body["max_tokens"]), list(body.get("stop_token_ids") or []), ns.eos,
+                          bool(body.get("ignore_eos")))
             self._send(200, {"choices": [{"index": 0, "text": "", "token_ids": toks}],
                              "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(toks)}})
 

@@ -67,6 +67,17 @@ def test_start_request_response_and_stop_leave_nothing(fake_engine):
     assert _gone(pids) and port_free(server.port)
 
 
+def test_ignore_eos_runs_past_the_model_s_own_eos(fake_engine):
+    """Fixed work (harness/speed/scaling.py): with no stop id the server still stops at its model's EOS, unless
+    the request sets ignore_eos."""
+    server = fake_engine(eos=10).start()
+    client = EngineClient(server.url, timeout_s=30)
+    assert client.complete([3, 7], max_tokens=5, stop_ids=[])[0] == [8, 9, 10]
+    assert client.complete([3, 7], max_tokens=5, stop_ids=[], ignore_eos=True)[0] == [8, 9, 10, 11, 12]
+    assert [g[0] for g in client.complete_many([[7], [8]], 4, [], ignore_eos=True)] == [[8, 9, 10, 11],
+                                                                                         [9, 10, 11, 12]]
+
+
 def test_server_that_exits_before_it_is_ready_is_one_error_naming_its_log(fake_engine):
     server = fake_engine(mode="crash")
     with pytest.raises(EngineError) as e:

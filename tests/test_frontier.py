@@ -152,18 +152,21 @@ TOY = {"ar": ("ar", [1, 1, 1, 1], 4, 4), "toy": ("toy_thr", [1, 1, 1, 0], 4, 2),
        "toy.t0.5": ("toy_thr", [1, 1, 0, 1], 4, 1), "toy.t0.1": ("toy_thr", [0, 0, 0, 1], 8, 1)}
 
 
-def _frontier_run(root: Path, groups: list) -> Path:
+def _frontier_run(root: Path, groups: list, toy: dict | None = None) -> Path:
     """A finished run folder of the points of ``groups`` as `harness frontier` leaves it (run.json, metrics, the
-    per-sample logs, the plan), with the per-item values of ``TOY``."""
+    per-sample logs, the plan), with the per-item values of ``toy`` (default ``TOY``)."""
+    toy = TOY if toy is None else toy
+    engines = {g.model: g.engine for g in groups if g.engine}
     d = root / "frontier-toy"
     (d / "metrics").mkdir(parents=True)
     cfg = {"run_id": d.name, "task": "tiny", "limit": 4, "seed": 1, "chat_template": True, "device": "cpu",
            "threads": 1, "num_processes": 1, "batch_size": 1, "task_defaults": True, "baseline": "ar",
            "created": "2026-01-01T00:00:00", "units": [{"name": "tiny", "leaves": ["tiny"], "primary": "exact_match,none"}],
-           "models": [{"name": n, "checkpoint": "/ckpt", "decoder": dec, "knobs": {}} for n, (dec, *_) in TOY.items()],
+           "models": [{"name": n, "checkpoint": "/ckpt", "decoder": dec, "knobs": {},
+                       **({"engine": {"name": engines[n]}} if n in engines else {})} for n, (dec, *_) in toy.items()],
            "environment": {"git_commit": "abc", "device": "cpu", "cpu": "test cpu"}}
     (d / "run.json").write_text(json.dumps(cfg))
-    for name, (dec, scores, toks, nfe) in TOY.items():
+    for name, (dec, scores, toks, nfe) in toy.items():
         rows = [{"task": "tiny", "doc_id": i, "filter": "none", "metrics": {"exact_match": float(s)},
                  "generated_tokens": toks, "nfe": nfe, "decode_s": 0.01 * nfe} for i, s in enumerate(scores)]
         (d / "models" / name / "samples").mkdir(parents=True)
@@ -203,13 +206,49 @@ def test_a_decoder_registered_with_a_grid_gets_its_frontier_and_aup(toy_decoder,
     row = next(line for line in aup_md.splitlines() if line.startswith("| toy |"))
     assert row.startswith(f"| toy | toy_thr | {toy['aup']:.1f} [") and row.endswith("(2/3) |")
     assert "Dropped (below the model's first point minus the offset): toy.t0.1 on tiny" in aup_md
-    for png in ("frontier_tiny_tpf.png", "frontier_tiny_tps.png"):
+    for png in ("frontier_tiny_tpf.png", "frontier_tiny_tps.png", "frontier_tiny_speedup_ar.png"):
         assert (out / "f" / png).stat().st_size > 1000
+    # tokens/s per item: ar 4 / 0.04 s, toy 4 / 0.02, toy.t0.5 4 / 0.01, toy.t0.1 8 / 0.01: speedups 1, 2, 4, 8
+    assert task["baselines"] == ["ar"]
+    got = {p["name"]: p["speedup:ar"] for p in task["points"]}
+    assert got == pytest.approx({"ar": 1.0, "toy": 2.0, "toy.t0.5": 4.0, "toy.t0.1": 8.0})
+    for p in task["points"]:
+        iv = p["speedup:ar_ci"]
+        assert (iv is None) == (p["name"] == "ar")
+        assert iv is None or (iv["lo"] <= p["speedup:ar"] <= iv["hi"] and "paired bootstrap" in iv["method"])
+    assert task["pareto"]["speedup:ar"] == task["pareto"]["tokens_per_s"]
+    assert "| speedup over ar [95% CI] |" in aup_md
     index = (out / "f" / "index.md").read_text()
     assert "(aup.md)" in index and "(frontier_tiny_tpf.png)" in index
     # A frontier's other grid points are rows of the report, not speedup references.
     sp = (out / "f" / "speedup.md").read_text()
     assert "### vs toy (MDM baseline)" in sp and "### vs toy.t0.5" not in sp
+
+
+def test_an_engine_row_is_a_second_baseline_of_the_frontier(toy_decoder, tmp_path):
+    """ar and ar@vllm in one frontier run: the engine row keeps its engine in the eval's MODELS string, and every
+    point gets its speedup over each of the two, with a figure per baseline."""
+    from harness.run.model_list import parse_models
+
+    groups = frontier.plan([ModelSpec("ar", "/ckpt", "ar"), ModelSpec("vllm", "/ckpt", "ar", engine="vllm"),
+                            ModelSpec("toy", "/ckpt", toy_decoder, {"threshold": 0.9})])
+    text = frontier.models_text(groups)
+    assert text.startswith("ar=/ckpt:ar,vllm=/ckpt:ar@vllm,toy=/ckpt:toy_thr:")
+    assert [m.engine for m in parse_models(text)][:2] == [None, "vllm"]
+    assert "vllm (ar@vllm): " in frontier.describe_plan(groups)
+    toy = {**TOY, "vllm": ("ar", [1, 1, 1, 1], 4, 2)}  # 200 tokens/s, twice ar's
+    run = _frontier_run(tmp_path / "runs", groups, toy)
+    out = tmp_path / "reports"
+    assert paper_report.main(["--run", str(run), "--out", str(out), "--name", "f"]) == 0
+    (task,) = json.loads((out / "f" / "frontier.json").read_text())["tasks"]
+    assert task["baselines"] == ["ar", "vllm"]
+    by = {p["name"]: p for p in task["points"]}
+    assert by["toy.t0.5"]["speedup:ar"] == pytest.approx(4.0)
+    assert by["toy.t0.5"]["speedup:vllm"] == pytest.approx(2.0) and by["vllm"]["speedup:vllm"] == 1.0
+    assert by["ar"]["speedup:vllm"] == pytest.approx(0.5)
+    for png in ("frontier_tiny_speedup_ar.png", "frontier_tiny_speedup_vllm.png"):
+        assert (out / "f" / png).stat().st_size > 1000
+    assert "| speedup over ar [95% CI] | speedup over vllm [95% CI] |" in (out / "f" / "aup.md").read_text()
 
 
 def test_frontier_figure_series(toy_decoder, tmp_path):

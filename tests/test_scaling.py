@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,9 @@ def quick(shared_once):
     def make(tmp: Path) -> None:
         threads = torch.get_num_threads()
         try:
-            assert scaling.main(["--quick", "--out", str(tmp / "scaling.json"), "--report", str(tmp / "report")]) == 0
+            # the decoders named: a machine with .venv-vllm would add the engine row to the default ones
+            assert scaling.main(["--quick", "--decoders", ",".join(scaling.DEFAULT_DECODERS),
+                                 "--out", str(tmp / "scaling.json"), "--report", str(tmp / "report")]) == 0
         finally:
             torch.set_num_threads(threads)
 
@@ -168,6 +171,9 @@ def test_bad_budget_strings_are_refused(text):
 
 @pytest.mark.parametrize("argv, message", [
     (["--decoders", "ar,nope"], "error: unknown decoder 'nope'; valid decoders: ar, refusion,"),
+    (["--decoders", "refusion@vllm"], "error: decoder 'refusion@vllm': an engine serves an AR preset only"),
+    (["--decoders", "ar@tgi"], "error: decoder 'ar@tgi': an engine serves an AR preset only, and the engines are "
+                               "vllm"),
     (["--memory-budget", "lots"], "error: --memory-budget: cannot read 'lots'"),
     (["--gen-lengths", "64,32"], "error: --gen-lengths: give at least two distinct positive integers"),
     (["--rounds", "0"], "error: --rounds must be >= 1"),
@@ -223,6 +229,72 @@ def test_an_interrupted_run_resumes_without_recomputing_finished_points(tmp_path
     result = json.loads((tmp_path / "s.json").read_text())
     assert result["points"][0] == first["gen/8/ar"] and result["resumed"] is True
     assert not list(tmp_path.glob(".s.*.partial.json"))
+
+
+def test_an_engine_row_is_timed_beside_the_others_on_the_same_fixed_work(tmp_path, monkeypatch, capsys):
+    """ar@vllm through the real EngineDecoder, server lifecycle and client, with the engine's test double as the
+    server (tests/engine_double.py). The double has its own EOS at the first token it answers to every chat
+    prompt, so only ignore_eos gives the fixed work (a shorter answer fails the run)."""
+    import torch
+
+    from harness.models.checkpoints import load_model
+    from harness.run import engine, engine_decoder
+
+    tok = load_model(str(REPO / "checkpoints" / "tiny" / "ar")).tokenizer
+    eos = (scaling.chat_prompt_ids(tok, 8, 0)[-1] + 1) % 50  # the double's first answer token to these prompts
+    started = []
+
+    def command(spec, folder, port, dtype, device):
+        started.append((spec, port))
+        return [sys.executable, str(REPO / "tests" / "engine_double.py"), "--port", str(port), "--eos", str(eos)]
+
+    monkeypatch.setattr(engine_decoder, "server_command", command)
+    monkeypatch.setattr(engine_decoder, "check_engine", lambda spec: {"vllm": "double"})
+    monkeypatch.setattr(engine, "check_engine", lambda spec: {"vllm": "double"})
+    threads = torch.get_num_threads()
+    try:
+        assert scaling.main(["--quick", "--decoders", "ar,ar@vllm", "--gen-lengths", "8,16", "--prompt-lengths",
+                             "8,16", "--batches", "1,2", "--out", str(tmp_path / "s.json"),
+                             "--report", str(tmp_path / "report")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (spec, port), = started  # one server for the whole run, stopped at its end
+    assert spec.max_num_seqs >= 2 and engine.port_free(port)
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert result["settings"]["engines"]["ar@vllm"]["max_num_seqs"] == spec.max_num_seqs
+    assert result["engines"]["ar@vllm"]["versions"] == {"vllm": "double"}
+    rows = [p for p in result["points"] if p["decoder"] == "ar@vllm"]
+    assert len(rows) == len(result["points"]) // 2 == 6
+    for p in rows:
+        assert p["generated_tokens"] == p["batch"] * p["gen_length"] and p["nfe"] == p["gen_length"]
+        assert p["memory"]["peak_bytes"] is None and p["memory"]["method"] == scaling.ENGINE_MEMORY
+        t = p["timing"]
+        assert t["latency_at"] == "client" and t["cpu_tokens_per_s"] is None and t["quiet_wait_s"] > 0
+        assert t["tokens_per_s"] == pytest.approx(p["generated_tokens"] / t["latency_s"])
+    fits = result["fits"]["ar@vllm"]
+    assert fits["batch"]["latency_s"] is not None and fits["batch"]["peak_bytes"] is None
+    assert result["budget"]["decoders"]["ar@vllm"]["throughput"].startswith("no budget row: memory not tracked")
+    index = (tmp_path / "report" / "index.md").read_text()
+    assert "| ar@vllm | 2 |" in index and "(at client)" in index
+    assert "ar@vllm" in capsys.readouterr().out
+
+
+def test_a_broken_engine_venv_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    from harness.models import checkpoints
+
+    monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    assert scaling.main(["--quick", "--decoders", "ar,ar@vllm", "--engine-venv", str(tmp_path / "none"),
+                         "--out", str(tmp_path / "s.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ar@vllm: engine vllm: no venv at ") and "make setup-vllm" in err, err
+    assert err.count("\n") == 1
+
+
+def test_the_default_decoders_add_the_engine_row_where_its_venv_exists(tmp_path):
+    assert scaling.default_decoders(str(tmp_path)) == scaling.DEFAULT_DECODERS
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("")
+    assert scaling.default_decoders(str(tmp_path)) == (*scaling.DEFAULT_DECODERS, "ar@vllm")
 
 
 def test_make_scaling_reaches_the_command(fake_venv):

@@ -5,6 +5,12 @@ which model of the run is which point of which decoder's grid. ``write`` turns s
 accuracy against TPF and against tokens/s (one line per model, 95% intervals, the Pareto set ringed), ``aup.md``
 (AUP per model and task) and ``frontier.json``; `make report` calls it for every run (nothing for other runs).
 
+Against each AR baseline among the run's models (each model decoded by ``ar``: the transformers row and an engine
+row such as ``ar@vllm``), every point also gets its speedup (its tokens/s over the baseline's on the task) and a
+figure of accuracy against that speedup, ``frontier_<task>_speedup_<baseline>.png``. The interval comes from the
+run's timed rounds when both were timed in one pass (``ratio_in_run``), else from a paired bootstrap over the
+items both decoded.
+
 AUP (accuracy under parallelism, d3LLM): accuracy y in percent, parallelism rho = TPF; the points sorted by rho;
 those with y below the first point's y minus ``Y_OFFSET`` dropped; AUP = rho_1 y_1 + sum_i (rho_i - rho_{i-1})
 (y_i W(y_i) + y_{i-1} W(y_{i-1})) / 2 with W(y) = min(exp(-ALPHA (1 - y / y_max)), 1), y_max the best accuracy of
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +125,49 @@ def _point(g: dict, p: dict, met: dict, unit: str, it: stats.Items | None) -> di
                                 _interval(stats.speed_dist(it, "tokens_per_s", unit)) if it is not None else None)}
 
 
+def baselines(groups: list[dict]) -> list[str]:
+    """The AR baselines of a frontier run: the own point of every model decoded by ``ar`` (the transformers row,
+    an engine row), in the run's order."""
+    return [p["name"] for g in groups if g["decoder"] == "ar" for p in g["points"] if p["own"]]
+
+
+def speedup_key(ref: str) -> str:
+    return f"speedup:{ref}"
+
+
+def _speedup(met: dict, ref_met: dict, unit: str, it: stats.Items | None, ref_it: stats.Items | None) -> dict | None:
+    """A point's tokens/s over a baseline's on one task (module doc): {"ratio", "interval"}; None when neither the
+    timed rounds nor shared items give one."""
+    from harness.report.timed import ratio_in_run
+
+    if is_timed(met) and is_timed(ref_met) and met["_run_dir"] == ref_met["_run_dir"]:
+        got = ratio_in_run(met["_run_dir"], met["model"], ref_met["model"], [unit])
+        q = got and got["per_unit"][unit]
+        if q:
+            return {"ratio": q["ratio"], "interval": q["interval"]}
+    if it is None or ref_it is None:
+        return None
+    q = stats.paired_ratio(ref_it, it, "tokens_per_s", (unit, "frontier speedup"))
+    return None if q is None else {"ratio": q["ratio"], "interval": q.get("interval")}
+
+
+def _add_speedups(pts: list[dict], mets: dict[str, dict], items: dict, unit: str, refs: list[str]) -> None:
+    """Each point's speedup over each baseline, as ``speedup:<ref>`` and its ``_ci`` (the baseline itself: 1)."""
+    for ref in refs:
+        key = speedup_key(ref)
+        for p in pts:
+            if ref not in mets:
+                p[key] = p[f"{key}_ci"] = None
+            elif p["name"] == ref:
+                p[key], p[f"{key}_ci"] = 1.0, None
+            else:
+                got = _speedup(mets[p["name"]], mets[ref], unit, items.get(p["name"]), items.get(ref))
+                iv = got and got["interval"]
+                p[key] = got and got["ratio"]
+                p[f"{key}_ci"] = {"lo": iv["lo"], "hi": iv["hi"], "method": iv.get("method", "paired bootstrap over "
+                                                                                  "items")} if iv else None
+
+
 def _usable(pts: list[dict]) -> list[dict]:
     return [p for p in pts if p["quality"] is not None and p["tpf"] is not None and p["tpf"] > 0]
 
@@ -156,15 +206,17 @@ def _aup_dists(unit: str, pts: list[dict], items: dict[str, stats.Items | None])
 def task_frontier(unit: str, groups: list[dict], rs) -> dict:
     """One task's frontier: every point, y_max, per model its AUP (with its interval, the points kept and dropped)
     and the Pareto sets against TPF and against tokens/s."""
-    pts, items = [], {}
+    pts, items, mets = [], {}, {}
     for g in groups:
         for p in g["points"]:
             met = rs.metrics.get((p["name"], unit))
             if met is None:
                 continue
             it = stats.cached_items(met["_run_dir"], met.get("model", p["name"]), unit, met.get("quality_primary"))
-            items[p["name"]] = it
+            items[p["name"]], mets[p["name"]] = it, {**met, "model": met.get("model", p["name"])}
             pts.append(_point(g, p, met, unit, it))
+    refs = baselines(groups)
+    _add_speedups(pts, mets, items, unit, refs)
     use = _usable(pts)
     y_max = max((p["quality"] for p in use), default=None)
     dists = _aup_dists(unit, pts, items) if use else None
@@ -181,7 +233,8 @@ def task_frontier(unit: str, groups: list[dict], rs) -> dict:
             "points": len(mine), "kept": kept_names, "dropped": [p["name"] for p in mine if p["name"] not in kept_names],
             "best_accuracy": max(p["quality"] for p in mine), "max_tpf": max(p["tpf"] for p in mine)}
     return {"task": unit, "y_max": y_max, "y_max_point": next((p["name"] for p in use if p["quality"] == y_max), None),
-            "points": pts, "models": models, "pareto": {x: pareto(pts, x) for x, _ in FIGURE},
+            "points": pts, "models": models, "baselines": refs,
+            "pareto": {x: pareto(pts, x) for x in [*(x for x, _ in FIGURE), *map(speedup_key, refs)]},
             "unusable": [p["name"] for p in pts if p not in use]}
 
 
@@ -196,6 +249,11 @@ def build(rs) -> dict | None:
 
 
 # ---------------------------------------------------------------- figures, tables, files
+
+
+def x_name(x: str) -> str:
+    """The short name of a figure's x axis: TPF, tokens/s, or the speedup over a baseline."""
+    return {"tpf": "TPF", "tokens_per_s": "tokens/s"}.get(x, f"speedup over {x.partition(':')[2]}")
 
 
 def figure(t: dict, x: str, xlabel: str, where: str, colors: dict):
@@ -229,7 +287,9 @@ def figure(t: dict, x: str, xlabel: str, where: str, colors: dict):
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("accuracy (%, 95% interval)")
-    ax.set_title(f"{t['task']}: accuracy against {'TPF' if x == 'tpf' else 'tokens/s'}\n{where}", fontsize=9)
+    if x.startswith("speedup:"):
+        ax.axvline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_title(f"{t['task']}: accuracy against {x_name(x)}\n{where}", fontsize=9)
     ax.grid(True, alpha=0.3)
     _legend(ax)
     return fig
@@ -263,13 +323,21 @@ def aup_md(data: dict, title: str) -> str:
                                "a single pass (each point timed while it decoded, one after another; intervals over "
                                "items only)" if timed == {False} else "timed rounds for some points, a single pass "
                                "for the others") + "; AUP uses TPF, not tok/s."]
+    if any(t.get("baselines") for t in tasks):
+        lines += ["", "Speedup over <baseline>: the point's tokens/s over the AR baseline's on the task; interval "
+                      "from the timed rounds both were timed in, else a paired bootstrap over the items both "
+                      "decoded. The Pareto set against a speedup is the one against tok/s (one baseline per axis)."]
     for t in tasks:
-        lines += ["", f"## {t['task']}", "", "| point | model | knobs | TPF [95% CI] | tok/s [95% CI] | accuracy % "
-                  "[95% CI] | n | Pareto (TPF) | Pareto (tok/s) |", "|---|---|---|---|---|---|---|---|---|"]
+        refs = t.get("baselines") or []
+        lines += ["", f"## {t['task']}", "", "| point | model | knobs | TPF [95% CI] | tok/s [95% CI] | "
+                  + "".join(f"speedup over {r} [95% CI] | " for r in refs)
+                  + "accuracy % [95% CI] | n | Pareto (TPF) | Pareto (tok/s) |",
+                  "|---|---|---|---|---|" + "---|" * len(refs) + "---|---|---|---|"]
         for p in t["points"]:
             knobs = ", ".join(f"{k}={v}" for k, v in p["knobs"].items()) or "own"
-            cells = [f"{'-' if p[k] is None else format(p[k], spec)}{stats.fmt_interval(p.get(f'{k}_ci'), spec)}"
-                     for k, spec in (("tpf", ".2f"), ("tokens_per_s", ".1f"), ("quality", ".1f"))]
+            cells = [f"{'-' if p.get(k) is None else format(p[k], spec)}{stats.fmt_interval(p.get(f'{k}_ci'), spec)}"
+                     for k, spec in (("tpf", ".2f"), ("tokens_per_s", ".1f"),
+                                     *((speedup_key(r), ".2f") for r in refs), ("quality", ".1f"))]
             marks = ["yes" if p["name"] in t["pareto"][x] else "" for x, _ in FIGURE]
             lines.append(f"| {p['name']} | {p['model']} | {knobs} | " + " | ".join([*cells, str(p["items"]), *marks]) + " |")
     return "\n".join(lines) + "\n"
@@ -291,12 +359,15 @@ def write(rs, folder: Path, title: str) -> dict[str, str]:
     for t in data["tasks"]:
         if not t["models"]:
             continue
-        for x, xlabel in FIGURE:
-            name = f"frontier_{t['task']}_{'tps' if x == 'tokens_per_s' else x}.png"
+        axes = [*FIGURE, *((speedup_key(r), f"speedup over {r} (tokens/s over its tokens/s on the task)")
+                           for r in t.get("baselines") or [])]
+        for x, xlabel in axes:
+            short = {"tokens_per_s": "tps"}.get(x) or re.sub(r"[^A-Za-z0-9_.-]", "-", x.replace(":", "_"))
+            name = f"frontier_{t['task']}_{short}.png"
             fig = figure(t, x, xlabel, _where(rs), colors)
             save_png(fig, folder / name)
             plt.close(fig)
-            made[name] = f"{t['task']}: accuracy against {'TPF' if x == 'tpf' else 'tokens/s'}, every grid point"
+            made[name] = f"{t['task']}: accuracy against {x_name(x)}, every grid point"
     atomic_write_text(folder / "aup.md", aup_md(data, title))
     atomic_write_json(folder / "frontier.json", {**data, "definition": {
         "aup": "rho_1 y_1 + sum_i (rho_i - rho_(i-1)) (y_i W(y_i) + y_(i-1) W(y_(i-1))) / 2 over the kept points",

@@ -20,6 +20,8 @@ Then the run's report (``make report``) goes to ``<reports>/<name>/``; a frontie
 
     frontier_<task>_tpf.png, frontier_<task>_tps.png   accuracy against TPF and against tokens/s, one line per
                                                        model, 95% intervals, the Pareto set marked
+    frontier_<task>_speedup_<baseline>.png             accuracy against the speedup over each AR baseline of the
+                                                       run (an ar row, an engine row such as ar@vllm)
     aup.md                                             AUP (d3LLM's accuracy under parallelism) per model and task
     frontier.json                                      every point, its intervals, the Pareto sets and the AUPs
 """
@@ -64,10 +66,16 @@ class Group:
     checkpoint: str
     doc: str
     points: list[dict] = field(default_factory=list)
+    engine: str | None = None  # an AR row served by an engine (decoder ar@vllm): its grid is ar's, one point
 
     def to_dict(self) -> dict:
         return {"model": self.model, "decoder": self.decoder, "checkpoint": self.checkpoint, "grid": self.doc,
-                "points": self.points}
+                "points": self.points, **({"engine": self.engine} if self.engine else {})}
+
+    @property
+    def label(self) -> str:
+        """The decoder as a MODELS string names it: ``ar`` or ``ar@vllm``."""
+        return f"{self.decoder}@{self.engine}" if self.engine else self.decoder
 
 
 def plan(specs: list) -> list[Group]:
@@ -79,7 +87,8 @@ def plan(specs: list) -> list[Group]:
     for spec in specs:
         grid = DECODERS[spec.decoder].grid
         g = Group(spec.name, spec.decoder, spec.checkpoint,
-                  grid.doc if grid else "no grid registered: one point at the model's own setting")
+                  grid.doc if grid else "no grid registered: one point at the model's own setting",
+                  engine=getattr(spec, "engine", None))
         for point in (grid.points if grid else ({},)):
             knobs = {**spec.knobs, **point}
             own = knobs == spec.knobs
@@ -114,14 +123,14 @@ def _spec_text(name: str, checkpoint: str, decoder: str, knobs: dict) -> str:
 
 def models_text(groups: list[Group]) -> str:
     """The eval run's MODELS string: every point of every group, in order."""
-    return ",".join(_spec_text(p["name"], g.checkpoint, g.decoder, p["model_knobs"]) for g in groups for p in g.points)
+    return ",".join(_spec_text(p["name"], g.checkpoint, g.label, p["model_knobs"]) for g in groups for p in g.points)
 
 
 def describe_plan(groups: list[Group]) -> str:
     """The points, one line each, under one line per model with its grid."""
     lines = [f"frontier: {sum(len(g.points) for g in groups)} point(s) of {len(groups)} model(s)"]
     for g in groups:
-        lines.append(f"{g.model} ({g.decoder}): {g.doc}")
+        lines.append(f"{g.model} ({g.label}): {g.doc}")
         for p in g.points:
             knobs = ", ".join(f"{k}={v}" for k, v in p["knobs"].items()) or "its own setting"
             lines.append(f"  {p['name']}: {knobs}")

@@ -349,13 +349,17 @@ class EngineClient:
         self.url, self.timeout_s, self.model = url, float(timeout_s), model
 
     def complete(self, prompt: list[int], max_tokens: int, stop_ids: list[int], temperature: float = 0.0,
-                 seed: int | None = None) -> tuple[list[int], float]:
-        """(generated token ids, seconds at the client) of one request."""
+                 seed: int | None = None, ignore_eos: bool = False) -> tuple[list[int], float]:
+        """(generated token ids, seconds at the client) of one request. ``ignore_eos``: the server does not stop
+        at the model's own EOS either (vLLM's ``ignore_eos``), so the answer has ``max_tokens`` tokens unless a
+        stop id comes (fixed work: harness/speed/scaling.py)."""
         body = {"model": self.model, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
                 "temperature": float(temperature), "stop_token_ids": [int(t) for t in stop_ids],
                 "return_token_ids": True, "skip_special_tokens": False}
         if seed is not None:
             body["seed"] = int(seed)
+        if ignore_eos:
+            body["ignore_eos"] = True
         req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
@@ -374,15 +378,16 @@ class EngineClient:
         return toks, wall
 
     def complete_many(self, prompts: list[list[int]], max_tokens: int, stop_ids: list[int],
-                      temperature: float = 0.0, seed: int | None = None) -> list[tuple[list[int], float]]:
+                      temperature: float = 0.0, seed: int | None = None,
+                      ignore_eos: bool = False) -> list[tuple[list[int], float]]:
         """Every prompt sent at once (one thread each), answers in order."""
         if len(prompts) == 1:
-            return [self.complete(prompts[0], max_tokens, stop_ids, temperature, seed)]
+            return [self.complete(prompts[0], max_tokens, stop_ids, temperature, seed, ignore_eos)]
         out: list[Any] = [None] * len(prompts)
 
         def one(i: int) -> None:
             try:
-                out[i] = self.complete(prompts[i], max_tokens, stop_ids, temperature, seed)
+                out[i] = self.complete(prompts[i], max_tokens, stop_ids, temperature, seed, ignore_eos)
             except EngineError as e:
                 out[i] = e
 

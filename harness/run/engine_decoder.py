@@ -7,6 +7,9 @@ server's stop ids. Each row's real prompt ids (the padding dropped) go to the se
 all B rows at once; the tokens come back as ids, so the engine row sees the same prompts, chat template and
 stop rules as the transformers ``ar`` row, and its text is cut and scored by the same code.
 
+``ignore_eos=True`` (with no ``eos_token_id``): no stop at all, not even at the model's own EOS, so every row
+gets ``gen_length`` tokens (the fixed work of harness/speed/scaling.py).
+
 Stats: ``nfe`` is the longest row's token count (one engine step per token), ``timings.forward_s`` the call's
 wall time at the client, ``row_latency_s`` each request's own seconds at the client, ``engine_cpu_s`` the CPU
 seconds of the server's process tree during the call (the work happens there, not in this process).
@@ -52,7 +55,8 @@ class EngineDecoder:
         self.server.stop()
 
     def __call__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, knobs=None, *,
-                 eos_token_id=None, mask_token_id=None, **_) -> tuple[list[torch.Tensor], dict]:
+                 eos_token_id=None, mask_token_id=None, ignore_eos: bool = False,
+                 **_) -> tuple[list[torch.Tensor], dict]:
         rows = input_ids.tolist()  # [B][P]
         if attention_mask is not None:
             rows = [[t for t, m in zip(r, mr) if m] for r, mr in zip(rows, attention_mask.tolist())]
@@ -61,7 +65,7 @@ class EngineDecoder:
         temperature = float(getattr(knobs, "temperature", 0.0) or 0.0)
         seed = int(getattr(knobs, "seed", 0)) if temperature > 0 else None
         cpu0 = self.server.cpu_s(self._pids)
-        got = self.client.complete_many(rows, int(knobs.gen_length), eos, temperature, seed)
+        got = self.client.complete_many(rows, int(knobs.gen_length), eos, temperature, seed, ignore_eos)
         cpu = self.server.cpu_s(self._pids) - cpu0
         out, lat = [], []
         for toks, wall in got:

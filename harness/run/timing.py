@@ -107,15 +107,26 @@ class Side(Protocol):
 class FnSide:
     """An in-process side: per group, zero-argument calls, each returning (output, generated tokens). The
     output of every call must equal its first call's (TimingMismatch otherwise: a timed decode is the same
-    decode every time); the first call's output and ``extra`` (anything else it returned) are kept."""
+    decode every time); the first call's output and ``extra`` (anything else it returned) are kept. ``settle``
+    (an engine server's ``wait_quiet``) runs before and after each block, outside the clocks: a server that
+    keeps a core busy after its last step must not be timed beside the next side's block."""
 
     def __init__(self, name: str, calls: dict[str, list[Callable[[], tuple]]],
-                 sync: Callable[[], None] | None = None) -> None:
-        self.name, self.calls, self.sync = name, calls, sync
+                 sync: Callable[[], None] | None = None, settle: Callable[[], float] | None = None) -> None:
+        self.name, self.calls, self.sync, self.settle = name, calls, sync, settle
         self.outputs: dict[tuple[str, int], Any] = {}
         self.extra: dict[tuple[str, int], Any] = {}
+        self.settle_s: list[float] = []
 
     def block(self, group: str, repeat: int) -> list[dict]:
+        if self.settle is not None:
+            self.settle_s.append(self.settle())
+        out = self._block(group, repeat)
+        if self.settle is not None:
+            self.settle_s.append(self.settle())
+        return out
+
+    def _block(self, group: str, repeat: int) -> list[dict]:
         out = []
         for i, fn in enumerate(self.calls[group]):
             wall = cpu = 0.0

@@ -33,6 +33,14 @@ B* is above the cap, the throughput at B* is extrapolated too, and marked so: la
 fitted on the ``EXTRAPOLATION_POINTS`` largest measured batches (``latency_line``), tokens/s = B* x gen /
 (a + b B*).
 
+**Engine rows.** ``ar@vllm`` (``<preset>@<engine>`` for an AR preset, docs/engines.md) is that checkpoint served by
+vLLM's server (harness/run/engine.py, from ``--engine-venv``), started once and stopped at the end whatever
+happens. It takes part in every sweep's timed rounds as one more side: B prompts sent at once, latency at the
+client, the server waited on until it is quiet before and after each of its blocks (outside the clocks), and
+``ignore_eos`` so it too generates exactly ``gen_length`` tokens per row. Its memory lives in the server's
+process, where the tracker cannot see it: its points carry no peak, and it has no budget row. The default
+decoders include it where the engine's venv exists (`make setup-vllm`).
+
 **Resume.** Each finished point (all decoders at one size) is written at once to a partial file beside
 ``--out`` named by a hash of the settings; a run with the same settings continues from it, and it is removed
 when the final JSON is written. Docs: docs/reports.md "Scaling".
@@ -56,6 +64,10 @@ REPO = Path(__file__).resolve().parents[2]
 NO_EOS = -1  # eos_token_id passed to every decode: no token has it, so every row generates gen_length tokens
 SWEEPS = ("gen", "prompt", "batch")
 DEFAULT_DECODERS = ("ar", "refusion", "llada", "fast_dllm")
+ENGINE_ROW = "ar@vllm"  # added to the default decoders where --engine-venv exists
+DEFAULT_ENGINE_VENV = ".venv-vllm"
+ENGINE_MEMORY = ("not tracked: the engine decodes in its own server process, outside this process's tracker "
+                 "(its KV cache is preallocated: the engine knob kv_cache_memory_bytes)")
 # The default run (about 10 minutes on an idle 2-core CPU, one torch thread) and --quick (a few seconds).
 DEFAULTS = {"gen_lengths": (32, 64, 128, 256, 512), "gen_prompt": 32,
             "prompt_lengths": (32, 128, 256, 512, 768), "prompt_gen": 32,
@@ -112,14 +124,41 @@ def parse_sizes(text: str, option: str) -> tuple[int, ...]:
 
 
 def parse_decoders(text: str) -> tuple[str, ...]:
-    """Preset names (harness/run/presets.py), comma separated; InputError listing the valid ones."""
+    """Preset names (harness/run/presets.py), or ``<preset>@<engine>`` for an AR preset served by an engine,
+    comma separated; InputError listing the valid ones."""
+    from harness.run.engine import ENGINE_SEP, ENGINES
     from harness.run.presets import PRESETS
 
     names = tuple(dict.fromkeys(n.strip() for n in str(text).split(",") if n.strip()))
     for n in names or ("",):
-        if n not in PRESETS:
-            raise InputError(f"unknown decoder {n!r}; valid decoders: {', '.join(PRESETS)}")
+        preset, sep, engine = n.partition(ENGINE_SEP)
+        if preset not in PRESETS:
+            raise InputError(f"unknown decoder {n!r}; valid decoders: {', '.join(PRESETS)}, or an AR one served by "
+                             f"an engine: {', '.join(f'ar{ENGINE_SEP}{e}' for e in ENGINES)}")
+        if sep and (engine not in ENGINES or PRESETS[preset].decoder != "ar"):
+            raise InputError(f"decoder {n!r}: an engine serves an AR preset only, and the engines are "
+                             f"{', '.join(ENGINES)} (e.g. ar{ENGINE_SEP}{ENGINES[0]})")
     return names
+
+
+def spec_of(name: str):
+    """The ModelSpec of a decoder of the run: a preset (harness/run/presets.py), or ``<preset>@<engine>``, the
+    preset with its engine set."""
+    from dataclasses import replace
+
+    from harness.run.engine import ENGINE_SEP
+    from harness.run.presets import PRESETS
+
+    preset, sep, engine = name.partition(ENGINE_SEP)
+    return replace(PRESETS[preset], name=name, engine=engine) if sep else PRESETS[preset]
+
+
+def default_decoders(engine_venv: str) -> tuple[str, ...]:
+    """DEFAULT_DECODERS, and the engine row where the engine's venv has a python (not checked further here:
+    the run checks that vllm imports before any model loads)."""
+    from harness.run.engine import EngineSpec
+
+    return DEFAULT_DECODERS + ((ENGINE_ROW,) if EngineSpec(venv=engine_venv).python().is_file() else ())
 
 
 # ---------------------------------------------------------------- fits
@@ -211,10 +250,9 @@ def knob_values(preset: str, gen: int, overrides: dict | None = None) -> dict:
     """The full knob dict of a preset at generation length ``gen``: the checkpoint folder's own knobs, the
     preset's, ``overrides`` of the knobs the decoder has, gen_length, and stop_at_eos false where the decoder
     has it (validated: ValueError naming the knob)."""
-    from harness.run.presets import PRESETS
     from refusion.decoding import checkpoint_defaults, get_decoder, make_knobs
 
-    spec = PRESETS[preset]
+    spec = spec_of(preset)
     names = get_decoder(spec.decoder).knobs.names()
     values = {**checkpoint_defaults(spec.decoder, REPO / spec.checkpoint), **spec.knobs,
               **{k: v for k, v in (overrides or {}).items() if k in names}, "gen_length": gen}
@@ -228,11 +266,18 @@ def knob_values(preset: str, gen: int, overrides: dict | None = None) -> dict:
 
 def settings_of(a: argparse.Namespace) -> dict:
     """What a run's numbers depend on (the partial file is keyed by its hash)."""
-    from harness.run.presets import PRESETS
-
     base = QUICK if a.quick else DEFAULTS
     pick = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in base.items()}
-    return {"decoders": list(a.decoders), "presets": {d: PRESETS[d].to_dict() for d in a.decoders},
+    engines = {}
+    for d in a.decoders:
+        if spec_of(d).engine:
+            from harness.run.engine import EngineSpec
+
+            # the server batches at least the sweep's largest batch together
+            engines[d] = EngineSpec(engine=spec_of(d).engine, venv=a.engine_venv,
+                                    max_num_seqs=max(EngineSpec.max_num_seqs, *pick["batches"])).to_dict()
+    return {"decoders": list(a.decoders), "presets": {d: spec_of(d).to_dict() for d in a.decoders},
+            **({"engines": engines} if engines else {}),
             "sweeps": {"gen": {"values": list(pick["gen_lengths"]), "prompt": pick["gen_prompt"], "batch": 1},
                        "prompt": {"values": list(pick["prompt_lengths"]), "gen": pick["prompt_gen"], "batch": 1},
                        "batch": {"values": list(pick["batches"]), "prompt": pick["batch_prompt"],
@@ -275,6 +320,8 @@ class Scaling:
     def __init__(self, settings: dict, partial: Path, progress: bool = True):
         self.settings, self.partial, self.progress = settings, partial, progress
         self.models: dict[str, Any] = {}
+        self.engines: dict[str, Any] = {}  # name -> EngineDecoder (a started server), made on first use
+        self.engine_versions: dict[str, dict] = {}
         self.state = {"settings": settings, "prompts": {}, "points": {}, "budget": {}}
         if partial.is_file():
             old = json.loads(partial.read_text(encoding="utf-8"))
@@ -284,16 +331,43 @@ class Scaling:
         self.bar = None
 
     def lm(self, preset: str):
+        """The loaded checkpoint of a decoder (an engine row's too: its tokenizer, config and weights' size)."""
         from harness.models.checkpoints import load_model
-        from harness.run.presets import PRESETS
 
-        path = PRESETS[preset].checkpoint
+        path = spec_of(preset).checkpoint
         if path not in self.models:
             self.models[path] = load_model(str(REPO / path))
         return self.models[path]
 
+    def engine(self, name: str):
+        """The engine row's server, started on first use (EngineDecoder: the ar decoder's call, served)."""
+        if name not in self.engines:
+            from harness.run.engine import EngineSpec
+            from harness.run.engine_decoder import EngineDecoder
+            from refusion.decoding import get_decoder
+
+            spec = EngineSpec(**self.settings["engines"][name])
+            log = REPO / "results" / "tmp" / f"scaling-{settings_hash(self.settings)}-{name.replace('@', '-')}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            self.engines[name] = EngineDecoder(get_decoder("ar"), spec, str(REPO / spec_of(name).checkpoint),
+                                               "float32", "cpu", log)
+        return self.engines[name]
+
+    def close(self) -> None:
+        """Stop every engine server this run started (also done at exit and on SIGTERM by the server's keeper)."""
+        for engine in self.engines.values():
+            engine.close()
+
     def check(self) -> None:
-        """Every knob set and size is valid before anything decodes (InputError naming what is wrong)."""
+        """Every knob set and size is valid before anything decodes, and an engine row's venv imports vllm
+        before any model loads (InputError naming what is wrong)."""
+        from harness.run.engine import EngineError, EngineSpec, check_engine
+
+        for d, spec in self.settings.get("engines", {}).items():
+            try:
+                self.engine_versions[d] = check_engine(EngineSpec(**spec))
+            except EngineError as e:
+                raise InputError(f"{d}: {e}") from None
         gens = sorted({p["gen"] for p in plan(self.settings)})
         first = self.lm(self.settings["decoders"][0]).tokenizer
         for d in self.settings["decoders"]:
@@ -329,9 +403,7 @@ class Scaling:
         """A point's reproduction record, its input ids and its knob dict (before any decode)."""
         import torch
 
-        from harness.run.presets import PRESETS
-
-        spec, lm = PRESETS[preset], self.lm(preset)
+        spec, lm = spec_of(preset), self.lm(preset)
         keys = self.prompts(size["prompt"], size["batch"], preset)
         ids = torch.tensor([self.state["prompts"][k] for k in keys], dtype=torch.long)
         knobs = knob_values(preset, size["gen"], self.settings["knob_overrides"])
@@ -340,21 +412,48 @@ class Scaling:
                "checkpoint": spec.checkpoint, "batch": size["batch"], "prompt_length": size["prompt"],
                "gen_length": size["gen"], "knobs": knobs, "special_ids": special, "prompts": keys,
                "attention_mask": "all ones (None passed)"}
+        if spec.engine:
+            rec["engine"] = {"name": spec.engine, "spec": self.settings["engines"][preset],
+                             "stop": "ignore_eos (no stop id, not the model's own EOS either)"}
         return rec, ids, knobs
 
+    def engine_call(self, rec: dict, ids, knobs: dict):
+        """A zero-argument decode of an engine row's point: (per-row token counts, generated tokens, nfe)."""
+        from refusion.decoding import make_knobs
+
+        engine, obj = self.engine(rec["decoder"]), make_knobs("ar", knobs)
+
+        def fn():
+            toks, st = engine(None, ids, None, obj, eos_token_id=None, ignore_eos=True)
+            counts = [len(t) for t in toks]  # the tokens themselves are the server's (not compared here)
+            return counts, sum(counts), st["nfe"]
+        return fn
+
     def memory(self, rec: dict, ids, knobs: dict) -> dict:
-        """The tracked decode of one point: counts and peak memory into ``rec``; its tokens are returned."""
+        """The tracked decode of one point: counts and peak memory into ``rec``; its tokens are returned. An
+        engine row decodes once untracked (ENGINE_MEMORY) and returns its per-row token counts instead."""
+        if rec.get("engine"):
+            counts, generated, nfe = self.engine_call(rec, ids, knobs)()
+            rec.update(nfe=nfe, tpf=generated / nfe, generated_tokens=generated, kv_peak_bytes=None, nfe_phases={},
+                       memory={"peak_bytes": None, "breakdown": None,
+                               "weights_bytes": None, "method": ENGINE_MEMORY})
+            self._fixed_work(rec)
+            return {"tokens": counts, "nfe": nfe}
         tokens, stats, mem = decode_tracked(rec["decoder_fn"], self.lm(rec["decoder"]).model, ids, knobs,
                                             rec["special_ids"])
         rec.update(nfe=stats["nfe"], tpf=stats["tpf"], generated_tokens=stats["generated_tokens"],
                    kv_peak_bytes=stats["kv_peak_bytes"],
                    nfe_phases={k: v for k, v in stats.items() if k.startswith("nfe_")},
                    memory={k: mem[k] for k in ("peak_bytes", "breakdown", "weights_bytes", "method")})
+        self._fixed_work(rec)
+        return {"tokens": [t.tolist() for t in tokens], "nfe": stats["nfe"]}
+
+    @staticmethod
+    def _fixed_work(rec: dict) -> None:
         if rec["generated_tokens"] != rec["batch"] * rec["gen_length"]:
             raise RuntimeError(f"{rec['decoder']} generated {rec['generated_tokens']} tokens at {rec['sweep']}="
                                f"{rec['x']}, not batch x gen_length = {rec['batch'] * rec['gen_length']}: the work "
                                "is not fixed")
-        return {"tokens": [t.tolist() for t in tokens], "nfe": stats["nfe"]}
 
     def timed(self, label: str, entries: list[tuple[dict, Any, dict, dict]], rounds: int) -> None:
         """Interleaved timed rounds (harness/run/timing.py) of one group: one side per decoder, each decoding
@@ -364,6 +463,8 @@ class Scaling:
         from refusion.decoding import get_decoder
 
         def call(rec, ids, knobs):
+            if rec.get("engine"):
+                return self.engine_call(rec, ids, knobs)
             dec, model = get_decoder(rec["decoder_fn"]), self.lm(rec["decoder"]).model
 
             def fn():
@@ -371,7 +472,9 @@ class Scaling:
                 return [t.tolist() for t in toks], st["generated_tokens"], st["nfe"]
             return fn
 
-        sides = [timing.FnSide(rec["decoder"], {label: [call(rec, ids, knobs)]}) for rec, ids, knobs, _ in entries]
+        sides = [timing.FnSide(rec["decoder"], {label: [call(rec, ids, knobs)]},
+                               settle=self.engine(rec["decoder"]).wait_quiet if rec.get("engine") else None)
+                 for rec, ids, knobs, _ in entries]
         got = timing.run_rounds(sides, [label], rounds=rounds, guard=Guard(), progress=False, desc=label)
         guard = got["guard"] or {}
         for side, (rec, _, _, first) in zip(sides, entries):
@@ -385,6 +488,9 @@ class Scaling:
                              "rounds": fig["rounds"], "repeat": got["repeat"][label][side.name],
                              "order": got["order"], "busy": bool(guard.get("busy")),
                              "others_share": guard.get("others_share")}
+            if rec.get("engine"):
+                # the decode's CPU is the server's, not this process's; its quiet waits were outside the clocks
+                rec["timing"].update(cpu_tokens_per_s=None, latency_at="client", quiet_wait_s=sum(side.settle_s))
 
     def run_group(self, size: dict, pending: list[str], rounds: int) -> list[dict]:
         """Tracked decode of every pending decoder at one size, then their timed rounds; the records."""
@@ -419,6 +525,10 @@ class Scaling:
         batch_sweep = s["sweeps"]["batch"]
         for d in s["decoders"]:
             if d in self.state["budget"]:
+                continue
+            if spec_of(d).engine:
+                self.state["budget"][d] = {"weights_bytes": None, "fit": None, "largest_batch": None,
+                                           "measured_batch": None, "not_in_budget": ENGINE_MEMORY}
                 continue
             weights = self.state["points"][point_key("batch", batch_sweep["values"][0], d)]["memory"]["weights_bytes"]
             fit = fits[d]["batch"]["memory_linear"]
@@ -498,6 +608,13 @@ def budget_table(settings: dict, state: dict) -> dict:
         if b is None:
             continue
         row = {k: b[k] for k in ("weights_bytes", "fit", "largest_batch", "measured_batch")}
+        if b.get("not_in_budget"):
+            rows[d] = {**row, "throughput": f"no budget row: memory {b['not_in_budget']}"}
+            continue
+        measured = settings["sweeps"]["batch"]["values"]
+        if row["largest_batch"] is not None and row["largest_batch"] > max(measured):
+            row["largest_batch_extrapolated"] = (f"extrapolated: the linear fit of batches "
+                                                 f"{', '.join(map(str, measured))} carried to {row['largest_batch']}")
         rec = b.get("point")
         if rec is not None:
             fit, bm = b["fit"], rec["batch"]
@@ -529,6 +646,8 @@ def result_of(settings: dict, state: dict, argv: list[str], env: dict, elapsed: 
     points = state["points"]
     fits = fits_of(settings, points)
     ordered = [points[point_key(p["sweep"], p["x"], d)] for p in plan(settings) for d in settings["decoders"]]
+    engines = {"engines": {d: {"spec": spec, "versions": state.get("engine_versions", {}).get(d)}
+                           for d, spec in settings["engines"].items()}} if settings.get("engines") else {}
     busy = any(r["timing"]["busy"] for r in ordered) or any(
         (b.get("point") or {}).get("timing", {}).get("busy") for b in state["budget"].values())
     return {"command": " ".join(["python -m harness scaling", *argv]),
@@ -544,7 +663,7 @@ def result_of(settings: dict, state: dict, argv: list[str], env: dict, elapsed: 
                                "of peak decode bytes on batch over the batch sweep (its prompt and generation "
                                "length); throughput measured at min(B, max_batch)",
                        "decoders": budget_table(settings, state)},
-            "prompts": state["prompts"], "elapsed_s": elapsed, "resumed": resumed}
+            "prompts": state["prompts"], "elapsed_s": elapsed, "resumed": resumed, **engines}
 
 
 def _mib(b: float | None) -> str:
@@ -559,15 +678,21 @@ def print_summary(result: dict) -> None:
         for sweep in SWEEPS:
             s = f.get(sweep, {})
             lat, mem = s.get("latency_s"), s.get("peak_bytes")
-            parts.append(f"{sweep} {lat['slope']:.2f} | {mem['slope']:.2f}" if lat and mem else f"{sweep} -")
+            parts.append(f"{sweep} {lat['slope']:.2f} | {mem['slope']:.2f}" if lat and mem else
+                         f"{sweep} {lat['slope']:.2f} | -" if lat else f"{sweep} -")
         lin = f.get("batch", {}).get("memory_linear")
         print(f"  {d:<12} " + "   ".join(parts) + (f"   R^2 {lin['r2']:.4f}" if lin else ""))
     b = result["budget"]
     print(f"budget {b['budget_bytes'] / 2**30:.3g} GiB (peak decode memory + weights):")
     for d, r in b["decoders"].items():
+        if r.get("largest_batch") is None and r.get("throughput", "").startswith("no budget row"):
+            print(f"  {d:<12} {r['throughput']}")
+            continue
         tps = r.get("tokens_per_s_at_largest")
         how = "measured" if r.get("throughput", "").startswith("measured") else "extrapolated"
-        print(f"  {d:<12} largest batch {r['largest_batch']}  measured at {r['measured_batch']}"
+        print(f"  {d:<12} largest batch {r['largest_batch']}"
+              + (" (extrapolated)" if r.get("largest_batch_extrapolated") else "")
+              + f"  measured at {r['measured_batch']}"
               + (f" ({r['measured_tokens_per_s']:.1f} tok/s)" if r.get("measured_tokens_per_s") else "")
               + (f"  at the largest batch {tps:.1f} tok/s ({how})" if tps else ""))
 
@@ -580,8 +705,12 @@ def _parser() -> argparse.ArgumentParser:
                                 + " Latency, tokens/s, NFE, TPF and peak decode memory of each decoder against "
                                 "generation length, prompt length and batch size, with log-log slopes and the "
                                 "largest batch under a memory budget (docs/reports.md, Scaling).")
-    p.add_argument("--decoders", default=",".join(DEFAULT_DECODERS),
-                   help="decoder presets (harness/run/presets.py), comma separated (default: %(default)s)")
+    p.add_argument("--decoders", default=None,
+                   help="decoder presets (harness/run/presets.py), comma separated; an AR preset served by vLLM is "
+                        f"{ENGINE_ROW} (default: {','.join(DEFAULT_DECODERS)}, and {ENGINE_ROW} where the engine "
+                        "venv exists)")
+    p.add_argument("--engine-venv", default=DEFAULT_ENGINE_VENV,
+                   help="the engine rows' venv (`make setup-vllm`; default %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and one round, a few seconds (tests); options given explicitly still apply")
     sizes = p.add_argument_group("sizes (defaults: the default run's, or --quick's)")
@@ -618,7 +747,8 @@ def _csv(values) -> str:
 def _namespace(argv: list[str]) -> argparse.Namespace:
     """Parsed and checked options (InputError for a bad value)."""
     a = _parser().parse_args(argv)
-    a.decoders = parse_decoders(a.decoders)
+    a.decoders_default = a.decoders is None
+    a.decoders = parse_decoders(a.decoders if a.decoders is not None else ",".join(default_decoders(a.engine_venv)))
     a.memory_budget = parse_bytes(a.memory_budget)
     for name in ("gen_lengths", "prompt_lengths", "batches"):
         if getattr(a, name) is not None:
@@ -640,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
+    from harness.run.engine import EngineError
     from harness.run.quiet import quiet_libraries
 
     quiet_libraries()  # no "Loading weights" bar per checkpoint: the run's own bar is the one to read
@@ -659,13 +790,24 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    run.state["engine_versions"] = run.engine_versions
+    if a.decoders_default:
+        print(f"decoders: {', '.join(settings['decoders'])}" + ("" if ENGINE_ROW in settings["decoders"] else
+              f" (no engine row: {a.engine_venv} has no python; `make setup-vllm` adds {ENGINE_ROW})"),
+              file=sys.stderr)
     total = len(plan(settings)) * len(settings["decoders"]) + len(settings["decoders"])
     done = len(run.state["points"]) + len(run.state["budget"])
     if run.resumed:
         print(f"resuming from {partial} ({done} of {total} points done)", file=sys.stderr)
-    with tqdm(total=total, initial=done, desc="scaling", file=sys.stderr, unit="point") as run.bar:
-        run.sweeps()
-        run.budget(fits_of(settings, run.state["points"]))
+    try:
+        with tqdm(total=total, initial=done, desc="scaling", file=sys.stderr, unit="point") as run.bar:
+            run.sweeps()
+            run.budget(fits_of(settings, run.state["points"]))
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        run.close()
     result = result_of(settings, run.state, argv, env, time.perf_counter() - t0, run.resumed)
     atomic_write_json(out, result)
     if a.report:

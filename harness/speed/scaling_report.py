@@ -42,19 +42,20 @@ def fixed_text(settings: dict, sweep: str) -> str:
 def _series(result: dict, sweep: str, what: str) -> dict[str, tuple[list, list]]:
     out: dict[str, tuple[list, list]] = {}
     for p in result["points"]:
-        if p["sweep"] == sweep:
+        if p["sweep"] == sweep and what_of(p, what) is not None:  # an engine row has no tracked memory
             xs, ys = out.setdefault(p["decoder"], ([], []))
             xs.append(p["x"])
             ys.append(what_of(p, what))
     return out
 
 
-def what_of(point: dict, what: str) -> float:
+def what_of(point: dict, what: str) -> float | None:
     if what == "latency_s":
         return point["timing"]["latency_s"]
     if what == "tokens_per_s":
         return point["timing"]["tokens_per_s"]
-    return point["memory"]["peak_bytes"] / 2**20
+    peak = point["memory"]["peak_bytes"]
+    return None if peak is None else peak / 2**20
 
 
 YLABEL = {"latency_s": "latency per decoder call (s)", "peak_bytes": "peak decode memory (MiB, weights excluded)",
@@ -100,7 +101,8 @@ def slopes_md(result: dict) -> list[str]:
     lines = ["| decoder | latency vs gen | memory vs gen | latency vs prompt | memory vs prompt | latency vs batch "
              "| memory vs batch | tokens/s vs batch | memory linear in batch: R² | bytes per row |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for d, f in result["fits"].items():
+    for d in result["settings"]["decoders"]:  # the run's order (a JSON written with sorted keys loses it)
+        f = result["fits"].get(d) or {}
         cells = []
         for sweep, what in (("gen", "latency_s"), ("gen", "peak_bytes"), ("prompt", "latency_s"),
                             ("prompt", "peak_bytes"), ("batch", "latency_s"), ("batch", "peak_bytes"),
@@ -116,17 +118,26 @@ def slopes_md(result: dict) -> list[str]:
 def budget_md(result: dict) -> list[str]:
     b = result["budget"]
     lines = [f"Budget **{b['budget_bytes'] / 2**30:.3g} GiB** ({b['budget_bytes']:,} bytes) for peak decode memory "
-             f"+ weights; rule: {b['rule']}; cap {b['max_batch']}.", "",
+             f"+ weights; rule: {b['rule']}; cap {b['max_batch']}. A largest batch beyond the batch sweep's "
+             f"largest ({max(result['settings']['sweeps']['batch']['values'])}) is the fit carried past the measured "
+             "batches, marked (extrapolated).", "",
              "| decoder | weights (MiB) | fit: MiB + MiB/row | largest batch | measured at batch | peak there: "
              "measured / predicted (MiB) | tokens/s there | tokens/s at the largest batch | how |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for d, r in b["decoders"].items():
+    top = max(result["settings"]["sweeps"]["batch"]["values"])
+    for d in [d for d in result["settings"]["decoders"] if d in b["decoders"]]:
+        r = b["decoders"][d]
         fit = r.get("fit")
         fit_s = f"{fit['intercept'] / 2**20:+.2f} + {fit['slope'] / 2**20:.3f}·B" if fit else "-"
         peak = (f"{r['measured_peak_bytes'] / 2**20:.1f} / {r['predicted_peak_bytes'] / 2**20:.1f}"
                 if r.get("measured_peak_bytes") is not None else "-")
         how = r.get("throughput", "not measured: no batch fits" if not r["largest_batch"] else "-")
-        lines.append(f"| {d} | {r['weights_bytes'] / 2**20:.2f} | {fit_s} | {_f(r['largest_batch'], 'd')} | "
+        # beyond the sweep's largest batch B* is the fit carried past the data (also for a JSON written before
+        # rows carried largest_batch_extrapolated)
+        largest = _f(r["largest_batch"], "d") + (" (extrapolated)" if r["largest_batch"] is not None
+                                                 and r["largest_batch"] > top else "")
+        weights = _f(None if r["weights_bytes"] is None else r["weights_bytes"] / 2**20, ".2f")
+        lines.append(f"| {d} | {weights} | {fit_s} | {largest} | "
                      f"{_f(r['measured_batch'], 'd')} | {peak} | {_f(r.get('measured_tokens_per_s'), '.1f')} | "
                      f"{_f(r.get('tokens_per_s_at_largest'), '.1f')} | {how} |")
     return lines
@@ -141,6 +152,10 @@ def points_md(result: dict, sweep: str) -> list[str]:
             continue
         t, m = p["timing"], p["memory"]
         bd = m["breakdown"] or {}
+        if m["peak_bytes"] is None:  # an engine row: memory in the server's process, not tracked
+            lines.append(f"| {p['decoder']} | {p['x']} | {t['latency_s']:.4g}{_iv(t['latency_interval'], '.4g')} "
+                         f"(at client) | {t['tokens_per_s']:.1f} | {p['nfe']} | {p['tpf']:.2f} | - | - | - | - |")
+            continue
         lines.append(f"| {p['decoder']} | {p['x']} | {t['latency_s']:.4g}{_iv(t['latency_interval'], '.4g')} | "
                      f"{t['tokens_per_s']:.1f} | {p['nfe']} | {p['tpf']:.2f} | {m['peak_bytes'] / 2**20:.2f} | "
                      f"{_f(bd.get('kv_cache', 0) / 2**20, '.2f')} | {_f(bd.get('logits', 0) / 2**20, '.2f')} | "
