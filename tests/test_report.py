@@ -358,7 +358,8 @@ def test_sweep_end_to_end_on_a_tiny_model(make_checkpoint, write_task, tmp_path)
                                        {"## Other tasks (no published numbers)": other}) == 4
     pngs = sorted(p.name for p in rep.glob("*.png"))
     assert pngs == ["latency.png", "memory.png", "pareto_avg_other.png", "pareto_tiny_gen.png",
-                    "speedup_other.png", "tpf_other.png"]
+                    "speedup_items_other.png", "speedup_other.png", "tpf_other.png"]
+    assert "(speedup_items_other.png)" in (rep / "index.md").read_text()
     # Same settings again: the run is resumed, nothing recomputed.
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0 and p.stderr.count("already finished, skipped") == 4, p.stderr[-3000:]

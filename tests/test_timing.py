@@ -57,7 +57,9 @@ def test_figures_are_exact_on_a_steady_machine():
     r = timing.ratio(got["records"], "b", "a", "g")
     assert r["ratio"] == pytest.approx(0.5) and len(r["per_pair"]) == r["pairs"] == 5  # disjoint round pairs
     assert r["interval"]["lo"] == pytest.approx(0.5) and r["interval"]["hi"] == pytest.approx(0.5)
-    assert r["interval"]["method"].startswith("bootstrap over 5 round pairs and 2 items")
+    assert r["interval"]["method"] == ("two-level bootstrap: 2 items, then within each its 5 round pairs "
+                                       "(2000 resamples)")
+    assert r["per_item"] == pytest.approx([0.5, 0.5])
     m = timing.mean_ratio(got["records"], "b", "a", ["g"])
     assert m["ratio"] == pytest.approx(0.5)
     odd = timing.ratio(timing.run_rounds([Clocked("a", cost), Clocked("b", cost)], ["g"], rounds=9,
@@ -75,24 +77,29 @@ def test_round_pairs_are_disjoint():
 def test_one_timed_item_is_named_and_not_resampled():
     got = timing.run_rounds([Clocked("a", {"g": [0.1]}), Clocked("b", {"g": [0.2]})], ["g"], rounds=4, progress=False)
     r = timing.ratio(got["records"], "b", "a", "g")
-    assert r["items"] == 1 and r["interval"]["method"] == ("bootstrap over 2 round pairs; 1 item, not resampled "
-                                                           "(2000 resamples)")
+    assert r["items"] == 1 and r["interval"]["method"] == ("bootstrap over the 2 round pairs of 1 item, not "
+                                                           "resampled (2000 resamples)")
 
 
 def _independent_ratio(records: list[dict], side: str, ref: str, group: str) -> float:
-    """The per-task speedup recomputed from the records alone: per disjoint pair of rounds (1+2, 3+4, ...), each
-    side's tokens over its seconds, their ratio; the median over pairs."""
+    """The per-task speedup recomputed from the records alone: per item and disjoint pair of rounds (1+2, 3+4,
+    ...), each side's tokens over its seconds on that item, their ratio; each item's median over pairs; the
+    geometric mean over items."""
+    import math
+    import statistics
+
     def per_round(name):
         rs = sorted((r for r in records if r["side"] == name and r["group"] == group), key=lambda r: r["round"])
-        return [(sum(c["tokens"] for c in r["calls"]), sum(c["wall_s"] / r["repeat"] for c in r["calls"]))
-                for r in rs]
+        return [[(c["tokens"], c["wall_s"] / r["repeat"]) for c in r["calls"]] for r in rs]
     a, b = per_round(side), per_round(ref)
-    ratios = []
-    for i in range(0, len(a) - 1, 2):
-        ta, sa = a[i][0] + a[i + 1][0], a[i][1] + a[i + 1][1]
-        tb, sb = b[i][0] + b[i + 1][0], b[i][1] + b[i + 1][1]
-        ratios.append((ta / sa) / (tb / sb))
-    return float(np.median(ratios))
+    logs = []
+    for item in range(len(a[0])):
+        ratios = []
+        for i in range(0, len(a) - 1, 2):
+            sa, sb = a[i][item][1] + a[i + 1][item][1], b[i][item][1] + b[i + 1][item][1]
+            ratios.append((a[i][item][0] / sa) / (b[i][item][0] / sb))
+        logs.append(math.log(statistics.median(ratios)))
+    return math.exp(sum(logs) / len(logs))
 
 
 def test_each_point_is_its_statistic_and_lies_in_its_interval():
@@ -123,7 +130,33 @@ def test_each_point_is_its_statistic_and_lies_in_its_interval():
         m = timing.mean_ratio(got["records"], "b", "a", list(cost))
         assert m["ratio"] == pytest.approx(sum(points) / len(points), rel=1e-12)
         assert m["interval"]["lo"] <= m["ratio"] <= m["interval"]["hi"]
-        assert "round pairs (drawn once for all 3 tasks)" in m["interval"]["method"]
+        assert m["interval"]["method"].startswith("two-level bootstrap within each of 3 tasks, drawn on their own")
+
+
+def test_the_task_speedup_weighs_every_item_alike():
+    """Items whose speedups are 1x, 2x and 4x (steady machine) give the geometric mean, 2x, whatever their
+    lengths; the two-level interval spans the items' spread (resampling items) and names both units."""
+    cost_a = {"g": [0.1, 1.0, 0.4]}
+    cost_b = {"g": [0.1, 0.5, 0.1]}  # item speedups b over a: 1, 2, 4
+    got = timing.run_rounds([Clocked("a", cost_a), Clocked("b", cost_b)], ["g"], rounds=6, progress=False)
+    r = timing.ratio(got["records"], "b", "a", "g")
+    assert r["per_item"] == pytest.approx([1.0, 2.0, 4.0]) and r["ratio"] == pytest.approx(2.0)
+    assert r["interval"]["lo"] < 1.6 and r["interval"]["hi"] > 2.5  # the items' spread, not the rounds' (none)
+    assert r["interval"]["method"] == "two-level bootstrap: 3 items, then within each its 3 round pairs (2000 resamples)"
+    # a pooled ratio of sums would be dominated by the long item: 1.5 / 0.7 = 2.14
+    assert r["ratio"] != pytest.approx(1.5 / 0.7, rel=1e-3)
+
+
+def test_nested_bootstrap_draws_pairs_within_each_item():
+    """Per item the pairs are drawn on their own: one item steady at 2x, another whose pairs are 1x and 3x; the
+    draws reproduce from the key, and a resample's value is a geometric mean of per-item medians."""
+    q = np.array([[2.0, 1.0], [2.0, 3.0]])  # [pairs, items]
+    d = timing.nested_dist(q, key="k", boot=500)
+    assert np.array_equal(d, timing.nested_dist(q, key="k", boot=500))
+    medians = {1.0, 2.0, 3.0}  # item 2's possible medians over 2 drawn pairs: 1, 2 (one of each), 3
+    allowed = {round(float(np.exp(np.mean(np.log([x, y])))), 9) for x in medians | {2.0} for y in medians | {2.0}}
+    assert {round(float(v), 9) for v in d} <= allowed
+    assert timing.task_speedup(q) == pytest.approx(2.0)
 
 
 def test_a_short_block_is_repeated_within_its_round():
@@ -195,8 +228,10 @@ def test_sample_docs_is_seeded_and_nested():
     assert len(four) == 4 and set(four) <= set(eight) and four == sorted(four)
     assert four == timing.sample_docs(docs, 4, 1234, "embedded_math") != timing.sample_docs(docs, 4, 1234, "other")
     assert timing.sample_docs(docs, None, 1, "x") == docs and timing.sample_docs(docs, 99, 1, "x") == docs
-    # auto: the rounds re-decode about half the decoding pass (k x 10 rounds ~ docs / 2), 1 to 32 items per task
-    assert [timing.items_auto(n) for n in (1, 20, 40, 60, 100, 400, 1319)] == [1, 1, 2, 3, 5, 20, 32]
+    # auto: at least 8 items (all of a task with fewer); a large run's rounds re-decode about half the decoding
+    # pass (k x rounds ~ docs / 2); at most 32 items per task
+    assert [timing.items_auto(n) for n in (1, 5, 20, 40, 60, 100, 400, 1319)] == [1, 5, 8, 8, 8, 12, 32, 32]
+    assert [timing.items_auto(n, rounds=10) for n in (20, 100, 400)] == [8, 8, 20]
     assert timing.items_auto(60, rounds=3) == 10 and timing.items_auto(0) == 1
     assert timing.parse_items("auto") == "auto" and timing.parse_items("7") == 7
     with pytest.raises(ValueError, match="auto, all or a count"):

@@ -119,6 +119,37 @@ def grouped_bars(title: str, groups: list[str], series: dict[str, list[float | N
     return fig
 
 
+def item_strips(title: str, groups: list[str], per_item: dict[str, list[list[float] | None]],
+                points: dict[str, list[float | None]], ylabel: str, colors: dict | None = None) -> Figure:
+    """Per group (task) and series (model), one dot per item (``per_item``, sorted, spread evenly across the
+    series' slot) and a bar at the series' figure for the group (``points``), on a log axis with a line at 1."""
+    fig, ax = _fig()
+    n = max(len(per_item), 1)
+    width = 0.8 / n
+    for i, (name, groups_vals) in enumerate(per_item.items()):
+        color, labelled = _color(colors, name, i), False
+        for g, vals in enumerate(groups_vals):
+            if not vals:
+                continue
+            mid = g + (i - (n - 1) / 2) * width
+            k = len(vals)
+            xs = [mid + width * 0.6 * ((j + 0.5) / k - 0.5) for j in range(k)]
+            ax.scatter(xs, sorted(vals), s=10, color=color, alpha=0.75, label=None if labelled else name, zorder=3)
+            labelled = True
+            pt = (points.get(name) or [None] * len(groups_vals))[g]
+            if pt is not None:
+                ax.hlines(pt, mid - width * 0.4, mid + width * 0.4, color=color, linewidth=2.0, zorder=4)
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)), groups, rotation=20 if len(groups) > 5 else 0, fontsize=8)
+    ax.set_xlabel("task")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    _legend(ax)
+    return fig
+
+
 def latency_cdf(title: str, latencies: dict[str, list[float]], colors: dict | None = None) -> Figure:
     """Empirical CDF of per-sample decode seconds, one line per model/decoder."""
     fig, ax = _fig()
@@ -329,6 +360,46 @@ def _speedup_bars(s: dict, measured: list, where: str, colors: dict) -> dict:
     return figs
 
 
+def _item_speedups(s: dict, measured: list, where: str, colors: dict) -> dict:
+    """Per AR reference timed in one pass with the models: the per-item spread of each task's speedup, one dot
+    per timed item (its median over round pairs), a bar at the task's speedup (their geometric mean)."""
+    from harness.report.timed import ratio_in_run
+
+    rows = {r["model"]: r for r in s["ours"]}
+    refs = list(dict.fromkeys(x["reference"] for x in s["speedups"] if x["role"] == "AR baseline"))
+    figs = {}
+    for ref in refs:
+        per_item: dict[str, list] = {}
+        points: dict[str, list] = {}
+        for x in (x for x in s["speedups"] if x["reference"] == ref):
+            mine, theirs = rows.get(x["model"]), rows.get(ref)
+            if mine is None or theirs is None:
+                continue
+            vals, pts = [], []
+            for c in measured:
+                a, b = mine["cells"].get(c.key), theirs["cells"].get(c.key)
+                got = None
+                if a and b and a.get("timed") and b.get("timed") and a["_run_dir"] == b["_run_dir"]:
+                    got = (ratio_in_run(a["_run_dir"], a["model_in_run"], b["model_in_run"], [a["task"]]) or
+                           {"per_unit": {}})["per_unit"].get(a["task"])
+                vals.append(got and got.get("per_item"))
+                pts.append(got and got["ratio"])
+            if any(vals):
+                per_item[x["model"]], points[x["model"]] = vals, pts
+        if not per_item:
+            continue
+        name = (f"speedup_items_{s['suite'].name}.png" if len(refs) == 1 else
+                f"speedup_items_{s['suite'].name}_vs_{_slug(ref)}.png")
+        counts = sorted({len(v) for vals in per_item.values() for v in vals if v})
+        n_text = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+        figs[name] = (item_strips(f"Per-item speedup vs {ref} ({s['suite'].name} suite, {n_text} timed items per "
+                                  f"task)\n{where}", [c.label for c in measured], per_item, points,
+                                  f"speedup over {ref} (x, log scale)", colors),
+                      f"{s['suite'].name} suite: each timed item's speedup over {ref} (a dot: the median over its "
+                      "round pairs) and the task's speedup (a bar: their geometric mean)")
+    return figs
+
+
 def build_all(rs, data: dict) -> dict[str, tuple[Figure, str]]:
     """file name -> (figure, caption) for everything the run measured."""
     figs: dict[str, tuple[Figure, str]] = {}
@@ -349,6 +420,7 @@ def build_all(rs, data: dict) -> dict[str, tuple[Figure, str]]:
         name, fig = _avg_pareto(s, who, pub_avg, colors)
         figs[name] = fig
         figs.update(_speedup_bars(s, measured, where, colors))
+        figs.update(_item_speedups(s, measured, where, colors))
         tpf = {r["model"]: [r["cells"][c.key]["tpf"] if r["status"][c.key] == "ok" else None for c in measured]
                for r in s["ours"] if any(r["status"][c.key] == "ok" for c in measured)}
         figs[f"tpf_{suite.name}.png"] = (

@@ -39,7 +39,7 @@ def settings_of(cfg: dict) -> dict:
     """The run's timing settings (run.json ``timing``), with the defaults of an older run.json."""
     t = dict(cfg.get("timing") or {})
     t.setdefault("mode", "interleaved")
-    t.setdefault("rounds", timing.DEFAULT_ROUNDS)
+    t.setdefault("rounds", timing.EVAL_ROUNDS)
     t.setdefault("items", timing.DEFAULT_ITEMS)
     t.setdefault("order", "abba")
     t.setdefault("memory", "auto")
@@ -83,7 +83,7 @@ def timed_docs(run_dir: Path, cfg: dict, t: dict) -> dict[str, list[tuple[str, o
     def k_of(docs: list) -> int | None:
         if items == "all":
             return None
-        k = int(items) if items != "auto" else timing.items_auto(len(docs), int(t.get("rounds") or timing.DEFAULT_ROUNDS))
+        k = int(items) if items != "auto" else timing.items_auto(len(docs), int(t.get("rounds") or timing.EVAL_ROUNDS))
         # Whole batches: at --batch-size B a timed call is a batch of B, as in the pass (a call of fewer rows
         # would time another workload than the run's).
         return -(-k // bs) * bs
@@ -307,7 +307,8 @@ def apply_timing(timed: dict | None, cfg: dict, rows: list[dict]) -> dict:
                 continue
             r["speedup"] = {"baseline": base, "tokens_per_s": q["ratio"], "interval": q["interval"], "p": None,
                             "items": fig["rows"], "pairs": q["pairs"], "rounds": q["rounds"],
-                            "source": "timed rounds", "statistic": q["statistic"], "per_pair": q["per_pair"]}
+                            "source": "timed rounds", "statistic": q["statistic"], "per_pair": q["per_pair"],
+                            "per_item": q["per_item"]}
     means = {}
     if base:
         for m in cfg["models"]:

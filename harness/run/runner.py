@@ -49,7 +49,7 @@ from harness.run.model_check import compile_settings, describe_resolved, dtype_w
 from harness.run.model_list import InputError, KnobHelp, load_models_file, parse_models, template_args
 from harness.run.presets import DEFAULT_MODELS, MODEL_GROUPS
 from harness.run.run_dir import check_out_writable, join_run_dir, prepare_run_dir
-from harness.run.timing import DEFAULT_ITEMS as TIMING_ITEMS, DEFAULT_ROUNDS as TIMING_ROUNDS, parse_items
+from harness.run.timing import DEFAULT_ITEMS as TIMING_ITEMS, EVAL_ROUNDS as TIMING_ROUNDS, parse_items
 from harness.run.units import paper_tasks, resolve_units, task_names
 from tasks.scoring import task_manager
 
@@ -137,12 +137,14 @@ def _timing_arguments(p: argparse.ArgumentParser) -> None:
                    "model decoding the same items in turn (default); sequential: from the decoding pass itself, one "
                    "model after another (a single pass, marked as such beside every speed figure)")
     t.add_argument("--timing-rounds", type=int, default=TIMING_ROUNDS,
-                   help="timed rounds (default: %(default)s); tok/s is the median over rounds, a speedup the median "
-                   "over disjoint round pairs (1+2, 3+4, ...), so an odd count leaves its last round out of the speedups")
+                   help="timed rounds (default: %(default)s); tok/s is the median over rounds; a task's speedup the "
+                   "geometric mean over its timed items of each item's median over disjoint round pairs (1+2, 3+4, "
+                   "...), so an odd count leaves its last round out of the speedups")
     t.add_argument("--timing-items", default=TIMING_ITEMS,
                    help="timed items per task: a sample drawn with the run's seed from the documents every model "
                    "decoded (the first k of a seeded shuffle); a count, 'all', or 'auto': k = documents x 0.5 / rounds, "
-                   "1 to 32, so the rounds re-decode about half the decoding pass; rounded up to whole batches of "
+                   "8 to 32 (every document of a task with fewer than 8), so a task's speedup describes several items "
+                   "and a large run's rounds re-decode about half the decoding pass; rounded up to whole batches of "
                    "--batch-size (default: %(default)s)")
     t.add_argument("--timing-order", choices=("abba", "random"), default="abba",
                    help="the models' order within each round: ABBA (forward, then backward) or seeded random "

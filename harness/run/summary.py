@@ -250,10 +250,11 @@ def intervals_note(baseline: str | None, single: bool = True, rounds: int | None
         from harness.run.timing import pairs_text
 
         r = rounds or 0
-        sp = (f"speedup: the median over {pairs_text(r)} (rounds 1+2, 3+4, ...: disjoint, so independent) of the "
-              f"ratio of its throughput to {baseline}'s in the same pair, resampling round pairs and the timed items "
-              "together; mean speedup: the arithmetic mean over tasks of the per-task speedups (the paper's "
-              "convention), resampling round pairs once for all tasks and each task's items; " if baseline else "")
+        sp = (f"speedup: per timed item (a batch above batch 1), the median over its {pairs_text(r)} (rounds 1+2, "
+              f"3+4, ...: disjoint, so independent) of the ratio of its tokens/s to {baseline}'s on that item; the "
+              "task's speedup is the geometric mean over its items, with a two-level bootstrap (the items, then "
+              "each item's round pairs); mean speedup: the arithmetic mean over tasks of the per-task speedups "
+              "(the paper's convention), each task resampled on its own; " if baseline else "")
         speed = (f"tok/s: the median over {r} timed rounds of each round's tokens over its seconds, resampling rounds "
                  "and the timed items together; " + sp + "TPF, NFE and the latency percentiles: over every decoded "
                  "item of the decoding pass, resampling items (a latency is a request's seconds from its call's "

@@ -53,10 +53,14 @@ import numpy as np
 
 from harness.run.guard import Guard
 
-DEFAULT_ROUNDS = 10  # 5 disjoint round pairs: the ratios' independent units (round_pairs)
+DEFAULT_ROUNDS = 10  # 5 disjoint round pairs: the protocol's default (benches, the A/B)
+# `harness eval`'s rounds: a task's speedup is a geometric mean over its timed items (``ratio``), so items matter
+# more than rounds; 4 rounds give each item 2 disjoint round pairs, and pay for >= 8 items per task.
+EVAL_ROUNDS = 4
 DEFAULT_ITEMS = "auto"  # timed items per task of a run: ``items_auto``
 ROUNDS_SHARE = 0.5  # --timing-items auto: the rounds re-decode about this share of the decoding pass ...
-MAX_AUTO_ITEMS = 32  # ... with at most this many items per task
+MIN_AUTO_ITEMS = 8  # ... with at least this many items per task (all of a task with fewer) ...
+MAX_AUTO_ITEMS = 32  # ... and at most this many
 MIN_BLOCK_S = 0.05  # a block shorter than this is repeated within its round (timer and scheduler-tick noise)
 MAX_REPEAT = 64
 BOOT = 2000
@@ -340,18 +344,57 @@ def _pair(records: list[dict], side: str, ref: str, group: str):
     return a, b
 
 
-def _pair_dist(wa, ta, wb, tb, rho, kappa) -> np.ndarray:
-    """Per resample, the median over resampled round pairs of the ratio of the two sides' tokens/s on the
-    resampled items ([B])."""
-    return np.median(_tps(wa, ta, rho, kappa) / _tps(wb, tb, rho, kappa), axis=1)
+RATIO_STATISTIC = ("geometric mean over the timed items of each item's speedup (the median over disjoint round "
+                   "pairs of its tokens/s over the reference's)")
+
+
+def _geomean(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.exp(np.mean(np.log(x), axis=axis))
+
+
+def item_ratios(wa: np.ndarray, ta: np.ndarray, wb: np.ndarray, tb: np.ndarray) -> np.ndarray:
+    """Per round pair and call, one side's tokens/s over the other's ([P, C]) from round-pair seconds [P, C]
+    and tokens per call [C]. A call is an item at batch 1, a batch above it (its rows share one time)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (ta / wa) / (tb / wb)
+
+
+def task_speedup(q: np.ndarray) -> float:
+    """The task's speedup from per-(round pair, call) ratios [P, C]: each call's median over its pairs, then the
+    geometric mean over calls (``RATIO_STATISTIC``)."""
+    return float(_geomean(np.median(q, axis=0)))
+
+
+def nested_dist(q: np.ndarray, key: Any, boot: int = BOOT) -> np.ndarray:
+    """Two-level bootstrap of ``task_speedup`` ([boot]): the calls (items, or batches) drawn with replacement,
+    then for each drawn call its own round pairs drawn with replacement; each call's median over its drawn
+    pairs, the geometric mean over the drawn calls."""
+    p, c = q.shape
+    g = _rng("nested", key, p, c)
+    kappa = g.integers(0, c, size=(boot, c))  # [B, C] calls
+    rho = g.integers(0, p, size=(boot, c, p))  # [B, C, P] pairs within each drawn call
+    per_call = np.median(q[rho, kappa[:, :, None]], axis=2)  # [B, C]
+    return _geomean(per_call, axis=1)
+
+
+def nested_method(pairs: int, rounds: int, calls: int, rows: int) -> str:
+    """The label of ``nested_dist``'s interval: both units and their counts."""
+    what = (f"{calls} item{'s' if calls != 1 else ''}" if rows <= calls else
+            f"{calls} batch{'es' if calls != 1 else ''} ({rows} items)")
+    if calls == 1:  # nothing to draw at the first level
+        return f"bootstrap over the {pairs_text(rounds)} of {what}, not resampled ({BOOT} resamples)"
+    return f"two-level bootstrap: {what}, then within each its {pairs_text(rounds)} ({BOOT} resamples)"
 
 
 def ratio(records: list[dict], side: str, ref: str, group: str, key: Any = None, clock_: str = "wall") -> dict | None:
-    """``side``'s tokens/s over ``ref``'s on one group (the per-task speedup). Estimator: per disjoint round
-    pair (``round_pairs``), the ratio of the two sides' throughputs (tokens over seconds, summed over the timed
-    items); the point is the median over pairs. Interval: the same statistic on bootstrap resamples of round
-    pairs and items together (the same draws for both sides). Also the bootstrap share of ratios >= 1 and
-    the per-pair ratios. ``clock_`` = "cpu" uses CPU time instead."""
+    """``side``'s tokens/s over ``ref``'s on one group: the task's speedup. Estimator (``RATIO_STATISTIC``): per
+    timed item (per batch above batch 1) and disjoint round pair (``round_pairs``), the ratio of the two sides'
+    tokens/s on it; each item's speedup is the median over its pairs; the task's is the geometric mean over
+    items, so every item weighs the same whatever its length. Interval: the same statistic on a two-level
+    bootstrap (``nested_dist``: items, then round pairs within each item). Also the bootstrap share of ratios
+    >= 1, each item's speedup (``per_item``) and each pair's geometric mean over items (``per_pair``: one value
+    per pair, for comparing runs). ``clock_`` = "cpu" uses CPU time instead."""
     got = _pair(records, side, ref, group)
     if got is None:
         return None
@@ -361,16 +404,19 @@ def ratio(records: list[dict], side: str, ref: str, group: str, key: Any = None,
         wa, wb = ca, cb
         if not (np.all(np.isfinite(wa)) and np.all(np.isfinite(wb))):
             return None
-    wa, wb = round_pairs(wa), round_pairs(wb)
-    per_pair = _tps(wa, ta) / _tps(wb, tb)
-    rho, kappa = _draws(*wa.shape, key=(key, side, ref, group))
-    dist = _pair_dist(wa, ta, wb, tb, rho, kappa)
+    q = item_ratios(round_pairs(wa), ta, round_pairs(wb), tb)  # [P, C]
+    if not np.all(np.isfinite(q) & (q > 0)):
+        return None
+    dist = nested_dist(q, key=(key, side, ref, group))
     n_rows = int(rows_of(records, side, group).sum())
-    return {"ratio": float(np.median(per_pair)), "interval": _interval(dist, pairs_text(rounds), wa.shape[1], n_rows),
-            "p_not_below_1": float(np.mean(dist >= 1.0)), "per_pair": [float(x) for x in per_pair],
-            "pairs": int(wa.shape[0]), "rounds": int(rounds), "items": n_rows, "calls": int(wa.shape[1]),
-            "statistic": "median over disjoint round pairs of the ratio of throughputs (tokens over seconds of "
-                         "the timed items)"}
+    iv = _interval(dist, pairs_text(rounds), q.shape[1], n_rows)
+    if iv is not None:
+        iv["method"] = nested_method(q.shape[0], rounds, q.shape[1], n_rows)
+    return {"ratio": task_speedup(q), "interval": iv,
+            "p_not_below_1": float(np.mean(dist >= 1.0)), "per_pair": [float(x) for x in _geomean(q, axis=1)],
+            "per_item": [float(x) for x in np.median(q, axis=0)],
+            "pairs": int(q.shape[0]), "rounds": int(rounds), "items": n_rows, "calls": int(q.shape[1]),
+            "statistic": RATIO_STATISTIC}
 
 
 def mean_ratio(records: list[dict], side: str, ref: str, groups: Sequence[str], key: Any = None) -> dict | None:
@@ -382,28 +428,24 @@ def mean_ratio(records: list[dict], side: str, ref: str, groups: Sequence[str], 
     if not mats or any(p is None for p in mats):
         return None
     rounds = min(a[0].shape[0] for a, _ in mats)
-    mats = [((round_pairs(a[0][:rounds]), a[2]), (round_pairs(b[0][:rounds]), b[2])) for a, b in mats]
-    n_pairs = mats[0][0][0].shape[0]
-    points = [float(np.median(_tps(wa, ta) / _tps(wb, tb))) for (wa, ta), (wb, tb) in mats]
-    g = _rng(key, side, ref, tuple(groups))
-    rho = g.integers(0, n_pairs, size=(BOOT, n_pairs))
-    dists = []
-    for (wa, ta), (wb, tb) in mats:
-        kappa = g.integers(0, wa.shape[1], size=(BOOT, wa.shape[1]))
-        dists.append(_pair_dist(wa, ta, wb, tb, rho, kappa))
-    items = sum(wa.shape[1] for (wa, _), _ in mats)
+    qs = [item_ratios(round_pairs(a[0][:rounds]), a[2], round_pairs(b[0][:rounds]), b[2]) for a, b in mats]
+    if not all(np.all(np.isfinite(q) & (q > 0)) for q in qs):
+        return None
+    points = [task_speedup(q) for q in qs]
+    dists = [nested_dist(q, key=(key, side, ref, g)) for q, g in zip(qs, groups)]  # each task's own draws
+    items = sum(q.shape[1] for q in qs)
     rows = int(sum(rows_of(records, side, g).sum() for g in groups))
-    units = f"{pairs_text(rounds)} (drawn once for all {len(mats)} tasks)"
-    iv = _interval(np.mean(dists, axis=0), units, items, rows)
-    if iv is not None and all(wa.shape[1] == 1 for (wa, _), _ in mats):  # one call per task: no item resampled
-        one = "1 item" if rows == items else f"1 batch ({rows // len(mats)} items)"
-        iv["method"] = f"bootstrap over {units}; {one} per task, not resampled ({BOOT} resamples)"
-    elif iv is not None:
-        iv["method"] = iv["method"].replace(" items)", " items, each task's own)") if rows > items else \
-            iv["method"].replace(f"{items} items", f"{items} items (each task's own)")
+    iv = _interval(np.mean(dists, axis=0), pairs_text(rounds), items, rows)
+    if iv is not None:
+        call = "item" if rows <= items else "batch"
+        iv["method"] = (
+            f"bootstrap over the {pairs_text(rounds)} of each task's 1 {call}, not resampled; {len(qs)} tasks "
+            f"drawn on their own, their mean per resample ({BOOT} resamples)" if items == len(qs) else
+            f"two-level bootstrap within each of {len(qs)} tasks, drawn on their own: {items} {call}"
+            f"{'s' if call == 'item' else 'es'}{'' if call == 'item' else f' ({rows} items)'} in all, then within "
+            f"each its {pairs_text(rounds)}; the tasks' mean per resample ({BOOT} resamples)")
     return {"ratio": float(np.mean(points)), "interval": iv, "per_group": dict(zip(groups, points)),
-            "statistic": "arithmetic mean over tasks of each task's speedup (median over disjoint round pairs of "
-                         "the ratio of throughputs)"}
+            "statistic": f"arithmetic mean over tasks of each task's speedup ({RATIO_STATISTIC})"}
 
 
 def mean_figure(records: list[dict], side: str, groups: Sequence[str], key: Any = None,
@@ -487,16 +529,18 @@ def sample_docs(docs: Sequence[Any], k: int | None, seed: int, unit: str) -> lis
     return [d for i, d in enumerate(docs) if i in picked]
 
 
-def items_auto(docs: int, rounds: int = DEFAULT_ROUNDS, share: float = ROUNDS_SHARE, cap: int = MAX_AUTO_ITEMS) -> int:
-    """Timed items per task for ``--timing-items auto``: k = floor(docs x share / rounds), between 1 and
-    ``cap``, so that the rounds re-decode about ``share`` of what the decoding pass decoded (each timed item is
-    decoded once per round). It depends on the run's shape only (the task's document count and the rounds),
+def items_auto(docs: int, rounds: int = EVAL_ROUNDS, share: float = ROUNDS_SHARE, cap: int = MAX_AUTO_ITEMS,
+               floor: int = MIN_AUTO_ITEMS) -> int:
+    """Timed items per task for ``--timing-items auto``: k = floor(docs x share / rounds), at least ``floor``
+    (every document of a task with fewer) and at most ``cap``, so that a task's speedup describes several of its
+    items, and a large run's rounds re-decode about ``share`` of what the decoding pass decoded (each timed item
+    is decoded once per round). It depends on the run's shape only (the task's document count and the rounds),
     never on a measured time, so every run of one setting, on any machine, times the same items (a
     time-based choice would move with the machine's speed); and it costs every model the same fraction of its
     own pass, a slow row as much as a fast one."""
     if docs < 1 or rounds < 1:
         return 1
-    return max(1, min(cap, int(docs * share // rounds)))
+    return min(docs, max(floor, min(cap, int(docs * share // rounds))))
 
 
 def parse_items(text: str | int) -> str | int:
