@@ -512,8 +512,9 @@ def timing_note(run: dict) -> str:
     items = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     rounds = int(timed["settings"]["rounds"])
     text = (f"speed figures from {rounds} timed rounds of {items} item(s) per task, the models in turn: tokens/s the "
-            f"median over rounds, speedups the median over {pairs_text(rounds)}, intervals resampling those and the "
-            "timed items; they do not hold the machine's state between runs nor the choice of timed items")
+            f"median over rounds; a task's speedup the geometric mean over its timed items of each item's median "
+            f"over its {pairs_text(rounds)}, its interval a two-level bootstrap (the items, then each item's round "
+            "pairs); the intervals do not hold the machine's state between runs")
     guards = [p_.get("guard") for p_ in timed["passes"]]
     state = combined_state(guards)
     busy = [g for g in guards if (g or {}).get("busy")]
@@ -681,9 +682,10 @@ CONVENTION = ("speedup = TPS(model) / TPS(reference), same task, same run or run
               "TPS of the model / mean TPS of the reference over the same tasks (2.24x for that pair). "
               f"`{NOT_MEASURED}`: either side not measured, or measured in runs that are not comparable (the reason "
               "follows the table). Rows timed in the same run's rounds (harness/run/timing.py): a per-task speedup is "
-              "the median over disjoint round pairs (rounds 1+2, 3+4, ...) of the ratio of throughputs, with its 95% "
-              "interval from a bootstrap over round pairs and items, and the mean of ratios the arithmetic mean of "
-              "those, round pairs drawn once for all tasks. Single passes where both rows kept per-item logs: a "
+              "the geometric mean over the timed items of each item's speedup (the median over its disjoint round "
+              "pairs, rounds 1+2, 3+4, ..., of the ratio of tokens/s on it), with its 95% interval from a two-level "
+              "bootstrap (the items, then each item's round pairs), and the mean of ratios the arithmetic mean of "
+              "those, each task resampled on its own. Single passes where both rows kept per-item logs: a "
               "per-task speedup is the ratio of throughputs on the items both decoded, with its 95% interval and "
               "p-value from a paired bootstrap over those items, and the mean of ratios a bootstrap stratified by "
               "task. Each point is its interval's statistic at the full sample. The quality table below each compares the two rows' answers item "

@@ -70,8 +70,12 @@ def run_figures(run: Path) -> dict:
 
 
 def spread_of(runs: list[dict], key: str) -> dict:
-    """Per figure (a model's mean, or a model/task), over the runs: lowest, highest, highest / lowest, and how
-    many runs' points lie inside every other run's interval."""
+    """Per figure (a model's mean, or a model/task), over the runs: lowest, highest, highest / lowest, how many
+    runs' points lie inside every other run's interval, and the coverage of each run's interval: how many runs'
+    intervals hold the median of the other runs' points (what a reader of one run's interval expects of the
+    next run)."""
+    import statistics
+
     out = {}
     names = sorted({k for r in runs for k in r[key]})
     for k in names:
@@ -79,9 +83,18 @@ def spread_of(runs: list[dict], key: str) -> dict:
         vals = [p for p, _ in pts]
         inside = sum(1 for i, (p, _) in enumerate(pts)
                      if all(iv and iv["lo"] <= p <= iv["hi"] for j, (_, iv) in enumerate(pts) if j != i))
+        covers = sum(1 for i, (_, iv) in enumerate(pts) if len(pts) > 1 and iv and
+                     iv["lo"] <= statistics.median(v for j, v in enumerate(vals) if j != i) <= iv["hi"])
         out[k] = {"values": vals, "lowest": min(vals), "highest": max(vals), "max_over_min": max(vals) / min(vals),
-                  "inside_all_others": inside, "runs": len(vals)}
+                  "inside_all_others": inside, "covers_others_median": covers, "runs": len(vals)}
     return out
+
+
+def coverage(spread: dict) -> dict:
+    """Over every figure of ``spread_of``: runs whose interval held the median of the other runs' points, of all."""
+    held = sum(v["covers_others_median"] for v in spread.values())
+    total = sum(v["runs"] for v in spread.values() if v["runs"] > 1)
+    return {"held": held, "of": total, "share": held / total if total else None}
 
 
 def compare_pairs(out: Path, names: list[str], which: str = "all") -> list[dict]:
@@ -148,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         ensure_runs(ns.runs, ns.name, shlex.split(ns.eval_args), out)
         runs = [run_figures(out / _run_id(ns.name, i)) for i in range(1, ns.runs + 1)]
         pairs = [] if ns.no_compare else compare_pairs(out, [r["run"] for r in runs], ns.pairs)
+        result.pop("version_note", None)  # the runs' figures are this version's now
         result.update({
             "command": f"harness eval {ns.eval_args}", "runs": runs,
             "flagged": [r["run"] for r in runs if r["machine"] != "quiet"],
             "mean_spread": spread_of(runs, "mean"), "row_spread": spread_of(runs, "rows"),
+            "row_coverage": coverage(spread_of(runs, "rows")), "mean_coverage": coverage(spread_of(runs, "mean")),
             # the smallest `make compare --speed-factor` that calls none of these idle pairs different
             "largest_row_ratio": max((v["max_over_min"] for v in spread_of(runs, "rows").values()), default=None),
             "compare_pairs_kind": ns.pairs, "compare_pairs": pairs,
@@ -166,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in (result.get("mean_spread") or {}).items():
         print(f"{k}: mean speedup {v['lowest']:.2f}x .. {v['highest']:.2f}x over {v['runs']} runs "
               f"(x{v['max_over_min']:.2f}); inside every other run's interval: {v['inside_all_others']}/{v['runs']}")
+    if ns.runs and result.get("row_coverage", {}).get("of"):
+        c = result["row_coverage"]
+        print(f"task speedup intervals holding the median of the other runs' points: {c['held']} of {c['of']} "
+              f"({100 * c['share']:.0f}%)")
     if ns.runs and result.get("largest_row_ratio"):
         print(f"largest per-task speedup ratio between two of these runs: x{result['largest_row_ratio']:.2f} (a "
               "`make compare --speed-factor` below it can call identical code different on this machine)")
