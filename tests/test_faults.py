@@ -461,3 +461,33 @@ def test_nan_at_one_forward_of_every_decoder_in_a_real_run(setup, make_checkpoin
         got, want = _rows(setup["out"] / "nan-each", name), _rows(setup["out"] / "nan-clean", name)
         assert got[1][0] == "non-finite logits at forward 2", (name, got[1])
         assert {d: r for d, r in got.items() if d != 1} == {d: r for d, r in want.items() if d != 1}, name
+
+
+def test_the_slow_fault_adds_cpu_work_in_proportion_to_each_forward(monkeypatch):
+    """``"slow"`` (make compare's calibration): after every forward of a named decoder's model, a busy loop of
+    (factor - 1) x that forward's seconds; other decoders untouched, the output unchanged. A fake clock makes
+    the seconds exact: the forward takes 1 s of it, each clock read 1 ms."""
+    import time
+
+    from harness.run import faults
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.001
+        return now[0]
+
+    class Forward(torch.nn.Module):
+        def forward(self, x):
+            now[0] += 1.0
+            return x + 1
+
+    monkeypatch.setattr(time, "perf_counter", clock)
+    monkeypatch.setenv(faults.FAULTS_ENV, json.dumps({"slow": {"decoders": ["refusion"], "factor": 1.5}}))
+    model, item = Forward(), [{"task": "t", "doc_id": 0}]
+    for decoder, low, high in (("refusion", 1.5, 1.51), ("ar", 1.0, 1.01)):
+        with faults.injected_decode_faults(model, item, decoder):
+            start = now[0]
+            assert model(torch.zeros(1)).item() == 1.0
+            assert low <= now[0] - start < high, (decoder, now[0] - start)
+    assert not model._forward_hooks and not model._forward_pre_hooks  # removed after the call

@@ -472,39 +472,77 @@ def test_same_model_with_other_knobs_in_two_runs_is_one_row_per_run(tmp_path):
                                                                     "refusion@new"}
 
 
+def spread_file(path: Path, values: dict[str, list[float]], rounds: int = 9, items: int = 1,
+                flagged: int = 0) -> Path:
+    """A spread file as `make spread` writes it: quiet idle runs with each (model/task) speedup, the timing
+    settings and the statistic they were made with; ``flagged`` more runs on a busy machine (left out)."""
+    from harness.run import timing
+
+    n = len(next(iter(values.values())))
+    runs = [{"run": f"spread-x-{i + 1:02d}", "machine": "busy" if i >= n else "quiet", "rounds": rounds,
+             "timed_items": items, "rows": {k: {"speedup": (v[i] if i < n else 99.0), "interval": None}
+                                            for k, v in values.items()}} for i in range(n + flagged)]
+    path.write_text(json.dumps({"command": "harness eval --task embedded", "statistic": timing.RATIO_STATISTIC,
+                                "runs": runs}))
+    return path
+
+
 def test_compare_prints_the_speed_rule_it_applies(tmp_path):
-    """The between-runs speed rule in compare.md is read back (its p threshold and factor) and applied by hand,
-    with scipy's Mann-Whitney test, to per-pair samples on both sides of each threshold: it decides as
-    timing.between_runs does, at the default factor and at one given with --speed-factor."""
-    import numpy as np
-    from scipy.stats import mannwhitneyu
+    """The between-runs speed rule printed in compare.md is timing.spread_rule of the constants the verdict uses
+    (its quantile and minimum read back), and applied by hand (Student's t on the spread file's log speedups) it
+    decides as compare does, on ratios on both sides of the threshold. Without a spread file compare says it
+    cannot tell; a file of another statistic, or with too few quiet runs, is one error line."""
+    import math
+    import statistics
+
+    from scipy.stats import t as student
 
     from harness.report import compare
     from harness.run import timing
 
     runs, out = tmp_path / "runs", tmp_path / "reports"
-    for name in ("a", "b"):
-        fake_run(runs, name, [("ar", "ar")], {("ar", "embedded_math"): (0.5, 100.0, 1.0)}, ["embedded_math"])
-    samples = [([2.0, 2.1, 2.0, 2.2, 2.1], [3.5, 3.6, 3.4, 3.7, 3.5]),   # p at its floor, 1.7x apart
-               ([2.0, 2.1, 2.0, 2.2, 2.1], [2.8, 2.9, 2.85, 3.0, 2.85]),  # p at its floor, 1.36x apart
-               ([2.0, 2.1, 2.0, 2.2, 2.1], [2.0, 3.6, 2.1, 3.5, 2.2]),   # overlapping: p far above
-               ([2.0, 2.1, 2.0, 2.2, 2.1], [1.1, 1.2, 1.1, 1.3, 1.2])]   # slower, 1.75x
-    for factor in (None, 1.3):
-        args = [] if factor is None else ["--speed-factor", str(factor)]
-        assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--name", "c", *args]) == 0
+    spread = [2.0, 2.1, 1.95, 2.2, 2.05, 2.1]
+    sd = statistics.stdev(math.log(v) for v in spread)
+    thr = math.exp(student.ppf(1 - timing.SPREAD_ALPHA / 2, len(spread) - 1) * sd * math.sqrt(2))
+    for i, ratio in enumerate((thr * 1.02, thr * 0.98, 1 / (thr * 1.02))):
+        runs = tmp_path / f"runs{i}"
+        for name, sp in (("a", 2.0), ("b", 2.0 * ratio)):
+            fake_run(runs, name, [("ar", "ar"), ("refusion", "refusion")],
+                     {("ar", "embedded_math"): (0.5, 100.0, 1.0), ("refusion", "embedded_math"): (0.5, 100.0, 2.0)},
+                     ["embedded_math"])
+            path = runs / name / "metrics" / "refusion__embedded_math.json"
+            met = json.loads(path.read_text())
+            met["speed"]["timing"] = {"mode": "interleaved", "rounds": 9, "items": 1,
+                                      "per_round_tokens_per_s": [100.0] * 9}
+            met["speedup"] = {"baseline": "ar", "tokens_per_s": sp, "per_pair": [sp] * 4}
+            path.write_text(json.dumps(met))
+        file = spread_file(tmp_path / "spread.json", {"refusion/embedded_math": spread}, flagged=2)
+        assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--name", "c",
+                             "--spread", str(file)]) == 0
         md = (out / "c" / "compare.md").read_text()
-        m = re.search(r"a difference only at p < ([0-9.e-]+) and beyond ([0-9.]+)x either way", md)
-        assert m, md[:2000]
-        alpha, printed = float(m.group(1)), float(m.group(2))
-        assert (alpha, printed) == (timing.RUNS_ALPHA, factor or timing.RUNS_FACTOR)
-        for a, b in samples:
-            ratio = float(np.median(b) / np.median(a))
-            by_hand = (mannwhitneyu(a, b, alternative="two-sided", method="exact").pvalue < alpha
-                       and max(ratio, 1 / ratio) > printed)
-            assert timing.between_runs(a, b, factor=printed)["differs"] == by_hand, (a, b, factor)
-    # The thresholds matter on these samples: the first pair differs at both factors, the second at 1.3x only.
-    assert timing.between_runs(*samples[1], factor=1.3)["differs"]
-    assert not timing.between_runs(*samples[1])["differs"]
+        m = re.search(r"at least (\d+) runs\), t Student's two-sided ([0-9.]+) quantile", md)
+        assert m and timing.spread_rule() in md, md[:3000]
+        assert (int(m.group(1)), 1 - float(m.group(2))) == (timing.MIN_SPREAD_RUNS, pytest.approx(timing.SPREAD_ALPHA))
+        by_hand = abs(math.log(ratio)) > math.log(thr)
+        differ = [d for d in json.loads((out / "c" / "compare.json").read_text())["differ"] if d["figure"] == "speedup"]
+        assert bool(differ) == by_hand, (ratio, thr, differ)
+        assert "6 quiet idle runs" in md  # the 2 busy runs of the file are left out
+    # without a spread file: it cannot tell, and says why
+    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--name", "c"]) == 0
+    md = (out / "c" / "compare.md").read_text()
+    assert compare.NO_SPREAD in md and "cannot tell" in md
+    assert not [d for d in json.loads((out / "c" / "compare.json").read_text())["differ"] if d["figure"] == "speedup"]
+    # refused spread files: one error line, exit 2
+    for bad, words in ((spread_file(tmp_path / "few.json", {"refusion/embedded_math": spread[:4]}), "at least 5"),
+                       (tmp_path / "none.json", "not a spread file")):
+        assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--name", "d",
+                             "--spread", str(bad)]) == 2
+    old = json.loads((tmp_path / "spread.json").read_text())
+    del old["statistic"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--name", "d",
+                         "--spread", str(tmp_path / "old.json")]) == 2
+    assert not (out / "d").exists()
 
 
 def test_compare_writes_each_figure_side_by_side_with_ratios(tmp_path, capsys):
@@ -905,14 +943,16 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
     tps = {r[0]: r for r in _md_section((out / "compare-a-vs-b" / "compare.md").read_text(),
                                         "## tokens/s (ratio of sums)")}
     assert tps["ar"][4] == "0.50" and tps["ar"][5:] == ["-", "-", "not testable: one timed pass per run"]
-    # Timed rounds in both runs: the speedups are judged by their per-pair values (disjoint round pairs,
-    # Mann-Whitney, p < 0.01 and beyond 1.6x); absolute figures are shown with their ratio, not judged.
+    # Timed rounds in both runs: the speedups are judged against a spread file's between-run spread (idle runs
+    # of identical code); absolute figures are shown with their ratio, not judged.
+    from harness.run import timing
+
     jitter = [1 + 0.01 * ((j * 7) % 9 - 4) for j in range(9)]
     for run_id, model, tps_, lat in (("a", "ar", 100.0, 0.1), ("b", "ar", 50.0, 0.2), ("a", "refusion", 400.0, 0.025),
                                      ("b", "refusion", 400.0, 0.025)):
         path = runs / run_id / "metrics" / f"{model}__embedded_math.json"
         met = json.loads(path.read_text())
-        met["speed"]["timing"] = {"mode": "interleaved", "rounds": 9,
+        met["speed"]["timing"] = {"mode": "interleaved", "rounds": 9, "items": 1,
                                   "per_round_tokens_per_s": [tps_ * j for j in jitter[::-1 if run_id == "b" else 1]],
                                   "per_round_latency_p50_s": [lat / j for j in jitter],
                                   "per_round_latency_p90_s": [lat / j for j in jitter]}
@@ -920,19 +960,20 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
         # speedup over ar in its own run's rounds: refusion 4x in a, 8x in b (ar twice as slow there)
         if model == "refusion":
             met["speedup"] = {"baseline": "ar", "tokens_per_s": 4.0 * (2 if run_id == "b" else 1),
-                              "per_pair": [4.0 * (2 if run_id == "b" else 1) * j for j in jitter[:5]]}
+                              "per_pair": [4.0 * (2 if run_id == "b" else 1) * j for j in jitter[:4]]}
             path.write_text(json.dumps(met))
-    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out)]) == 0
+    quiet = spread_file(tmp_path / "spread.json", {"refusion/embedded_math": [4.0, 4.2, 3.9, 4.1, 4.0, 4.3]})
+    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--spread", str(quiet)]) == 0
     printed = capsys.readouterr().out
     # Absolute tokens/s of two runs: the ratio, not judged (the machine between runs is in neither run).
     assert "tokens_per_s" not in printed and "latency" not in printed
-    assert ("differs: refusion embedded_math speedup in b (p 0.008, Mann-Whitney U over disjoint round pairs (5 vs 5), "
-            "p < 0.01 and beyond 1.6x, 5 vs 5 round pairs)") in printed
+    factor = timing.spread_factor([4.0, 4.2, 3.9, 4.1, 4.0, 4.3])["factor"]
+    test = f"beyond the between-run spread: x{factor:.2f} either way (6 idle runs)"
+    assert f"differs: refusion embedded_math speedup in b ({test}, 6 idle runs)" in printed, printed
     md = (out / "compare-a-vs-b" / "compare.md").read_text()
     differ = _md_section(md, "## Rows that differ")
-    assert ["refusion", "embedded_math", "speedup over the run's own AR model (x)", "b", "x2.00",
-            "Mann-Whitney U over disjoint round pairs (5 vs 5), p < 0.01 and beyond 1.6x", "0.008",
-            "5 vs 5 round pairs"] in differ
+    assert ["refusion", "embedded_math", "speedup over the run's own AR model (x)", "b", "x2.00", test, "-",
+            "6 idle runs"] in differ
     tps = {r[0]: r for r in _md_section(md, "## tokens/s (ratio of sums)")}
     assert tps["ar"][5:] == ["x0.50", "-", compare.NOT_JUDGED]
     assert not any(r[0] == "refusion" and r[2].startswith("quality") for r in differ)  # 2 vs 0 discordant: p 0.5
@@ -942,10 +983,18 @@ def test_compare_names_the_rows_that_differ_with_p_values(tmp_path, capsys):
     assert q["ar"][5:] == ["+0.00 pp [+0.00, +0.00]", "1.000", "no difference shown (10 items)"]
     data = json.loads((out / "compare-a-vs-b" / "compare.json").read_text())
     assert [(d["model"], d["figure"]) for d in data["differ"]] == [("refusion", "speedup")]
-    # A machine whose idle runs spread more (make spread) sets its own factor: 2x is then within it.
-    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--speed-factor", "2.5"]) == 0
+    # A machine whose idle runs spread more (make spread) sets a wider threshold: 2x is then within it.
+    loose = spread_file(tmp_path / "loose.json", {"refusion/embedded_math": [4.0, 6.0, 3.0, 5.0, 2.5, 7.0]})
+    assert timing.spread_factor([4.0, 6.0, 3.0, 5.0, 2.5, 7.0])["factor"] > 2
+    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--spread", str(loose)]) == 0
     assert "differs: refusion" not in capsys.readouterr().out
-    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--speed-factor", "1"]) == 2
+    # A spread timed with other settings than the runs': not judged, and it says so.
+    other = spread_file(tmp_path / "other.json", {"refusion/embedded_math": [4.0, 4.2, 3.9, 4.1, 4.0]}, rounds=4,
+                        items=8)
+    assert compare.main(["--run", "a,b", "--runs-root", str(runs), "--out", str(out), "--spread", str(other)]) == 0
+    assert "differs: refusion" not in capsys.readouterr().out
+    md = (out / "compare-a-vs-b" / "compare.md").read_text()
+    assert "not judged: the runs were timed with other rounds or timed items than other.json's" in md
 
 
 def test_a_system_beyond_table1_has_its_own_section_and_is_measured_against_the_references(tmp_path):

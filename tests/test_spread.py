@@ -26,3 +26,35 @@ def test_coverage_counts_the_intervals_that_hold_the_others_median():
 def test_one_run_covers_nothing_and_is_not_counted():
     c = spread.coverage(spread.spread_of([_run("a", 2.0, 1.0, 3.0)], "rows"))
     assert c == {"held": 0, "of": 0, "share": None}
+
+
+def _series(values: dict[str, list[float]], machine: str = "quiet") -> dict:
+    n = len(next(iter(values.values())))
+    return {"command": "harness eval --task embedded", "runs": [
+        {"run": f"r{i}", "machine": machine, "rows": {k: {"speedup": v[i]} for k, v in values.items()}}
+        for i in range(n)]}
+
+
+def test_calibration_counts_false_alarms_on_idle_pairs_and_detections_on_slowed_runs():
+    """The rule's spread from one series, false alarms over another's disjoint pairs, detection over (idle i,
+    slowed i): each verdict is timing.spread_verdict against timing.spread_factor of the rule's values."""
+    from harness.run import timing
+
+    base = [2.0, 2.1, 1.95, 2.05, 2.0, 2.1]
+    rule = _series({"refusion/math": base, "llada/math": [0.25] * 5 + [0.26]})
+    factor = timing.spread_factor(base)["factor"]
+    # idle: pair 1 within the spread, pair 2 beyond it (one false alarm of refusion's)
+    idle = _series({"refusion/math": [2.0, 2.05, 2.0, 2.0 * factor * 1.05],
+                    "llada/math": [0.25, 0.25, 0.25, 0.25]})
+    slowed = _series({"refusion/math": [2.0 / 1.5, 2.0 / 1.5, 2.0 / 1.01, 2.0 / 1.5],
+                      "llada/math": [0.25] * 4})
+    slowed["slow"] = {"decoder": "refusion", "factor": 1.5}
+    got = spread.calibrate(rule, idle, slowed)
+    fa = got["false_alarm"]
+    assert got["idle_pairs"] == 2 and fa["figures"] == 4 and fa["called_different"] == 1
+    assert fa["share"] == 0.25 and fa["pairs_with_any"] == 1 and fa["called"][0]["figure"] == "refusion/math"
+    det = got["detection"]
+    assert det["decoder"] == "refusion" and det["figures"] == 4  # llada's figures are not the slowed decoder's
+    want = sum(timing.spread_verdict(a, b, timing.spread_factor(base))["differs"] and b < a
+               for a, b in zip([2.0, 2.05, 2.0, 2.0 * factor * 1.05], [2.0 / 1.5, 2.0 / 1.5, 2.0 / 1.01, 2.0 / 1.5]))
+    assert det["detected"] == want == 3  # the third slowed run barely slowed: not called

@@ -206,19 +206,24 @@ def test_interval_holds_round_to_round_spread():
     assert r["interval"]["hi"] - r["interval"]["lo"] > 0.05
 
 
-def test_between_runs_needs_significance_and_a_real_change():
-    base = [99.0, 101.5, 100.0, 98.2, 100.7]  # 5 round pairs, as by default
-    same = timing.between_runs(base, base[::-1])
-    assert not same["differs"] and same["ratio"] == pytest.approx(1.0)
-    half = timing.between_runs(base, [x / 2 for x in base])
-    assert half["differs"] and half["p"] < timing.RUNS_ALPHA and half["ratio"] == pytest.approx(0.5)
-    assert half["p"] == pytest.approx(timing.min_p(5, 5)) == pytest.approx(2 / 252)  # the exact test's floor
-    small = timing.between_runs(base, [x * 1.5 for x in base])  # significant but within the idle spread
-    assert not small["differs"] and small["p"] < timing.RUNS_ALPHA
-    few = timing.between_runs(base[:3], [x / 2 for x in base[:3]])  # 3 vs 3 pairs cannot reach p < 0.01
-    assert not few["differs"] and few["p"] is None and "cannot reach p < 0.01" in few["test"]
-    one = timing.between_runs([100.0], [50.0])
-    assert not one["differs"] and one["p"] is None and "not testable" in one["test"]
+def test_the_between_run_threshold_is_students_t_on_the_spread_of_log_speedups():
+    """spread_factor against a hand computation: s = sd(log v) (n - 1), t the two-sided 0.99 quantile with n - 1
+    degrees of freedom, factor exp(t s sqrt 2); a change beyond it either way differs, within it not."""
+    import math
+    import statistics
+
+    from scipy.stats import t as student
+
+    values = [2.0, 2.2, 1.9, 2.1, 2.05, 2.3]
+    got = timing.spread_factor(values)
+    s = statistics.stdev(math.log(v) for v in values)
+    want = math.exp(student.ppf(0.995, 5) * s * math.sqrt(2))
+    assert got["factor"] == pytest.approx(want, rel=1e-12) and got["runs"] == 6 and got["alpha"] == 0.01
+    assert timing.spread_verdict(2.0, 2.0 * want * 1.01, got)["differs"]
+    assert timing.spread_verdict(2.0, 2.0 / (want * 1.01), got)["differs"]  # slower, beyond it
+    assert not timing.spread_verdict(2.0, 2.0 * want * 0.99, got)["differs"]
+    assert timing.spread_factor(values[:4]) is None  # fewer than MIN_SPREAD_RUNS runs
+    assert timing.spread_factor([2.0, 0.0, 1.0, 1.0, 1.0]) is None
 
 
 def test_sample_docs_is_seeded_and_nested():

@@ -8,8 +8,11 @@ For every model name and benchmark measured in the runs, each figure (quality, t
 NFE, latency p50/p90, decode peak memory and weights, the run's own speedup over its AR model) is shown per run with
 its 95% interval, and with its ratio to the first run. Where two runs measured the same items,
 the ratio is a paired test (harness/run/stats.py): McNemar's exact test for quality, a paired
-bootstrap for the speed figures (interval and p-value); a row "differs" only where p < 0.05, and
-the rows that differ are listed first with their p-values. Models pair up by name, so a preset run with other knobs
+bootstrap for TPF and NFE (interval and p-value); a row "differs" only where p < 0.05, and
+the rows that differ are listed first with their p-values. A speedup is judged against the between-run spread of
+idle runs of identical code on the machine, from a spread file of `make spread` (``--spread FILE``:
+``timing.spread_rule``); without one, compare says it cannot tell. Absolute tokens/s and latency get their ratio
+and are not judged. Models pair up by name, so a preset run with other knobs
 (``MODELS=refusion:slot_size=8`` in one run, ``MODELS=refusion`` in the other) lines up with
 itself; a benchmark pairs up across prompt variants (``gsm8k_cot`` with ``gsm8k_cot_paper``), so
 stock and paper prompts can be compared too. The settings that differ between the runs, run-wide
@@ -166,9 +169,9 @@ def _value_interval(key: str, met: dict, it: stats.Items | None, stream: str) ->
     return None
 
 
-# Wall-clock figures: judged between runs by their timed rounds (harness/run/timing.py ``between_runs``),
-# never by a paired test over items (the difference between two runs lies between the runs, not the items).
-# tok/s and the speedup come from the timed rounds; the latency percentiles from the decoding pass in every mode.
+# Wall-clock figures: never judged by a paired test over items (the difference between two runs lies between the
+# runs, not the items), nor by the rounds of one run (they hold that run's machine state only): a speedup against
+# a spread file's between-run spread (timing.spread_verdict); the absolute figures not at all.
 WALL = {"tokens_per_s": "per_round_tokens_per_s", "latency_p50_s": None, "latency_p90_s": None, "speedup": None}
 PASS_LATENCY = ("latency_p50_s", "latency_p90_s")
 NOT_TESTABLE = "not testable: one timed pass per run"
@@ -177,6 +180,61 @@ NOT_TESTABLE = "not testable: one timed pass per run"
 # code, docs/history.md). A run's speedup over its own reference is measured interleaved, and that is what is
 # judged between runs.
 NOT_JUDGED = "not judged across runs: absolute speed moves with the machine between runs; the speedup is judged"
+NO_SPREAD = ("cannot tell: no between-run spread given (one run's rounds hold its own machine state, not the next "
+             "run's): measure this machine's with `make spread`, then pass it with --spread FILE")
+
+
+class Spread:
+    """A spread file of `make spread` (results/speed_spread_<name>.json): per (model, task) the speedups of its
+    quiet idle runs, the statistic they were made with and their timing settings. ``load`` checks it."""
+
+    def __init__(self, path: Path, data: dict) -> None:
+        self.path, self.command = path, data.get("command")
+        quiet = [r for r in data.get("runs") or [] if r.get("machine") == "quiet"]
+        self.runs, self.flagged = len(quiet), len(data.get("runs") or []) - len(quiet)
+        self.values: dict[str, list[float]] = {}
+        for r in quiet:
+            for key, v in (r.get("rows") or {}).items():
+                if v.get("speedup"):
+                    self.values.setdefault(key, []).append(float(v["speedup"]))
+        self.settings = {(r.get("rounds"), r.get("timed_items")) for r in quiet}
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Spread":
+        from harness.run.timing import MIN_SPREAD_RUNS, RATIO_STATISTIC
+
+        p = Path(path)
+        data = _read(p) if p.is_file() else None
+        if not isinstance(data, dict) or not data.get("runs"):
+            raise InputError(f"--spread {path}: not a spread file of `make spread` (results/speed_spread_<name>.json "
+                             "with its runs)")
+        if data.get("statistic") != RATIO_STATISTIC:
+            raise InputError(f"--spread {path}: made with another speedup statistic (an older version: "
+                             f"{str(data.get('version_note') or 'no statistic recorded')[:120]}); measure again "
+                             "with `make spread`")
+        got = cls(p, data)
+        if got.runs < MIN_SPREAD_RUNS:
+            raise InputError(f"--spread {path}: {got.runs} quiet run(s); the rule needs at least {MIN_SPREAD_RUNS}")
+        return got
+
+    def judge(self, ma: dict, mb: dict) -> dict:
+        """The speedup of ``mb`` against ``ma`` (two runs' metrics of one model and task), or why not judged."""
+        from harness.run.timing import spread_factor, spread_verdict
+
+        key = f"{ma.get('model')}/{ma.get('task')}"
+        thr = spread_factor(self.values.get(key, []))
+        if thr is None:
+            return {"test": f"not judged: {self.path.name} holds {len(self.values.get(key, []))} quiet run(s) of "
+                            f"{key} (the rule needs at least 5)", "p": None, "differs": False, "items": "-",
+                    "not_testable": True}
+        mine = {(((m.get("speed") or {}).get("timing") or {}).get("rounds"),
+                 ((m.get("speed") or {}).get("timing") or {}).get("items")) for m in (ma, mb)}
+        if not mine <= self.settings:
+            return {"test": f"not judged: the runs were timed with other rounds or timed items than {self.path.name}'s "
+                            f"(runs {sorted(mine, key=str)}, spread {sorted(self.settings, key=str)})", "p": None,
+                    "differs": False, "items": "-", "not_testable": True}
+        got = spread_verdict(ma["speedup"]["tokens_per_s"], mb["speedup"]["tokens_per_s"], thr)
+        return {**got, "items": f"{thr['runs']} idle runs"}
 
 
 def _rounds_of(key: str, met: dict) -> list[float] | None:
@@ -190,18 +248,24 @@ def _rounds_of(key: str, met: dict) -> list[float] | None:
     return t.get(WALL[key]) if t.get("mode") == "interleaved" else None
 
 
-def _between(key: str, ma: dict, mb: dict, factor: float | None = None) -> dict | None:
-    """A wall-clock figure of two runs: the rounds test (a speedup differs beyond ``factor``, default
-    timing.RUNS_FACTOR), or 'not testable' (printed with the ratio, no p)."""
+def _between(key: str, ma: dict, mb: dict, spread: Spread | None = None) -> dict | None:
+    """A wall-clock figure of two runs: a speedup against the spread file's between-run spread (``Spread.judge``;
+    without one, NO_SPREAD), an absolute figure not judged; 'not testable' for a single pass (printed with the
+    ratio, no p)."""
     if key in PASS_LATENCY:  # absolute seconds of each run's own pass: the machine between runs is in them
         return {"test": NOT_JUDGED, "p": None, "differs": False, "items": "-", "not_judged": True}
     a, b = _rounds_of(key, ma), _rounds_of(key, mb)
-    if a and b and len(a) > 1 and len(b) > 1:
-        from harness.run.timing import RUNS_FACTOR, between_runs
+    if a and b:
+        if key != "speedup":  # the ratio of medians over rounds, printed and not judged
+            import statistics
 
-        got = between_runs(a, b, factor=factor or RUNS_FACTOR)
-        if key != "speedup":
-            got = {**got, "differs": False, "not_judged": True, "test": NOT_JUDGED}
+            med_a = statistics.median(a)
+            got = {"ratio": statistics.median(b) / med_a if med_a > 0 else None, "p": None, "differs": False,
+                   "not_judged": True, "test": NOT_JUDGED}
+        elif spread is None:
+            got = {"ratio": None, "p": None, "differs": False, "not_testable": True, "test": NO_SPREAD}
+        else:
+            got = spread.judge(ma, mb)
         docs = [((m.get("speed") or {}).get("timing") or {}).get("docs") for m in (ma, mb)]
         notes = []
         if docs[0] is not None and docs[1] is not None and docs[0] != docs[1]:
@@ -212,7 +276,7 @@ def _between(key: str, ma: dict, mb: dict, factor: float | None = None) -> dict 
             notes.append(f"the {' and '.join(busy)} run measured on a busy machine")
         if notes:
             got["note"] = "; ".join(notes)
-        return {**got, "items": f"{len(a)} vs {len(b)} {'round pairs' if key == 'speedup' else 'rounds'}"}
+        return {"items": f"{len(a)} vs {len(b)} {'round pairs' if key == 'speedup' else 'rounds'}", **got}
     if key == "speedup" and not ((ma.get("speedup") or {}).get("tokens_per_s") and
                                  (mb.get("speedup") or {}).get("tokens_per_s")):
         return None
@@ -231,7 +295,7 @@ def _paired(key: str, a: stats.Items | None, b: stats.Items | None, stream: str)
     return None
 
 
-def figures_of(entries: list[dict], labels: list[str], factor: float | None = None) -> list[dict]:
+def figures_of(entries: list[dict], labels: list[str], spread: Spread | None = None) -> list[dict]:
     """Every figure per entry and run with its 95% interval, its ratio to the first run and, where both runs
     measured the same items, the paired test of the difference (``tests``)."""
     ref = labels[0]
@@ -244,7 +308,7 @@ def figures_of(entries: list[dict], labels: list[str], factor: float | None = No
             ivs = {lab: (_value_interval(key, e["metrics"][lab], items.get(lab), e["benchmark"])
                          if vals[lab] is not None else None) for lab in labels}
             tests = {lab: (None if vals[lab] is None or vals[ref] is None else
-                           _between(key, e["metrics"][ref], e["metrics"][lab], factor) if key in WALL else
+                           _between(key, e["metrics"][ref], e["metrics"][lab], spread) if key in WALL else
                            _paired(key, items.get(ref), items.get(lab), e["benchmark"])) for lab in labels[1:]}
             figs[key] = {"values": vals, "intervals": ivs, "ratios": {lab: speedup(vals[lab], vals[ref])
                                                                       for lab in labels[1:]}, "tests": tests}
@@ -275,11 +339,11 @@ def _test_cells(t: dict | None, key: str) -> list[str]:
         return ["-", "-", t["test"]]
     if t.get("not_judged"):
         return [f"x{t['ratio']:.2f}" if t.get("ratio") else "-", "-", t["test"]]
-    if key in WALL:
+    if key in WALL:  # a speedup against the spread file's between-run spread
         note = f"; {t['note']}" if t.get("note") else ""
         verdict = "differs" if t["differs"] else "no difference shown"
-        return [f"x{t['ratio']:.2f}" if t.get("ratio") else "-", stats.fmt_p(t.get("p")),
-                f"{verdict} ({t['items']}, Mann-Whitney{note})"]
+        return [f"x{t['ratio']:.2f}" if t.get("ratio") else "-", f"x{t['factor']:.2f}" if t.get("factor") else "-",
+                f"{verdict} ({t['items']}, {t['test']}{note})"]
     if key == "quality":
         iv = stats.fmt_interval(t.get("interval"), "+.2f", 100.0).strip() or "-"
         what = f"{100 * t['difference']:+.2f} pp {iv}"
@@ -336,8 +400,8 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: list[dict],
-             factor: float | None = None) -> str:
-    """compare.md; ``factor``: the speed factor ``rows`` were judged with (None: timing.RUNS_FACTOR)."""
+             spread: Spread | None = None) -> str:
+    """compare.md; ``spread``: the spread file the speedups were judged against (None: not judged)."""
     labels = [r["label"] for r in runs]
     ref = labels[0]
     lines = [f"# Compare: {' vs '.join(labels)}", "",
@@ -355,7 +419,7 @@ def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: li
     missing = [f"{r['label']}: {len(r['missing'])} metrics file(s) missing" for r in runs if r["missing"]]
     if missing:
         lines += ["", "Partial: " + "; ".join(missing) + "."]
-    lines += ["", *differs_md(rows, labels, factor)]
+    lines += ["", *differs_md(rows, labels, spread)]
     lines += ["## Model settings that differ", ""]
     if diffs:
         lines += _md_table(["model", "setting", *labels],
@@ -372,10 +436,9 @@ def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: li
         if all(v is None for r in rows for v in r["figures"][key]["values"].values()):
             continue
         lines += ["", f"## {heading}", ""]
-        change = ("difference [95% CI]" if key == "quality" else "ratio of medians over rounds" if key in WALL
-                  else "ratio 95% CI")
-        test = ("p (McNemar / paired bootstrap)" if key == "quality" else "p (Mann-Whitney over rounds)"
-                if key in WALL else "p (paired bootstrap)")
+        change = ("difference [95% CI]" if key == "quality" else "ratio" if key in WALL else "ratio 95% CI")
+        test = ("p (McNemar / paired bootstrap)" if key == "quality" else "threshold (between-run spread)"
+                if key == "speedup" else "-" if key in WALL else "p (paired bootstrap)")
         head = ["model", "benchmark", *labels]
         for lab in labels[1:]:
             head += [f"{lab} / {ref}", f"{lab} vs {ref}: {change}", f"{lab} vs {ref}: {test}", f"{lab} vs {ref}"]
@@ -392,19 +455,21 @@ def markdown(runs: list[dict], settings: list[dict], diffs: list[dict], rows: li
     return "\n".join(lines)
 
 
-def differs_md(rows: list[dict], labels: list[str], factor: float | None = None) -> list[str]:
-    """The section naming every row whose paired test says it differs from the first run, with its p-value.
-    ``factor``: the speed factor the rows were judged with (None: timing.RUNS_FACTOR); the rule printed is
-    ``timing.between_runs_rule`` of it."""
-    from harness.run.timing import RUNS_ALPHA, RUNS_FACTOR, between_runs_rule
+def differs_md(rows: list[dict], labels: list[str], spread: Spread | None = None) -> list[str]:
+    """The section naming every row whose test says it differs from the first run, with its p-value; the speed
+    rule printed is ``timing.spread_rule`` (the constants the verdict uses), or what cannot be told without a
+    spread file."""
+    from harness.run.timing import spread_rule
 
     found = differing(rows, labels)
+    speed = (f"Speed between runs is judged through each run's speedup over its own reference (measured "
+             f"interleaved in that run) against the between-run spread of {spread.path} ({spread.runs} quiet idle "
+             f"runs of `{spread.command}`): {spread_rule()}. " if spread is not None else
+             "Speed between runs: " + NO_SPREAD + ". ")
     lines = ["## Rows that differ", "",
              f"Paired tests against `{labels[0]}` on the items both runs measured (95%: p < {stats.ALPHA}): McNemar's "
              "exact test for quality (binary scores; else a paired bootstrap of the difference), a paired bootstrap "
-             "(2000 resamples, fixed seed) for TPF and NFE. Speed between runs is judged through each run's speedup "
-             f"over its own reference (measured interleaved in that run): {between_runs_rule(RUNS_ALPHA, factor or RUNS_FACTOR)}. "
-             "Absolute tokens/s and "
+             "(2000 resamples, fixed seed) for TPF and NFE. " + speed + "Absolute tokens/s and "
              "latency get their ratio printed and are not judged: the machine's speed between two runs is in neither "
              f"run's rounds. A run without rounds (a single pass) gets \"{NOT_TESTABLE}\", never a p-value. Only "
              "these rows differ by more than chance; every other difference below is within it.", ""]
@@ -441,13 +506,11 @@ def to_csv(labels: list[str], rows: list[dict]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from harness.run.timing import RUNS_FACTOR
-
     p = run_parser("compare", __doc__)
-    p.add_argument("--speed-factor", type=float, default=RUNS_FACTOR,
-                   help="a speedup differs between runs only beyond this ratio either way (and at p < 0.01 over "
-                        "their round pairs); the default is the spread of idle runs of identical code on a 2-core "
-                        "CI machine: measure yours with `make spread` (default: %(default)s)")
+    p.add_argument("--spread", default=None, metavar="FILE",
+                   help="a spread file of `make spread` (results/speed_spread_<name>.json: idle runs of identical "
+                        "code on this machine, timed like the runs compared); speedups are judged against its "
+                        "between-run spread. Without it compare says it cannot tell whether a speedup changed")
     return p
 
 
@@ -463,9 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(names)) != len(names):
             raise InputError(f"two runs share the label {names!r}; name them: RUN=a=<run>,b=<run>")
         name = check_name(ns.name or "compare-" + "-vs-".join(names))
-        if ns.speed_factor <= 1:
-            raise InputError(f"--speed-factor must be above 1, got {ns.speed_factor}")
-        rows = figures_of(pair(runs), names, ns.speed_factor)
+        spread = Spread.load(ns.spread) if ns.spread else None
+        rows = figures_of(pair(runs), names, spread)
         if not rows:
             raise InputError(f"{', '.join(map(str, dirs))}: no metrics file at all (runs not started?)")
     except InputError as e:
@@ -474,20 +536,23 @@ def main(argv: list[str] | None = None) -> int:
     settings, diffs = run_settings(runs), model_differences(runs)
     target = Path(ns.out) / name
     with atomic_dir(target) as tmp:
-        atomic_write_text(tmp / "compare.md", markdown(runs, settings, diffs, rows, ns.speed_factor))
+        atomic_write_text(tmp / "compare.md", markdown(runs, settings, diffs, rows, spread))
         atomic_write_text(tmp / "compare.csv", to_csv(names, rows))
         atomic_write_json(tmp / "compare.json", {
             "runs": [{"label": r["label"], "dir": _show_path(str(r["dir"])), "missing": r["missing"], **s}
                      for r, s in zip(runs, settings)],
             "reference": names[0], "model_differences": diffs, "differ": differing(rows, names),
+            "spread": None if spread is None else {"file": str(spread.path), "runs": spread.runs,
+                                                   "command": spread.command},
             "rows": rows})
     shared = sum(1 for r in rows if len(r["tasks"]) > 1)
     differ = differing(rows, names)
     print(f"wrote {target}/compare.md ({len(rows)} (model, benchmark) rows, {shared} measured in more than one run; "
-          f"{len(differ)} figure(s) differ by a paired test)")
+          f"{len(differ)} figure(s) differ by their test)")
     for d in differ:
-        print(f"  differs: {d['model']} {d['benchmark']} {d['figure']} in {d['run']} (p {stats.fmt_p(d['p'])}, "
-              f"{d['test']}, {d['items'] if 'round' in str(d['items']) else str(d['items']) + ' items'})")
+        items = d["items"] if any(w in str(d["items"]) for w in ("round", "runs")) else f"{d['items']} items"
+        print(f"  differs: {d['model']} {d['benchmark']} {d['figure']} in {d['run']} ("
+              + (f"p {stats.fmt_p(d['p'])}, " if d["p"] is not None else "") + f"{d['test']}, {items})")
     return 0
 
 

@@ -28,6 +28,10 @@ real run meet a fault at a chosen place, however fast the machine is. Keys:
   until the call ends (a forward hook appends them to a list): the leak a trace added to a decoder would
   make. Tokens do not change; the memory pass's decode peak grows, which ``make regress`` must catch on that
   decoder's figures alone;
+- ``"slow": {"decoders": ["refusion", ...], "factor": F}``: every forward of those decoders' models is
+  followed by CPU work (a busy loop) lasting (F - 1) x that forward's own seconds, so the decoder runs about F
+  times as long on the same work and tokens: the slowdown `make compare`'s calibration must detect
+  (harness/speed/spread.py);
 - ``"enospc": "SITE"``: the first write whose file name contains SITE fails with ENOSPC halfway
   (``store.maybe_fail_write``; once per process);
 - ``"pause": "POINT"``: the process prints ``paused at POINT`` to stderr and waits for a signal at a
@@ -128,7 +132,9 @@ def injected_decode_faults(model, items: list[dict], decoder: str | None = None)
     poisoned = any(_doc(it) in nan.get("docs", ()) for it in items) or _CALLS[0] <= int(nan.get("first_calls", 0))
     stalled = any(_doc(it) in stall.get("docs", ()) for it in items)
     leaking = decoder is not None and decoder in (faults.get("leak") or {}).get("decoders", ())
-    if not (poisoned or stalled or leaking):
+    slow = faults.get("slow") or {}
+    slowed = decoder is not None and decoder in slow.get("decoders", ())
+    if not (poisoned or stalled or leaking or slowed):
         yield
         return
     kept: list = []  # the leak: every forward's logits, alive until the call ends
@@ -150,6 +156,21 @@ def injected_decode_faults(model, items: list[dict], decoder: str | None = None)
         return out
 
     handles = [model.register_forward_hook(poison)]
+    if slowed:
+        import time
+
+        started = [0.0]
+        extra = float(slow.get("factor", 1.0)) - 1.0
+
+        def begin(_module, _args):
+            started[0] = time.perf_counter()
+
+        def burn(_module, _args, _out):
+            until = time.perf_counter() + extra * (time.perf_counter() - started[0])
+            while time.perf_counter() < until:  # CPU work, not a sleep: the slowdown shows in CPU time too
+                pass
+
+        handles += [model.register_forward_pre_hook(begin), model.register_forward_hook(burn)]
     encoder = getattr(getattr(model, "model", None), "encoder", None)  # its forwards write a cache, no logits
     if encoder is not None:
         handles.append(encoder.register_forward_hook(lambda *_: seen.__setitem__(0, seen[0] + 1)))

@@ -33,9 +33,9 @@ seed), and each interval's ``method`` names and counts what was resampled:
 - the mean speedup over tasks (``mean_ratio``): the arithmetic mean of the per-task points (the paper's
   convention); resampled: round pairs (once for all tasks) and each task's items.
 
-Two runs' speedups are compared with ``between_runs``: a Mann-Whitney U test of their per-pair values,
-called different only at p < ``RUNS_ALPHA`` *and* a ratio beyond ``RUNS_FACTOR`` (asv's rule, with the
-factor set from the measured spread of idle runs).
+Two runs' speedups are compared against the between-run spread of idle runs of identical code on the machine
+(``spread_factor``, ``spread_verdict``: a spread file of `make spread`), never against the rounds of one run,
+which hold that run's machine state only.
 
 What else used the machine meanwhile is read by the busy-machine guard (harness/run/guard.py).
 """
@@ -65,15 +65,12 @@ MIN_BLOCK_S = 0.05  # a block shorter than this is repeated within its round (ti
 MAX_REPEAT = 64
 BOOT = 2000
 SEED = 1234
-# Between runs (``between_runs``): a speedup differs at p < RUNS_ALPHA over the runs' round pairs (5 vs 5 by
-# default: the exact test's smallest p is 0.0079, every pair of one run above every pair of the other) *and*
-# a change beyond RUNS_FACTOR. The factor covers the spread of idle runs of the same code on the 2-core machine
-# CI uses (docs/design.md "What a second run shows": six default runs put per-task speedups up to 1.52x apart,
-# mean speedups 1.30-1.36x): the rounds of one run do not see the machine's state between runs, so a change
-# within that spread is not called a change. `make compare --speed-factor` sets another (measure yours with
-# `make spread`).
-RUNS_ALPHA = 0.01
-RUNS_FACTOR = 1.6
+# Between runs (``spread_factor``): a speedup differs when |log(b / a)| > t x s x sqrt(2), s the standard
+# deviation of that figure's log speedup over a spread series of idle runs (at least MIN_SPREAD_RUNS), t Student's
+# two-sided (1 - SPREAD_ALPHA) quantile with n - 1 degrees of freedom: the log ratio of two new runs of identical
+# code has the spread of a difference of two runs, judged against a spread estimated from n of them.
+SPREAD_ALPHA = 0.01
+MIN_SPREAD_RUNS = 5
 ORDERS = ("abba", "random")
 
 
@@ -482,38 +479,35 @@ def mean_figure(records: list[dict], side: str, groups: Sequence[str], key: Any 
 # ---------------------------------------------------------------- between runs
 
 
-def min_p(n_a: int, n_b: int) -> float:
-    """The smallest two-sided p-value the exact Mann-Whitney U test can give for samples of these sizes (every
-    value of one above every value of the other): 2 / C(n_a + n_b, n_a)."""
-    return min(1.0, 2.0 / math.comb(n_a + n_b, n_a))
+def spread_factor(values: Sequence[float], alpha: float = SPREAD_ALPHA) -> dict | None:
+    """The between-run threshold of one figure from its speedups over a spread series of idle runs (module
+    comment above ``SPREAD_ALPHA``): {"factor", "runs", "sd_log", "t", "alpha"}; None with fewer than
+    ``MIN_SPREAD_RUNS`` runs or a value <= 0."""
+    from scipy.stats import t as student
+
+    v = np.asarray([float(x) for x in values], dtype=float)
+    if v.size < MIN_SPREAD_RUNS or np.any(~np.isfinite(v)) or np.any(v <= 0):
+        return None
+    s = float(np.std(np.log(v), ddof=1))
+    q = float(student.ppf(1 - alpha / 2, v.size - 1))
+    return {"factor": float(np.exp(q * s * math.sqrt(2))), "runs": int(v.size), "sd_log": s, "t": q, "alpha": alpha}
 
 
-def between_runs_rule(alpha: float = RUNS_ALPHA, factor: float = RUNS_FACTOR) -> str:
-    """The rule ``between_runs`` applies, in words, from the values it is called with: what `make compare`
-    prints, so the printed rule is the one applied (tests/test_report.py parses it back)."""
-    return (f"an exact two-sided Mann-Whitney U test of the two runs' per-pair speedups (one value per disjoint "
-            f"round pair of a run), a difference only at p < {alpha:g} and beyond {factor:g}x either way (asv's rule)")
+def spread_rule(alpha: float = SPREAD_ALPHA, min_runs: int = MIN_SPREAD_RUNS) -> str:
+    """The rule ``spread_verdict`` applies, in words, from the constants it uses: what `make compare` prints, so
+    the printed rule is the one applied (tests/test_report.py parses it back)."""
+    return (f"a speedup differs between two runs when |log(b / a)| > t x s x sqrt(2): s the standard deviation of "
+            f"that (model, task)'s log speedup over the idle runs of a spread file (`make spread`, at least "
+            f"{min_runs} runs), t Student's two-sided {1 - alpha:g} quantile with runs - 1 degrees of freedom; so "
+            f"identical code is called different in about {alpha:g} of the figures judged")
 
 
-def between_runs(a: Sequence[float], b: Sequence[float], alpha: float = RUNS_ALPHA,
-                 factor: float = RUNS_FACTOR) -> dict:
-    """Two runs' per-pair values of one figure (``ratio``'s ``per_pair``: disjoint round pairs, independent
-    samples): the ratio of medians b / a, the Mann-Whitney U p-value (two-sided, exact for small samples) and
-    whether it differs (p < alpha and the ratio beyond ``factor`` either way). Samples too small to reach
-    p < alpha at all are "not testable", said as such."""
-    from scipy.stats import mannwhitneyu
-
-    a, b = [float(x) for x in a], [float(x) for x in b]
-    r = float(np.median(b) / np.median(a)) if a and b and np.median(a) > 0 else None
-    if len(a) < 2 or len(b) < 2 or r is None or min_p(len(a), len(b)) >= alpha:
-        why = (f"not testable: {len(a)} vs {len(b)} round pairs cannot reach p < {alpha} (smallest p "
-               f"{min_p(len(a), len(b)):.4f} with every value of one run above the other's)"
-               if len(a) >= 1 and len(b) >= 1 else "not testable: no round pairs")
-        return {"ratio": r, "p": None, "differs": False, "test": why, "pairs": [len(a), len(b)]}
-    p = float(mannwhitneyu(a, b, alternative="two-sided", method="exact").pvalue)
-    return {"ratio": r, "p": p, "differs": bool(p < alpha and (r > factor or r < 1 / factor)),
-            "test": f"Mann-Whitney U over disjoint round pairs ({len(a)} vs {len(b)}), p < {alpha} and beyond "
-                    f"{factor}x", "pairs": [len(a), len(b)]}
+def spread_verdict(a: float, b: float, spread: dict) -> dict:
+    """Two runs' speedups of one figure against its between-run threshold (``spread_factor``)."""
+    r = float(b) / float(a)
+    return {"ratio": r, "p": None, "differs": bool(abs(math.log(r)) > math.log(spread["factor"])),
+            "factor": spread["factor"], "spread_runs": spread["runs"],
+            "test": f"beyond the between-run spread: x{spread['factor']:.2f} either way ({spread['runs']} idle runs)"}
 
 
 def sample_docs(docs: Sequence[Any], k: int | None, seed: int, unit: str) -> list[Any]:

@@ -8,6 +8,14 @@ spread of its own rounds and timed items but not the machine's state between run
     python -m harness spread --ab 10                              # 10 A/Bs of this commit against itself
     make spread SPREAD_ARGS="--runs 6"
 
+A spread file is what `make compare --spread FILE` judges speedups against (harness/run/timing.py
+``spread_rule``). Calibrating that rule out of sample takes three series of one command:
+
+    python -m harness spread --runs 10 --name rule                # sets the rule's spread
+    python -m harness spread --runs 20 --name idle                # new idle runs: false alarms, in pairs 1-2, 3-4, ...
+    python -m harness spread --runs 10 --name slow --slow refusion=1.5   # refusion 1.5x as costly (CPU work)
+    python -m harness spread --calibrate rule --idle idle --slowed slow  # -> results/compare_calibration.json
+
 Every run and every A/B is kept as it finishes (run folders under ``--out``, ``ab-<i>.json`` beside them), so an
 interrupted measurement resumes where it stopped and ``--runs N`` only adds what is missing: the runs can be
 made one at a time (between other work) and summarised at the end. Run on an idle machine: every run records its
@@ -37,12 +45,25 @@ REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "results" / "runs" / "spread"
 
 
+def timing_statistic() -> str:
+    """The speedup statistic a spread series is made with (compare refuses a file of another)."""
+    from harness.run.timing import RATIO_STATISTIC
+
+    return RATIO_STATISTIC
+
+
 def _run_id(name: str, i: int) -> str:
     return f"spread-{name}-{i:02d}"
 
 
-def ensure_runs(n: int, name: str, eval_args: list[str], out: Path) -> None:
-    """Runs 1..n of the command, each in its own run folder; a finished one (summary.json) is kept."""
+def ensure_runs(n: int, name: str, eval_args: list[str], out: Path, faults: dict | None = None) -> None:
+    """Runs 1..n of the command, each in its own run folder; a finished one (summary.json) is kept. ``faults``:
+    the fault hook's object for every run (harness/run/faults.py, e.g. a ``"slow"`` decoder)."""
+    import os
+
+    from harness.run.faults import FAULTS_ENV
+
+    env = {**os.environ, **({FAULTS_ENV: json.dumps(faults)} if faults else {})}
     for i in range(1, n + 1):
         run = out / _run_id(name, i)
         if (run / "summary.json").is_file():
@@ -50,7 +71,7 @@ def ensure_runs(n: int, name: str, eval_args: list[str], out: Path) -> None:
         cmd = [sys.executable, "-m", "harness", "eval", *eval_args, "--out", str(out), "--run-id", run.name]
         print(f"spread: run {i}/{n}: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        p = subprocess.run(cmd, cwd=REPO)
+        p = subprocess.run(cmd, cwd=REPO, env=env)
         if p.returncode != 0:
             raise SystemExit(f"error: run {run.name} failed (exit {p.returncode}); rerun to resume it")
         print(f"spread: run {i}/{n} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -62,7 +83,7 @@ def run_figures(run: Path) -> dict:
     t = s.get("timing") or {}
     return {"run": run.name, "commit": (s.get("environment") or {}).get("git_commit"),
             "machine": t.get("machine") or ("busy" if t.get("busy") else "quiet"),
-            "timing_seconds": t.get("seconds"), "timed_items": t.get("items"),
+            "timing_seconds": t.get("seconds"), "timed_items": t.get("items"), "rounds": t.get("rounds"),
             "mean": {m: {"speedup": v, "interval": (s.get("mean_speedup_interval") or {}).get(m)}
                      for m, v in (s.get("mean_speedup") or {}).items() if m != s.get("baseline")},
             "rows": {f"{r['model']}/{r['task']}": {"speedup": r["speedup"], "interval": r.get("speedup_ci")}
@@ -113,6 +134,51 @@ def compare_pairs(out: Path, names: list[str], which: str = "all") -> list[dict]
     return got
 
 
+def _judged(rule: dict, a: dict, b: dict, only: str | None = None) -> list[dict]:
+    """Every (model, task) speedup of run ``b`` against run ``a`` judged by ``rule``'s spread (a spread file's
+    data), as `make compare --spread` judges it; ``only``: that model's figures."""
+    from harness.run.timing import spread_factor, spread_verdict
+
+    quiet = [r for r in rule["runs"] if r["machine"] == "quiet"]
+    out = []
+    for key in sorted(set(a["rows"]) & set(b["rows"])):
+        if only is not None and key.split("/")[0] != only:
+            continue
+        thr = spread_factor([r["rows"][key]["speedup"] for r in quiet if key in r["rows"]])
+        if thr is not None:
+            v = spread_verdict(a["rows"][key]["speedup"], b["rows"][key]["speedup"], thr)
+            out.append({"figure": key, "ratio": v["ratio"], "factor": v["factor"], "differs": v["differs"]})
+    return out
+
+
+def calibrate(rule: dict, idle: dict, slowed: dict | None) -> dict:
+    """The compare rule out of sample (module doc): false alarms over the disjoint pairs of ``idle`` runs (1-2,
+    3-4, ...: identical code, every figure judged against ``rule``'s spread), and detection over the pairs
+    (idle run i, slowed run i): the slowed decoder's figures called different and slower. Quiet runs only."""
+    from harness.run.timing import SPREAD_ALPHA, spread_rule
+
+    q = [r for r in idle["runs"] if r["machine"] == "quiet"]
+    pairs = list(zip(q[0::2], q[1::2]))
+    fa = [j for a, b in pairs for j in _judged(rule, a, b)]
+    out = {"rule": spread_rule(), "alpha": SPREAD_ALPHA, "rule_series": rule.get("command"),
+           "rule_runs": sum(1 for r in rule["runs"] if r["machine"] == "quiet"),
+           "idle_pairs": len(pairs), "false_alarm": {
+               "figures": len(fa), "called_different": sum(j["differs"] for j in fa),
+               "share": sum(j["differs"] for j in fa) / len(fa) if fa else None,
+               "pairs_with_any": sum(any(j["differs"] for j in _judged(rule, a, b)) for a, b in pairs),
+               "called": [{"runs": [a["run"], b["run"]], **j} for a, b in pairs for j in _judged(rule, a, b)
+                          if j["differs"]]}}
+    if slowed is not None:
+        model, factor = slowed["slow"]["decoder"], slowed["slow"]["factor"]
+        s = [r for r in slowed["runs"] if r["machine"] == "quiet"]
+        det = [{"runs": [a["run"], b["run"]], **j} for a, b in zip(q, s) for j in _judged(rule, a, b, only=model)]
+        hit = [j for j in det if j["differs"] and j["ratio"] < 1]
+        out["detection"] = {"decoder": model, "factor": factor, "pairs": min(len(q), len(s)), "figures": len(det),
+                            "detected": len(hit), "share": len(hit) / len(det) if det else None,
+                            "ratios": [j["ratio"] for j in det]}
+    return out
+
+
 def ensure_abs(n: int, out: Path) -> list[dict]:
     """A/Bs 1..n of this commit's code against itself (``make regress``'s settings), each kept as it finishes."""
     from harness.speed import ab, regress
@@ -153,21 +219,69 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compare", action="store_true", help="skip `make compare` over the pairs of runs")
     p.add_argument("--pairs", choices=("all", "disjoint"), default="all",
                    help="runs compared: every pair, or disjoint pairs (1-2, 3-4, ...: independent) (default: all)")
+    p.add_argument("--slow", default=None, metavar="DECODER=FACTOR",
+                   help="every run with that decoder's forwards made FACTOR times as costly by CPU work (the fault "
+                        "hook's \"slow\", harness/run/faults.py): the series a calibration's detection is read on")
+    p.add_argument("--calibrate", default=None, metavar="RULE",
+                   help="calibrate `make compare --spread` out of sample: RULE's series sets the spread, --idle's "
+                        "disjoint pairs give the false alarms, --slowed's runs (paired with --idle's) the detection; "
+                        "writes results/compare_calibration.json")
+    p.add_argument("--idle", default=None, metavar="NAME", help="with --calibrate: the new idle series")
+    p.add_argument("--slowed", default=None, metavar="NAME", help="with --calibrate: the series made with --slow")
     ns = p.parse_args(argv)
     out = Path(ns.out)
+    if ns.calibrate:
+        series = {}
+        for role, name in (("rule", ns.calibrate), ("idle", ns.idle), ("slowed", ns.slowed)):
+            if name is None:
+                continue
+            series[role] = read_json_or_none(REPO / "results" / f"speed_spread_{name}.json")
+            if not series[role] or series[role].get("statistic") != timing_statistic():
+                print(f"error: results/speed_spread_{name}.json: missing, or made with another speedup statistic",
+                      file=sys.stderr)
+                return 2
+        if "idle" not in series:
+            print("error: --calibrate needs --idle NAME (a series of new idle runs)", file=sys.stderr)
+            return 2
+        got = calibrate(series["rule"], series["idle"], series.get("slowed"))
+        got["series"] = {k: f"results/speed_spread_{v}.json" for k, v in
+                         (("rule", ns.calibrate), ("idle", ns.idle), ("slowed", ns.slowed)) if v}
+        atomic_write_json(REPO / "results" / "compare_calibration.json", got)
+        fa = got["false_alarm"]
+        print(f"false alarms: {fa['called_different']} of {fa['figures']} figures "
+              f"({100 * (fa['share'] or 0):.1f}%) over {got['idle_pairs']} idle pairs ({fa['pairs_with_any']} pairs "
+              "with any)")
+        if "detection" in got:
+            d = got["detection"]
+            print(f"detection of {d['decoder']} x{d['factor']}: {d['detected']} of {d['figures']} figures "
+                  f"({100 * (d['share'] or 0):.1f}%)")
+        print("wrote results/compare_calibration.json")
+        return 0
+    slow = None
+    if ns.slow:
+        dec, _, f = ns.slow.partition("=")
+        try:
+            slow = {"decoder": dec.strip(), "factor": float(f)}
+        except ValueError:
+            slow = None
+        if not slow or not slow["decoder"] or slow["factor"] <= 1:
+            print(f"error: --slow {ns.slow!r}: give DECODER=FACTOR with FACTOR > 1, e.g. refusion=1.5",
+                  file=sys.stderr)
+            return 2
     result_path = REPO / "results" / f"speed_spread_{ns.name}.json"
     result = read_json_or_none(result_path) or {}
     if ns.runs:
-        ensure_runs(ns.runs, ns.name, shlex.split(ns.eval_args), out)
+        faults = {"slow": {"decoders": [slow["decoder"]], "factor": slow["factor"]}} if slow else None
+        ensure_runs(ns.runs, ns.name, shlex.split(ns.eval_args), out, faults)
         runs = [run_figures(out / _run_id(ns.name, i)) for i in range(1, ns.runs + 1)]
         pairs = [] if ns.no_compare else compare_pairs(out, [r["run"] for r in runs], ns.pairs)
         result.pop("version_note", None)  # the runs' figures are this version's now
         result.update({
-            "command": f"harness eval {ns.eval_args}", "runs": runs,
+            "command": f"harness eval {ns.eval_args}", "runs": runs, "statistic": timing_statistic(),
+            **({"slow": slow} if slow else {}),
             "flagged": [r["run"] for r in runs if r["machine"] != "quiet"],
             "mean_spread": spread_of(runs, "mean"), "row_spread": spread_of(runs, "rows"),
             "row_coverage": coverage(spread_of(runs, "rows")), "mean_coverage": coverage(spread_of(runs, "mean")),
-            # the smallest `make compare --speed-factor` that calls none of these idle pairs different
             "largest_row_ratio": max((v["max_over_min"] for v in spread_of(runs, "rows").values()), default=None),
             "compare_pairs_kind": ns.pairs, "compare_pairs": pairs,
             "compare_pairs_called_different": sum(1 for x in pairs if x["differ"])})
@@ -186,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"task speedup intervals holding the median of the other runs' points: {c['held']} of {c['of']} "
               f"({100 * c['share']:.0f}%)")
     if ns.runs and result.get("largest_row_ratio"):
-        print(f"largest per-task speedup ratio between two of these runs: x{result['largest_row_ratio']:.2f} (a "
-              "`make compare --speed-factor` below it can call identical code different on this machine)")
+        print(f"largest per-task speedup ratio between two of these runs: x{result['largest_row_ratio']:.2f}")
     if result.get("compare_pairs") is not None and ns.runs:
         print(f"make compare: {result['compare_pairs_called_different']} of {len(result['compare_pairs'])} pairs "
               "called a figure different")
