@@ -8,19 +8,11 @@ import torch
 
 from dataclasses import dataclass
 
-from .common import (
-    Meter,
-    cut_after_eos,
-    eos_ids,
-    forward,
-    is_eos,
-    make_generator,
-    new_cache,
-    padding_mask,
-    pick,
-    positions_from_mask,
-)
+from .cache import new_cache
+from .common import Meter, forward
 from .knobs import Knobs, compile_knob, gen_length, seed, temperature
+from .proposals import make_generator, pick
+from .tokens import cut_after_eos, eos_ids, is_eos, padding_mask, positions_from_mask
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from .common import Meter, cache_keep, cache_len, cut_after_eos, forward, is_eos, left_padding_mask
+from .cache import cache_keep, cache_len
+from .common import Meter, forward
+from .tokens import cut_after_eos, is_eos, left_padding_mask
 
 
 @dataclass(frozen=True)

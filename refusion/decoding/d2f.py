@@ -47,20 +47,13 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .common import (
-    Meter,
-    as_float32,
-    cut_after_eos,
-    eos_ids,
-    left_padding_mask,
-    make_generator,
-    mask_id,
-    new_cache,
-    pick,
-)
+from .cache import new_cache
+from .common import Meter
 from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
 from .mdm import settled_row
+from .proposals import as_float32, make_generator, pick
 from .refusion import Req, Steps, drive_rows  # per-row generators answered by one stacked model call
+from .tokens import cut_after_eos, eos_ids, left_padding_mask, mask_id
 
 ACTIVE, TO_CACHE, CACHED = "active", "to_cache", "cached"
 

@@ -49,8 +49,10 @@ import torch
 from transformers import DynamicCache
 
 from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks
-from .common import Meter, counted_call, eos_ids, make_generator, positions_from_mask
+from .common import Meter, counted_call
 from .knobs import Knobs, gen_length, knob, seed
+from .proposals import make_generator
+from .tokens import eos_ids, positions_from_mask
 
 # transformers' DiffusionGemmaGenerationConfig._get_default_generation_params (generation_diffusion_gemma.py
 # :219-235), the defaults generate applies where neither the call nor generation_config.json sets a value.

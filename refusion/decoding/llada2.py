@@ -49,8 +49,9 @@ from typing import ClassVar
 import torch
 
 from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks, prefill_blocks
-from .common import eos_ids, mask_id, new_cache
+from .cache import new_cache
 from .knobs import Knobs, gen_length, knob
+from .tokens import eos_ids, mask_id
 
 # dInfer's BlockRunner defaults (generate_uniform.py): rounds of denoise forwards
 EXPECTED_TPF, MAX_UNROLL, MIN_UNROLL = 8, 4, 2

@@ -26,24 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import (
-    Meter,
-    as_float32,
-    cache_keep,
-    choose,
-    cut_after_eos,
-    eos_ids,
-    forward,
-    is_eos,
-    make_generator,
-    mask_id,
-    new_cache,
-    padding_mask,
-    pick,
-    positions_from_mask,
-    token_prob,
-)
+from .cache import cache_keep, new_cache
+from .common import Meter, forward
 from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
+from .proposals import as_float32, choose, make_generator, pick, token_prob
+from .tokens import cut_after_eos, eos_ids, is_eos, mask_id, padding_mask, positions_from_mask
 
 __all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "as_float32", "block_length_knob",
            "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "DREAM_FOLDER_KNOBS",

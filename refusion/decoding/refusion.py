@@ -65,24 +65,11 @@ from transformers import DynamicCache
 from ..kernels import BACKENDS as ATTN_BACKENDS
 from ..kernels import SlotLayout, attention_backend, require
 from ..slot_attention import slot_visibility
-from .common import (
-    Meter,
-    as_float32,
-    cache_append,
-    cache_from,
-    cache_len,
-    eos_ids,
-    forward,
-    is_eos,
-    kv_parts_bytes,
-    left_padding_mask,
-    make_generator,
-    mask_id,
-    new_cache,
-    pick,
-    token_prob,
-)
+from .cache import cache_append, cache_from, cache_len, kv_parts_bytes, new_cache
+from .common import Meter, forward
 from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
+from .proposals import as_float32, make_generator, pick, token_prob
+from .tokens import eos_ids, is_eos, left_padding_mask, mask_id
 
 PHASES = ("plan", "verify", "draft", "infill", "recompute")
 INFILL_SEEDS = ("global", "first")

@@ -60,8 +60,10 @@ from typing import ClassVar
 import torch
 
 from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks, prefill_blocks
-from .common import eos_ids, make_generator, mask_id, new_cache
+from .cache import new_cache
 from .knobs import Knobs, gen_length, knob, seed
+from .proposals import make_generator
+from .tokens import eos_ids, mask_id
 
 # generate.py's command-line defaults (its parse_args): what `python generate.py --model_dir ...` runs.
 DEFAULT_BLOCK, DEFAULT_STEPS, DEFAULT_THRESHOLD, DEFAULT_EB = 4, 4, 0.85, 0.35
