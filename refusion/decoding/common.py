@@ -45,7 +45,7 @@ from .cache import (  # noqa: F401
     new_cache,
 )
 from .compiled import compiled_call
-from .proposals import as_float32, choose, make_generator, pick, token_prob  # noqa: F401
+from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob  # noqa: F401
 from .tokens import (  # noqa: F401
     cut_after_eos,
     eos_ids,

@@ -34,7 +34,7 @@ here rows of a left-padded batch each run their own pipeline and every pending r
 forward is stacked into one model call (caches left-padded, queries right-padded, as
 ReFusion's rows), with positions counted from each row's first real token and a sampling
 generator per row, so a row's tokens do not depend on its batch. The mask id is never
-proposed (common.choose; the authors' loop would re-decode such a position until its
+proposed (proposals.propose_from_probs; the authors' loop would re-decode such a position until its
 10,000-step guard). And stop_at_eos.
 """
 
@@ -51,7 +51,7 @@ from .cache import new_cache
 from .common import Meter
 from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
 from .mdm import settled_row
-from .proposals import as_float32, make_generator, pick
+from .proposals import as_float32, make_generator, propose
 from .refusion import Req, Steps, drive_rows  # per-row generators answered by one stacked model call
 from .tokens import cut_after_eos, eos_ids, left_padding_mask, mask_id
 
@@ -222,11 +222,11 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
             spans = [row.span(j) for j in work]
             if greedy and len(work) > 1:
                 rows = torch.cat([torch.arange(lo - start, hi - start, device=device) for lo, hi in spans])
-                tok, prob = pick(pred[rows], k.temperature, gen, exclude=mask)
+                tok, prob = propose(pred[rows], k.temperature, gen, exclude=mask)
             elif greedy:
-                tok, prob = pick(pred[spans[0][0] - start:spans[0][1] - start], k.temperature, gen, exclude=mask)
+                tok, prob = propose(pred[spans[0][0] - start:spans[0][1] - start], k.temperature, gen, exclude=mask)
             else:
-                picks = [pick(pred[lo - start:hi - start], k.temperature, gen, exclude=mask) for lo, hi in spans]
+                picks = [propose(pred[lo - start:hi - start], k.temperature, gen, exclude=mask) for lo, hi in spans]
                 tok, prob = torch.cat([t for t, _ in picks]), torch.cat([p for _, p in picks])
             commit_pos, commit_tok = row.take(work, tok.tolist(), prob.tolist(), kn.skip)
             if commit_pos:

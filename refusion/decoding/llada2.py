@@ -69,11 +69,18 @@ class Llada2Knobs(Knobs):
     blocks_from_prompt_start: ClassVar[bool] = True
 
 
-def threshold_step(logits: torch.Tensor, block: torch.Tensor, mask: int, threshold: float) -> torch.Tensor:
-    """One ThresholdParallelDecoder step at temperature 0 (parallel_strategy.py): block [b, B] with logits
-    [b, B, V] -> the block with its confident masked positions committed (module doc)."""
+def llada2_propose(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLaDA2's proposal at temperature 0 (ThresholdParallelDecoder, parallel_strategy.py): logits [b, B, V] ->
+    (the argmax [b, B], its softmax probability in float32 [b, B])."""
     guess = logits.argmax(-1)
     prob = torch.softmax(logits.float(), dim=-1).gather(-1, guess[..., None]).squeeze(-1)
+    return guess, prob
+
+
+def threshold_step(block: torch.Tensor, guess: torch.Tensor, prob: torch.Tensor, mask: int,
+                   threshold: float) -> torch.Tensor:
+    """One ThresholdParallelDecoder step: block [b, B] with the proposal (``llada2_propose``) -> the block with its
+    confident masked positions committed (module doc)."""
     masked = block == mask
     conf = torch.where(masked & (guess != mask), prob, torch.full_like(prob, float("-inf")))
     bar = (conf.max(dim=1).values - 1e-5).clamp(-1000, threshold)[:, None]
@@ -113,7 +120,7 @@ class Llada2Rule(BlockRule):
             for _ in range(rounds):
                 last_saw_mask = bool((block == mask).any())
                 logits = run.forward_block("denoise", block)
-                new = threshold_step(logits, block, mask, self.k.threshold)
+                new = threshold_step(block, *llada2_propose(logits), mask, self.k.threshold)
                 for i, p in (new != block).nonzero().tolist():  # newly committed
                     if offset[i] + p >= 0:  # a mask id in the prompt's tail is no response
                         meter.commit(run.live[i], [offset[i] + p], [meter.calls - 1], ["denoise"])

@@ -12,7 +12,7 @@ Batches are left-padded; the padding mask travels as a 2-D mask, so the model's 
 bidirectional mask hides pads. Response region: gen_length mask tokens after the prompt.
 
 Public building blocks for variants (docs/extending.md writes a left-to-right LLaDA from them):
-``masked_start`` (the canvas), ``propose`` / ``dream_propose`` (token and confidence per position),
+``masked_start`` (the canvas), ``llada_propose`` / ``dream_propose`` (token and confidence per position),
 ``commit_topk`` / ``commit_sampled`` (unmask k positions of each row), ``finished`` / ``settled`` (when
 the answer can no longer change), ``top_p_filter`` / ``top_k_filter``, and the knob pieces
 ``block_length_knob`` / ``steps_knob`` / ``tokens_per_step_knob`` / ``stop_at_eos_knob`` / ``check_blocks`` /
@@ -29,12 +29,12 @@ import torch
 from .cache import cache_keep, new_cache
 from .common import Meter, forward
 from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
-from .proposals import as_float32, choose, make_generator, pick, token_prob
+from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob
 from .tokens import cut_after_eos, eos_ids, is_eos, mask_id, padding_mask, positions_from_mask
 
 __all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "as_float32", "block_length_knob",
            "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "DREAM_FOLDER_KNOBS",
-           "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "propose", "settled", "settled_row",
+           "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "llada_propose", "settled", "settled_row",
            "steps_knob", "steps_of",
            "stop_at_eos_knob", "tokens_per_step_knob", "top_k_filter", "top_open", "top_p_filter"]
 
@@ -250,11 +250,11 @@ def commit_chosen(x, x0, chosen: list[list[int]], meter: Meter, offset: int) -> 
             meter.commit(b, [offset + j for j in cs], [f] * len(cs), [kind] * len(cs))
 
 
-def propose(logits, temperature, gen, mask):
+def llada_propose(logits, temperature, gen, mask):
     """Proposed token per position and its confidence, the *untempered* softmax probability
     (as in LLaDA: sampling noise picks the token, the model's own probability ranks it).
-    Never the mask id (common.choose)."""
-    x0, prob = pick(logits, temperature, gen, exclude=mask)
+    Never the mask id (proposals.propose_from_probs)."""
+    x0, prob = propose(logits, temperature, gen, exclude=mask)
     if temperature > 0:
         prob = token_prob(logits, x0, 0.0)
     return x0, prob
@@ -284,7 +284,7 @@ def dream_propose(logits, alg, temperature, top_p, top_k, gen, mask):
     decoding, where they change no token but do change the confidences -- and every
     confidence is measured on it: maskgit_plus the proposed token's probability,
     topk_margin top-1 minus top-2 probability, entropy the negative entropy (higher =
-    surer); origin ignores it. The token is never the mask id (common.choose)."""
+    surer); origin ignores it. The token is never the mask id (proposals.propose_from_probs)."""
     if temperature > 0:
         logits = logits / temperature
     if top_p is not None and top_p < 1:
@@ -292,7 +292,7 @@ def dream_propose(logits, alg, temperature, top_p, top_k, gen, mask):
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     probs = logits.softmax(-1)
-    x0, conf = choose(probs, temperature > 0, gen, exclude=mask)
+    x0, conf = propose_from_probs(probs, temperature > 0, gen, exclude=mask)
     if alg == "topk_margin":
         top2 = probs.topk(2, dim=-1).values
         conf = top2[..., 0] - top2[..., 1]
@@ -362,7 +362,7 @@ def llada(
         open_ = [list(range(block_length)) for _ in range(x.shape[0])]  # host: the block's masked positions
         for n_unmask in schedule:
             logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, lo:hi]
-            x0, prob = propose(logits, temperature, gen, mask)  # [B, block]
+            x0, prob = llada_propose(logits, temperature, gen, mask)  # [B, block]
             if remasking == "random":
                 prob = torch.rand(prob.shape, generator=gen, device=prob.device)
             # commit_topk on the host: the n_unmask most confident open positions per row, ties to the leftmost.
@@ -480,7 +480,7 @@ def _threshold_choice(logits: torch.Tensor, k: FastDllmKnobs, gen: torch.Generat
     if dream_loop:
         x0, prob = dream_propose(logits, "maskgit_plus", k.temperature, k.top_p, k.top_k, gen, mask)
     else:
-        x0, prob = propose(logits, k.temperature, gen, mask)  # [B, block]
+        x0, prob = llada_propose(logits, k.temperature, gen, mask)  # [B, block]
     if dream_loop and first:
         return x0, prob, [[0] for _ in open_]
     conf = prob.tolist()  # [B][block], float32 values

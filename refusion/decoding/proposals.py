@@ -1,5 +1,6 @@
 """Proposals: a token and its probability at given positions, greedy or sampled, from logits or from
-probabilities; the seeded generator a decoder samples with; float32 rounding of host-side thresholds."""
+probabilities (``propose``, the one name of that step: the decoders' own rules are ``<decoder>_propose``, and
+SDAR's ``draw``); the seeded generator a decoder samples with; float32 rounding of host-side thresholds."""
 
 from __future__ import annotations
 
@@ -8,20 +9,20 @@ import torch
 from .tokens import id_tensor
 
 
-def pick(
+def propose(
     logits: torch.Tensor, temperature: float, generator: torch.Generator | None, exclude: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] -> (token [...], its probability [...]).
 
     Greedy (temperature 0): argmax and its softmax probability. Otherwise a sample
     from softmax(logits / temperature) and the sampled token's tempered probability.
-    `exclude`: see `choose`.
+    `exclude`: see `propose_from_probs`.
     """
     probs = torch.softmax(logits / temperature if temperature > 0 else logits, dim=-1)
-    return choose(probs, temperature > 0, generator, exclude)
+    return propose_from_probs(probs, temperature > 0, generator, exclude)
 
 
-def choose(
+def propose_from_probs(
     probs: torch.Tensor, sample: bool, generator: torch.Generator | None, exclude: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """probs [..., V] -> (token [...], its probability [...]): the most likely token, or a sample.

@@ -127,7 +127,8 @@ def filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float)
 
 
 def draw(logits: torch.Tensor, k: SdarKnobs, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row's block logits [L, V] -> (drawn tokens [L], their probabilities [L])."""
+    """SDAR's proposal: one row's block logits [L, V] -> (drawn tokens [L], their probabilities [L]). Named
+    ``draw``, not ``sdar_propose``, as tests/test_decoding_sdar.py patches it by that name."""
     probs = torch.softmax(filtered(logits, k.temperature, k.top_k, k.top_p), dim=-1)
     if k.temperature == 0:
         p, tok = probs.max(dim=-1)
