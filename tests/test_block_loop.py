@@ -1,9 +1,11 @@
 """The block decoders share one loop (refusion/decoding/block_loop.py): ``sdar``, ``llada2`` and
 ``diffusion_gemma`` are step rules (``BlockRule``) with no loop of their own, decoded by ``decode_blocks``, which
-lays every row on its own block grid and drops the rows that ended."""
+lays every row on its own block grid and drops the rows that ended. And no function of refusion/decoding is longer
+than a page (80 lines, as test_layering.py asks of harness)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 from pathlib import Path
 
@@ -15,7 +17,9 @@ from refusion.decoding.block_loop import BlockGrid, BlockRule, BlockRun
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parent / "fixtures" / "released"
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "tests" / "fixtures" / "released"
+MAX_FUNCTION_LINES = 80
 # decoder -> its release-layout fixture folder
 BLOCK_DECODERS = {"sdar": "sdar", "llada2": "llada2", "diffusion_gemma": "diffusiongemma"}
 
@@ -56,3 +60,14 @@ def test_each_block_decoder_goes_through_the_shared_loop(decoder, left_pad, monk
     assert begun and begun[0] == (0, [0, 1])  # every row starts in the loop's first block
     assert [j for j, _ in begun] == list(range(len(begun)))  # one block after the other
     assert all(set(later) <= set(earlier) for (_, earlier), (_, later) in zip(begun, begun[1:]))  # rows only leave
+
+
+def test_no_function_of_the_decoders_is_over_80_lines():
+    long = []
+    for path in sorted((REPO / "refusion" / "decoding").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, long
