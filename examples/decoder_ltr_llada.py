@@ -26,8 +26,8 @@ import torch
 from refusion.decoding import Decoder, register
 from refusion.decoding.common import Meter, cut_after_eos, eos_ids, forward, make_generator, mask_id
 from refusion.decoding.knobs import Knobs, compile_knob, gen_length, seed, temperature
-from refusion.decoding.mdm import (block_length_knob, block_schedule, check_steps, commit_topk, finished, masked_start,
-                                   propose, steps_knob, stop_at_eos_knob, tokens_per_step_knob)
+from refusion.decoding.mdm import (block_length_knob, block_schedule, check_steps, commit_topk, finished, llada_propose,
+                                   masked_start, steps_knob, stop_at_eos_knob, tokens_per_step_knob)
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def ltr_llada(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
         lo, hi = p0 + b * k.block_length, p0 + (b + 1) * k.block_length
         for n in schedule:
             logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, lo:hi]
-            x0, _ = propose(logits, k.temperature, gen, mask)  # [B, block]: a token per position
+            x0, _ = llada_propose(logits, k.temperature, gen, mask)  # [B, block]: a token per position
             block = x[:, lo:hi]  # a view: commits land in x
             score = torch.where(block == mask, leftness.expand_as(x0), torch.full_like(x0, -torch.inf,
                                                                                            dtype=torch.float32))

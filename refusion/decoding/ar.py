@@ -8,19 +8,11 @@ import torch
 
 from dataclasses import dataclass
 
-from .common import (
-    Meter,
-    cut_after_eos,
-    eos_ids,
-    forward,
-    is_eos,
-    make_generator,
-    new_cache,
-    padding_mask,
-    pick,
-    positions_from_mask,
-)
+from .cache import new_cache
+from .common import Meter, forward
 from .knobs import Knobs, compile_knob, gen_length, seed, temperature
+from .proposals import make_generator, propose
+from .tokens import cut_after_eos, eos_ids, is_eos, padding_mask, positions_from_mask
 
 
 @dataclass(frozen=True)
@@ -77,7 +69,7 @@ def ar(
     eos_set, done = frozenset(eos), [False] * batch
     n_prompt, n = mask.shape[1], 0
     for step in range(gen_length):
-        tok, _ = pick(logits, temperature, gen)  # [B]
+        tok, _ = propose(logits, temperature, gen)  # [B]
         out[:, step] = tok
         n = step + 1
         meter.settle(out[:, :n])

@@ -1,5 +1,8 @@
-"""Step helpers shared by every decoder: knob checks, special ids, counted forwards,
-KV-cache surgery, token picking, EOS handling and the stats dict.
+"""Counting, shared by every decoder: the meter (forwards per phase, KV peak, time, the commit order and
+the stats dict), the one counted way to call the model (``forward``, ``counted_call``), and the item faults
+those raise. The other shared helpers live by role: ``tokens`` (special ids, EOS, padding, positions),
+``cache`` (KV-cache surgery), ``proposals`` (a token and its probability), ``block_loop`` (the block
+decoders' loop). Their public names stay importable from here too, as the harness and the tests import them.
 
 Counting follows docs/design.md §6: NFE = model forward calls (one batched call is one NFE),
 generated tokens = response tokens up to and including the first EOS, TPF =
@@ -24,67 +27,35 @@ of decode_s and forward_s; docs/design.md "Compiled decoding").
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
 
-from .compiled import StaticKV, compiled_call, query_bucket
-
-# ---------------------------------------------------------------- special ids
-
-
-def eos_ids(model, eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
-    """EOS ids from the keyword, else model.generation_config / model.config (int or list)."""
-    value = eos_token_id
-    if value is None:
-        gen_cfg = getattr(model, "generation_config", None)
-        value = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
-    if value is None:
-        value = getattr(model.config, "eos_token_id", None)
-    if value is None:
-        raise ValueError("eos_token_id: not set in model.config; pass eos_token_id=")
-    ids = (value,) if isinstance(value, int) else tuple(int(v) for v in value)
-    if not ids:
-        raise ValueError("eos_token_id must name at least one id")
-    return ids
-
-
-def mask_id(model, mask_token_id: int | None) -> int:
-    """Mask id from the keyword, else model.config.mask_token_id."""
-    value = mask_token_id if mask_token_id is not None else getattr(model.config, "mask_token_id", None)
-    if value is None:
-        raise ValueError("mask_token_id: not set in model.config; pass mask_token_id=")
-    return int(value)
-
-
-@functools.lru_cache(maxsize=64)
-def id_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The ids as a 1-D long tensor on `device`, built once per (ids, device): decoders ask for the EOS
-    set every step, and a fresh host-to-device tensor per step is pure overhead (docs/design.md §6). Read-only."""
-    return torch.tensor(ids, dtype=torch.long, device=device)
-
-
-def is_eos(tokens: torch.Tensor, eos: tuple[int, ...]) -> torch.Tensor:
-    """Bool tensor, same shape as `tokens`, True where the token is any EOS id."""
-    if len(eos) == 1:  # one comparison instead of isin's sort-based kernel
-        return tokens == eos[0]
-    return torch.isin(tokens, id_tensor(eos, tokens.device))
-
-
-def as_float32(value: float) -> float:
-    """``value`` rounded to float32, as a Python float: a float32 tensor compared with a Python number is
-    compared in float32, so host-side comparisons of confidences read from such a tensor use this."""
-    return torch.tensor(value, dtype=torch.float32).item()
-
-
-def cut_after_eos(tokens: torch.Tensor, eos: tuple[int, ...]) -> torch.Tensor:
-    """1-D response -> prefix up to and including the first EOS (all of it if none)."""
-    hits = is_eos(tokens, eos).nonzero()
-    return tokens if hits.numel() == 0 else tokens[: int(hits[0, 0]) + 1]
-
+# Re-exported (module doc): the names decoders, the harness and the tests import from ``common``.
+from .cache import (  # noqa: F401
+    cache_append,
+    cache_bytes,
+    cache_from,
+    cache_keep,
+    cache_len,
+    cache_tail,
+    kv_parts_bytes,
+    new_cache,
+)
+from .compiled import compiled_call
+from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob  # noqa: F401
+from .tokens import (  # noqa: F401
+    cut_after_eos,
+    eos_ids,
+    id_tensor,
+    is_eos,
+    left_padding_mask,
+    mask_id,
+    padding_mask,
+    positions_from_mask,
+)
 
 # ---------------------------------------------------------------- item faults
 
@@ -309,99 +280,6 @@ class CommitLog:
         return fwd, kind
 
 
-def new_cache(model, meter: Meter) -> DynamicCache:
-    """An empty KV cache for one decoder call: a ``DynamicCache``, or with ``meter.compiled`` a static one
-    (compiled.StaticKV: preallocated at its first write for the first need plus the response budget and a
-    query bucket of slack; the same interface for the decoders)."""
-    if not meter.compiled:
-        return DynamicCache(config=model.config)
-    return StaticKV(model.config, reserve=meter.budget + query_bucket(max(1, meter.budget)))
-
-
-def cache_bytes(cache: DynamicCache | None) -> int:
-    if cache is None:
-        return 0
-    total = 0
-    for layer in cache.layers:
-        keys = getattr(layer, "keys", None)  # None until the layer's first update
-        if keys is not None:
-            total += keys.nbytes + layer.values.nbytes
-    return total
-
-
-def kv_parts_bytes(parts) -> int:
-    """Bytes of per-layer (keys, values) chunks as returned by `cache_tail`."""
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for p in parts for k, v in p)
-
-
-def cache_len(cache: DynamicCache | None) -> int:
-    return 0 if cache is None else cache.get_seq_length()
-
-
-def cache_keep(cache: DynamicCache, start: int, keep: torch.Tensor | None = None) -> None:
-    """Keep cache[:start] plus, of the tail cache[start:], the rows `keep` (in that order).
-
-    keys/values are (B, kv_heads, T, head_dim); `keep` indexes the tail (None = drop
-    the tail). Used to drop mask-token KV after a plan and to keep accepted tokens only.
-    A static cache (compiled decoding) does it in place.
-    """
-    if _static(cache):
-        cache.keep(start, keep)
-        return
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", False) or layer.keys is None:
-            continue
-        head_k, head_v = layer.keys[:, :, :start], layer.values[:, :, :start]
-        if keep is not None and keep.numel():
-            tail_k = layer.keys[:, :, start:].index_select(2, keep)
-            tail_v = layer.values[:, :, start:].index_select(2, keep)
-            head_k, head_v = torch.cat([head_k, tail_k], 2), torch.cat([head_v, tail_v], 2)
-        layer.keys, layer.values = head_k, head_v
-
-
-def cache_tail(cache: DynamicCache, start: int, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copy of the tail rows `rows` (indices into cache[start:]) of every layer."""
-    out = []
-    for layer in cache.layers:
-        k = layer.keys[:, :, start:].index_select(2, rows)
-        v = layer.values[:, :, start:].index_select(2, rows)
-        out.append((k, v))
-    return out
-
-
-def cache_from(model, parts: list[tuple[torch.Tensor, torch.Tensor]] | None) -> DynamicCache:
-    """A DynamicCache whose layers hold the given per-layer (keys, values) tensors as they are
-    (no copy; expanded views are fine: the model's next update concatenates into a new tensor).
-    None or an empty list gives an empty cache."""
-    cache = DynamicCache(config=model.config)
-    for layer, (k, v) in zip(cache.layers, parts or []):
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-    return cache
-
-
-def cache_append(cache: DynamicCache, parts: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-    """Append several per-layer (keys, values) chunks to the cache, in list order (a static cache: copied
-    into its buffers after the live length)."""
-    if not parts:
-        return
-    if _static(cache):
-        cache.append(parts)
-        return
-    for i, layer in enumerate(cache.layers):
-        ks = [p[i][0] for p in parts]
-        vs = [p[i][1] for p in parts]
-        if not getattr(layer, "is_initialized", False) or layer.keys is None:
-            layer.lazy_initialization(ks[0], vs[0])  # an empty cache: the chunks become its content
-        else:
-            ks, vs = [layer.keys] + ks, [layer.values] + vs
-        layer.keys, layer.values = torch.cat(ks, 2), torch.cat(vs, 2)
-
-
-def _static(cache) -> bool:
-    return isinstance(cache, StaticKV)
-
-
 # ---------------------------------------------------------------- forwards
 
 
@@ -507,96 +385,3 @@ def counted_call(meter: Meter, phase: str, call, check: bool = False):
     if check:
         check_finite(out, None, meter.calls)
     return out
-
-
-def pick(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None, exclude: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [..., V] -> (token [...], its probability [...]).
-
-    Greedy (temperature 0): argmax and its softmax probability. Otherwise a sample
-    from softmax(logits / temperature) and the sampled token's tempered probability.
-    `exclude`: see `choose`.
-    """
-    probs = torch.softmax(logits / temperature if temperature > 0 else logits, dim=-1)
-    return choose(probs, temperature > 0, generator, exclude)
-
-
-def choose(
-    probs: torch.Tensor, sample: bool, generator: torch.Generator | None, exclude: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs [..., V] -> (token [...], its probability [...]): the most likely token, or a sample.
-
-    `exclude`: a token id never returned -- the mask id, for the masked-diffusion decoders: a
-    position "unmasked" to the mask id would stay masked and be decoded again forever (a
-    random test model does propose it). Its probability still counts in the others'
-    (the returned probability is unchanged), so greedy decoding of a model that never ranks
-    it first is exactly as without the exclusion; sampling draws from the other tokens.
-    """
-    if not sample:
-        conf, tok = probs.max(dim=-1)
-        if exclude is None or not bool((tok == exclude).any()):
-            # max returns the first maximal index, as argmax does: the exclusion below changes nothing here
-            return tok, conf
-        tok = probs.index_fill(-1, id_tensor((exclude,), probs.device), -1.0).argmax(-1)
-    else:
-        flat = probs.reshape(-1, probs.shape[-1])
-        if exclude is not None:
-            flat = flat.index_fill(-1, id_tensor((exclude,), probs.device), 0.0)
-        tok = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-    return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-
-
-def token_prob(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Probability of `tokens` [...] under logits [..., V] (tempered when sampling)."""
-    scale = temperature if temperature > 0 else 1.0
-    probs = torch.softmax(logits / scale, dim=-1)
-    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def make_generator(device: torch.device, seed: int | None) -> torch.Generator | None:
-    if seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed))
-    return gen
-
-
-def padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """[B, P] long mask (1 = real token); all ones when none is given."""
-    if attention_mask is None:
-        return torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
-        )
-    return attention_mask.to(device=input_ids.device, dtype=torch.long)
-
-
-def left_padding_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """`padding_mask`, checked to be left padding: every row zeros then ones, with at least one one."""
-    mask = padding_mask(input_ids, attention_mask)
-    ok = bool(((mask == 0) | (mask == 1)).all()) and bool((mask[:, 1:] >= mask[:, :-1]).all())
-    if not ok or not bool(mask[:, -1].all()):
-        raise ValueError("attention_mask must be left padding: each row 0 ... 0 then 1 ... 1 (values 0 and 1,"
-                         " at least one 1)")
-    return mask
-
-
-def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Left-padded [B, T] mask -> position ids [B, T] counting real tokens from 0 (pads get 0)."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def read_json_object(path) -> dict:
-    """A checkpoint file holding one JSON object (generation_config.json, config.json); ValueError naming
-    the file when it is unreadable or not an object."""
-    import json
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data

@@ -34,7 +34,7 @@ here rows of a left-padded batch each run their own pipeline and every pending r
 forward is stacked into one model call (caches left-padded, queries right-padded, as
 ReFusion's rows), with positions counted from each row's first real token and a sampling
 generator per row, so a row's tokens do not depend on its batch. The mask id is never
-proposed (common.choose; the authors' loop would re-decode such a position until its
+proposed (proposals.propose_from_probs; the authors' loop would re-decode such a position until its
 10,000-step guard). And stop_at_eos.
 """
 
@@ -47,20 +47,13 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .common import (
-    Meter,
-    as_float32,
-    cut_after_eos,
-    eos_ids,
-    left_padding_mask,
-    make_generator,
-    mask_id,
-    new_cache,
-    pick,
-)
+from .cache import new_cache
+from .common import Meter
 from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
 from .mdm import settled_row
+from .proposals import as_float32, make_generator, propose
 from .refusion import Req, Steps, drive_rows  # per-row generators answered by one stacked model call
+from .tokens import cut_after_eos, eos_ids, left_padding_mask, mask_id
 
 ACTIVE, TO_CACHE, CACHED = "active", "to_cache", "cached"
 
@@ -104,59 +97,104 @@ class _Run:
     skip: float  # skip_threshold as float32: probabilities are float32, compared in float32 as torch does
 
 
+class _Pipeline:
+    """One row's blocks on the host (module doc), read once per step (docs/design.md §6): each block's state and
+    whether it is fully active, its open (masked) positions (absolute, ascending), the response so far (None =
+    masked), the positions laid out so far and whether an EOS was committed. Block 0 is the prompt."""
+
+    def __init__(self, n_prompt: int, size: int, n_blocks: int, eos: tuple[int, ...]):
+        self.n_prompt, self.size, self.n_blocks = n_prompt, size, n_blocks
+        self.length = n_prompt  # positions [0, length) exist: the prompt, then every block added so far
+        self.state = [TO_CACHE]  # per block; the prompt is encoded (and cached) by the first forward
+        self.full = [True]  # per block: fully active
+        self.open_: list[list[int]] = [[]]  # per block: its masked positions (absolute), ascending
+        self.toks: list[int | None] = []  # the response so far (None = masked)
+        self.eos_set, self.eos_seen = frozenset(eos), False
+
+    def span(self, j: int) -> tuple[int, int]:
+        """Positions [lo, hi) of block j."""
+        return (0, self.n_prompt) if j == 0 else (self.n_prompt + (j - 1) * self.size, self.n_prompt + j * self.size)
+
+    def decoded(self, j: int) -> float:
+        """Block j's decoded fraction as the float32 mean of a 0/1 tensor gives it (an exact count over size)."""
+        return float(np.float32(self.size - len(self.open_[j])) / np.float32(self.size)) if j else 1.0
+
+    def grow(self, k: D2fKnobs) -> list[int]:
+        """The grow and activate moves (module doc); returns the active blocks."""
+        n = len(self.state) - 1  # response blocks so far
+        if n < self.n_blocks and not self.eos_seen and self.decoded(n) >= k.block_add_threshold:
+            lo, hi = self.span(n + 1)
+            self.length = hi
+            self.state.append(ACTIVE)
+            self.full.append(False)
+            self.open_.append(list(range(lo, hi)))
+            self.toks += [None] * self.size
+        for j in range(1, len(self.state)):
+            self.full[j] = self.full[j] or self.decoded(j - 1) >= k.decoded_token_threshold
+        return [j for j, s in enumerate(self.state) if s == ACTIVE]
+
+    def done(self, active: list[int], k: D2fKnobs) -> bool:
+        """No block active, or (stop_at_eos) an EOS with nothing masked before it."""
+        return not active or (k.stop_at_eos and self.eos_seen and settled_row(self.toks, self.eos_set))
+
+    def take(self, work: list[int], tok_h: list[int], prob_h: list[float], skip: float) -> tuple[list, list]:
+        """The commit move for blocks ``work`` whose positions' tokens and probabilities are ``tok_h`` / ``prob_h``
+        (host lists, block after block): every open position above ``skip``; a fully active block with none, its
+        single most confident one (first on ties). Returns (positions, tokens) committed."""
+        commit_pos, commit_tok = [], []
+        for i, j in enumerate(work):
+            base = i * self.size - self.span(j)[0]  # index into tok_h / prob_h of absolute position p: p + base
+            take = [p for p in self.open_[j] if prob_h[p + base] > skip]
+            if self.full[j] and not take:
+                take = [max(self.open_[j], key=lambda p: prob_h[p + base])]  # base: this block's, called at once
+            if take:
+                commit_pos += take
+                commit_tok += [tok_h[p + base] for p in take]
+                taken = set(take)
+                self.open_[j] = [p for p in self.open_[j] if p not in taken]
+        for p, t in zip(commit_pos, commit_tok):
+            self.toks[p - self.n_prompt] = t
+        self.eos_seen = self.eos_seen or any(t in self.eos_set for t in commit_tok)
+        return commit_pos, commit_tok
+
+    def retire(self, active: list[int]) -> None:
+        """The retire move, in order, so a block retires right after its predecessor."""
+        for j in active:
+            if self.state[j - 1] != ACTIVE and not self.open_[j]:
+                self.state[j] = TO_CACHE
+
+
 def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | None,
                 gen: torch.Generator | None, counts: dict, meter: Meter) -> Steps:
     """One row's pipeline (module doc); yields its model requests, returns its response.
 
-    The row's bookkeeping lives on the host, read once per step (docs/design.md §6): the open (masked)
-    positions of every block, the committed tokens, the decoded fractions; the tensors (ids, block index,
-    positions) are laid out once at full length and sliced to the blocks added so far."""
+    The row's bookkeeping lives on the host (``_Pipeline``); the tensors (ids, block index, positions) are laid
+    out once at full length and sliced to the blocks added so far."""
     k, mask, device = kn.knobs, kn.mask, prompt.device
     size, n_prompt = k.block_size, prompt.numel()
+    row = _Pipeline(n_prompt, size, kn.n_blocks, kn.eos)
     total = n_prompt + kn.n_blocks * size
     ids = torch.cat([prompt, prompt.new_full((total - n_prompt,), mask)])  # [P + G]: undecoded = mask
     blk = torch.cat([prompt.new_zeros(n_prompt), torch.arange(1, kn.n_blocks + 1, device=device).repeat_interleave(size)])
     positions = torch.arange(total, device=device)
-    length = n_prompt  # positions [0, length) exist: the prompt, then every block added so far
-    state = [TO_CACHE]  # per block; the prompt is encoded (and cached) by the first forward
-    full = [True]  # per block: fully active
-    open_: list[list[int]] = [[]]  # per block: its masked positions (absolute), ascending
-    toks: list[int | None] = []  # the response so far on the host (None = masked)
     cached = 0  # positions [0, cached) hold KV in the cache: prompt, then finished blocks in order
     last = None  # shift: logit [V] at position cached - 1, which predicts position `cached`
-    eos_set, eos_seen = frozenset(kn.eos), False
     greedy = k.temperature == 0
     vis, vis_key = None, None
 
-    def span(j: int) -> tuple[int, int]:
-        return (0, n_prompt) if j == 0 else (n_prompt + (j - 1) * size, n_prompt + j * size)
-
-    def decoded(j: int) -> float:
-        # The decoded fraction as the float32 mean of a 0/1 tensor gives it (an exact count over size).
-        return float(np.float32(size - len(open_[j])) / np.float32(size)) if j else 1.0
-
     while True:
-        n = len(state) - 1  # response blocks so far
-        if n < kn.n_blocks and not eos_seen and decoded(n) >= k.block_add_threshold:
-            lo, hi = span(n + 1)
-            length = hi
-            state.append(ACTIVE)
-            full.append(False)
-            open_.append(list(range(lo, hi)))
-            toks += [None] * size
-        for j in range(1, len(state)):
-            full[j] = full[j] or decoded(j - 1) >= k.decoded_token_threshold
-        active = [j for j, s in enumerate(state) if s == ACTIVE]
-        if not active or (k.stop_at_eos and eos_seen and settled_row(toks, eos_set)):
+        active = row.grow(k)
+        if row.done(active, k):
             break
+        length = row.length
 
         # Forward every position not in the cache; with no_cache, the whole row. The blocks finished last step
         # lead the query: the call keeps their KV in the cache (cache step of the module doc).
         start = 0 if cache is None else cached
         if vis_key != (start, length):  # the pattern changes only when a block joins or one is cached
             vis, vis_key = blk[None, :length] <= blk[start:length, None], (start, length)  # [q, L]: key <= query block
-        new = [j for j in range(len(state)) if state[j] == TO_CACHE]
-        end = span(new[-1])[1] if new else cached
+        new = [j for j in range(len(row.state)) if row.state[j] == TO_CACHE]
+        end = row.span(new[-1])[1] if new else cached
         keep = end - cached if cache is not None else 0
         logits, kv = yield Req("step", cache, ids[None, start:length], positions[None, start:length], vis, keep=keep)
         logits = logits[0]  # [q, V]; row j is position start + j
@@ -172,47 +210,31 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
             last = logits[end - start - 1]
             cached = end
             for j in new:
-                state[j] = CACHED
+                row.state[j] = CACHED
 
         counts["row_steps"] += 1
         counts["active_blocks"] += len(active)
         counts["pipeline_max"] = max(counts["pipeline_max"], len(active))
-        work = [j for j in active if open_[j]]  # active blocks with masks left (the others commit nothing)
+        work = [j for j in active if row.open_[j]]  # active blocks with masks left (the others commit nothing)
         if work:
             # Token and probability of every position of those blocks: one pick over all of them when greedy
             # (each position's softmax is its own), one per block when sampling (the generator's draws).
-            spans = [span(j) for j in work]
+            spans = [row.span(j) for j in work]
             if greedy and len(work) > 1:
                 rows = torch.cat([torch.arange(lo - start, hi - start, device=device) for lo, hi in spans])
-                tok, prob = pick(pred[rows], k.temperature, gen, exclude=mask)
+                tok, prob = propose(pred[rows], k.temperature, gen, exclude=mask)
             elif greedy:
-                tok, prob = pick(pred[spans[0][0] - start:spans[0][1] - start], k.temperature, gen, exclude=mask)
+                tok, prob = propose(pred[spans[0][0] - start:spans[0][1] - start], k.temperature, gen, exclude=mask)
             else:
-                picks = [pick(pred[lo - start:hi - start], k.temperature, gen, exclude=mask) for lo, hi in spans]
+                picks = [propose(pred[lo - start:hi - start], k.temperature, gen, exclude=mask) for lo, hi in spans]
                 tok, prob = torch.cat([t for t, _ in picks]), torch.cat([p for _, p in picks])
-            tok_h, prob_h = tok.tolist(), prob.tolist()
-            commit_pos, commit_tok = [], []
-            for i, (j, (lo, _)) in enumerate(zip(work, spans)):
-                base = i * size - lo  # index into tok_h / prob_h of absolute position p: p + base
-                take = [p for p in open_[j] if prob_h[p + base] > kn.skip]
-                if full[j] and not take:  # the single most confident masked token (first on ties)
-                    take = [max(open_[j], key=lambda p: prob_h[p + base])]
-                if take:
-                    commit_pos += take
-                    commit_tok += [tok_h[p + base] for p in take]
-                    taken = set(take)
-                    open_[j] = [p for p in open_[j] if p not in taken]
+            commit_pos, commit_tok = row.take(work, tok.tolist(), prob.tolist(), kn.skip)
             if commit_pos:
                 ids[torch.tensor(commit_pos, device=device)] = torch.tensor(commit_tok, device=device)
                 cols = [p - n_prompt for p in commit_pos]
-                for c, t in zip(cols, commit_tok):
-                    toks[c] = t
-                eos_seen = eos_seen or any(t in eos_set for t in commit_tok)
                 meter.commit(b, cols, [meter.calls - 1] * len(cols), [meter.phase_log[-1]] * len(cols))
-        for j in active:  # in order, so a block retires right after its predecessor
-            if state[j - 1] != ACTIVE and not open_[j]:
-                state[j] = TO_CACHE
-    return cut_after_eos(ids[n_prompt:length], kn.eos)
+        row.retire(active)
+    return cut_after_eos(ids[n_prompt:row.length], kn.eos)
 
 
 @torch.no_grad()

@@ -48,9 +48,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from .common import (Meter, counted_call, cut_after_eos, eos_ids, is_eos, left_padding_mask, make_generator,
-                     positions_from_mask)
+from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks
+from .common import Meter, counted_call
 from .knobs import Knobs, gen_length, knob, seed
+from .proposals import make_generator
+from .tokens import eos_ids, positions_from_mask
 
 # transformers' DiffusionGemmaGenerationConfig._get_default_generation_params (generation_diffusion_gemma.py
 # :219-235), the defaults generate applies where neither the call nor generation_config.json sets a value.
@@ -138,6 +140,52 @@ class _Rows:
                             for i, b in enumerate(rows)])
 
 
+class DiffusionGemmaRule(BlockRule):
+    """DiffusionGemma's step rule for the shared block loop (block_loop.decode_blocks): the encoder writes the
+    prompt's KV, then each canvas's once a next canvas reads it (``store_late``); a canvas starts random and is
+    denoised by the decoder (``_denoise``); its last argmax canvas is the block."""
+    phases = ("encode", "denoise")
+    aligned = False  # a canvas starts right after the prompt
+    store_late = True
+    fill = None  # no mask token: the rule draws the canvas
+
+    def __init__(self, k: DiffusionGemmaKnobs, model):
+        self.k, self.gen_length = k, k.gen_length
+        self.size = int(k.canvas_length or model.config.canvas_length)
+        self.n_canvas = -(-k.gen_length // self.size)  # whole canvases, as generate (:652)
+        self.vocab = int(model.config.get_text_config().vocab_size)
+        self.rng: _Rows | None = None
+        self.counts = {"canvases": 0, "denoise_steps": 0, "early_stops": 0}
+
+    def budget(self, grid: BlockGrid) -> tuple[int, int | None]:
+        return self.gen_length, self.n_canvas * self.k.max_denoising_steps
+
+    def start(self, run: BlockRun, input_ids: torch.Tensor, pad: torch.Tensor) -> None:
+        self.rng = _Rows([make_generator(run.device, self.k.seed) for _ in run.live], self.vocab, self.size,
+                         run.device)
+        run.cache = DynamicCache(config=run.model.config.get_text_config(decoder=True))
+        run.seen = pad.bool()  # [B, P] the 2-D mask of the cache
+        _encode(run.model, run.meter, run.cache, input_ids, run.seen, positions_from_mask(pad))
+
+    def decide(self, run: BlockRun, j: int, block: torch.Tensor | None) -> torch.Tensor:
+        """Start (1.b), denoise (1.c) and commit (1.d) canvas j of the live rows: its last argmax canvas."""
+        argmax, held, ran = _denoise(run.model, run.meter, run.cache, run.seen, run.pos, run.live, self.rng, self.k)
+        self.counts["canvases"] += len(run.live)
+        self.counts["denoise_steps"] += int(ran.sum())
+        self.counts["early_stops"] += int((ran < self.k.max_denoising_steps).sum())
+        length = self.size
+        for i, b in enumerate(run.live):  # every position counted from the forward since which it held
+            run.meter.commit(b, range(j * length, (j + 1) * length), held[i].tolist(), ["denoise"] * length)
+        return argmax
+
+    def store(self, run: BlockRun, block: torch.Tensor) -> None:
+        """Next canvas (1.f): the canvas of the rows that go on is what the encoder reads next."""
+        _encode(run.model, run.meter, run.cache, block, run.seen, run.pos)
+
+    def stats(self, run: BlockRun) -> dict:
+        return {"canvas_length": self.size, **self.counts}
+
+
 @torch.no_grad()
 def diffusion_gemma(
     model,
@@ -155,42 +203,8 @@ def diffusion_gemma(
     token). ``mask_token_id`` is accepted and unused (the canvas starts random, not masked)."""
     del mask_token_id
     k = DiffusionGemmaKnobs.of(knobs, overrides, "diffusion_gemma")
-    length = int(k.canvas_length or model.config.canvas_length)
-    n_canvas = -(-k.gen_length // length)  # whole canvases, as generate (:652)
-    eos = eos_ids(model, eos_token_id)
-    vocab, device = int(model.config.get_text_config().vocab_size), input_ids.device
-    pad = left_padding_mask(input_ids, attention_mask)  # [B, P]
-    batch = input_ids.shape[0]
-    meter = Meter(model, ("encode", "denoise"))
-    meter.track(batch, k.gen_length, device, steps=n_canvas * k.max_denoising_steps)
-    rng = _Rows([make_generator(device, k.seed) for _ in range(batch)], vocab, length, device)
-
-    live = list(range(batch))  # rows still decoding, in batch order
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    new_ids, seen = input_ids, pad.bool()  # tokens to encode [b, q]; 2-D mask of cache + them [b, kv]
-    n_real = pad.sum(-1)  # [B] real tokens per row (prompt, then canvases)
-    enc_pos = positions_from_mask(pad)  # [B, P] positions from each row's first real token
-    out: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    counts = {"canvases": 0, "denoise_steps": 0, "early_stops": 0}
-    for c in range(n_canvas):
-        _encode(model, meter, cache, new_ids, seen, enc_pos)
-        dec_pos = n_real[live, None] + torch.arange(length, device=device)  # [b, L]
-        argmax, held, ran = _denoise(model, meter, cache, seen, dec_pos, live, rng, k)
-        counts["canvases"] += len(live)
-        counts["denoise_steps"] += int(ran.sum())
-        counts["early_stops"] += int((ran < k.max_denoising_steps).sum())
-        keep = _commit(meter, out, live, argmax, held, c, eos)
-        if not keep or c == n_canvas - 1:
-            break
-        # next canvas (1.f): the rows that go on; the canvas is what the encoder reads next
-        if len(keep) < len(live):
-            cache.batch_select_indices(torch.tensor(keep, device=device))
-        live = [live[i] for i in keep]
-        new_ids, seen = argmax[keep], torch.nn.functional.pad(seen[keep], (0, length), value=True)
-        enc_pos, n_real[live] = dec_pos[keep], n_real[live] + length
-
-    responses = [cut_after_eos(torch.cat(parts), eos)[:k.gen_length] for parts in out]
-    stats = meter.finish(responses, canvas_length=length, **counts)
+    responses, stats = decode_blocks(model, input_ids, attention_mask, DiffusionGemmaRule(k, model),
+                                     eos_ids(model, eos_token_id))
     stats["tpf_decoder"] = stats["generated_tokens"] / stats["nfe_denoise"] if stats["nfe_denoise"] else 0.0
     return responses, stats
 
@@ -254,19 +268,6 @@ def _denoise(model, meter: Meter, cache: DynamicCache, seen: torch.Tensor, posit
         if bool(done.all()):
             break
     return argmax, held, ran
-
-
-def _commit(meter: Meter, out: list[list[torch.Tensor]], live: list[int], argmax: torch.Tensor,
-            held: torch.Tensor, c: int, eos: tuple[int, ...]) -> list[int]:
-    """Commit (1.d-e) canvas ``c`` of the ``live`` rows: each row's argmax canvas [b, L] joins its response
-    ``out``, every position counted from the forward since which it held. Returns the indices into ``live``
-    of the rows that go on (an EOS in the canvas ends a row)."""
-    length = argmax.shape[1]
-    ended = is_eos(argmax, eos).any(-1).tolist()
-    for i, b in enumerate(live):
-        out[b].append(argmax[i])
-        meter.commit(b, range(c * length, (c + 1) * length), held[i].tolist(), ["denoise"] * length)
-    return [i for i, e in enumerate(ended) if not e]
 
 
 def _stop(done: torch.Tensor, history: torch.Tensor | None, argmax: torch.Tensor, scaled: torch.Tensor,

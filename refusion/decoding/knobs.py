@@ -169,8 +169,6 @@ def folder_knobs(folder, knobs: type[Knobs], sources: dict[str, dict[str, str]])
     unreadable file raises ValueError naming the file and the field."""
     from pathlib import Path
 
-    from .common import read_json_object
-
     out: dict[str, Any] = {}
     for name, keys in sources.items():
         path = Path(folder) / name
@@ -191,3 +189,17 @@ def folder_knobs(folder, knobs: type[Knobs], sources: dict[str, dict[str, str]])
             raise ValueError(f"{path}: field {e}") from None
         out.update(found)
     return out
+
+
+def read_json_object(path) -> dict:
+    """A checkpoint file holding one JSON object (generation_config.json, config.json); ValueError naming
+    the file when it is unreadable or not an object."""
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

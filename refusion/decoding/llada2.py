@@ -47,10 +47,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers import DynamicCache
 
-from .common import (Meter, cache_keep, cut_after_eos, eos_ids, forward, is_eos, left_padding_mask, mask_id)
+from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks, prefill_blocks
+from .cache import new_cache
 from .knobs import Knobs, gen_length, knob
+from .tokens import eos_ids, mask_id
 
 # dInfer's BlockRunner defaults (generate_uniform.py): rounds of denoise forwards
 EXPECTED_TPF, MAX_UNROLL, MIN_UNROLL = 8, 4, 2
@@ -68,20 +69,71 @@ class Llada2Knobs(Knobs):
     blocks_from_prompt_start: ClassVar[bool] = True
 
 
-def threshold_step(logits: torch.Tensor, block: torch.Tensor, mask: int, threshold: float) -> torch.Tensor:
-    """One ThresholdParallelDecoder step at temperature 0 (parallel_strategy.py): block [b, B] with logits
-    [b, B, V] -> the block with its confident masked positions committed (module doc)."""
+def llada2_propose(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLaDA2's proposal at temperature 0 (ThresholdParallelDecoder, parallel_strategy.py): logits [b, B, V] ->
+    (the argmax [b, B], its softmax probability in float32 [b, B])."""
     guess = logits.argmax(-1)
     prob = torch.softmax(logits.float(), dim=-1).gather(-1, guess[..., None]).squeeze(-1)
+    return guess, prob
+
+
+def threshold_step(block: torch.Tensor, guess: torch.Tensor, prob: torch.Tensor, mask: int,
+                   threshold: float) -> torch.Tensor:
+    """One ThresholdParallelDecoder step: block [b, B] with the proposal (``llada2_propose``) -> the block with its
+    confident masked positions committed (module doc)."""
     masked = block == mask
     conf = torch.where(masked & (guess != mask), prob, torch.full_like(prob, float("-inf")))
     bar = (conf.max(dim=1).values - 1e-5).clamp(-1000, threshold)[:, None]
     return torch.where((conf >= bar) & masked, guess, block)
 
 
-def block_causal(pos_q: torch.Tensor, pos_k: torch.Tensor, block: int) -> torch.Tensor:
-    """bool [b, q, k]: query at position pos_q sees key at pos_k when the key's block is not after its own."""
-    return (pos_k[:, None, :] // block) <= (pos_q[:, :, None] // block)
+class Llada2Rule(BlockRule):
+    """LLaDA2's step rule for the shared block loop (block_loop.decode_blocks): prefill the prompt's whole blocks
+    (one block at least), denoise a block in dInfer's rounds by ``threshold_step`` until no mask is left, store it
+    unless the round's last forward already saw it finished."""
+    phases = ("prefill", "denoise", "store")
+    aligned = True
+
+    def __init__(self, k: Llada2Knobs, mask: int):
+        self.k, self.fill, self.size, self.gen_length = k, mask, k.block_length, k.gen_length
+        self.saw_finished = False  # the block's last denoise forward saw it with no mask: its KV is the store's
+
+    def budget(self, grid: BlockGrid) -> tuple[int, int | None]:
+        # the response width of dInfer's layout: whole blocks from the prompt's first token
+        return max(s + n * self.size - p for s, n, p in zip(grid.starts, grid.blocks, grid.lengths)), None
+
+    def start(self, run: BlockRun, input_ids: torch.Tensor, pad: torch.Tensor) -> None:
+        # dInfer's prefill: [0, max(first, B)) of each row; a row whose first decoded block is its first block
+        # (first 0) prefills that block with its masks and reads none of it (decoded next, over an empty prefix)
+        run.cache = new_cache(run.model, run.meter)
+        widths = [max(s, self.size) for s in run.grid.starts]
+        real = prefill_blocks(run, input_ids, widths, self.fill)
+        run.seen = real & torch.tensor([s > 0 for s in run.grid.starts], device=run.device)[:, None]
+
+    def decide(self, run: BlockRun, j: int, block: torch.Tensor | None) -> torch.Tensor:
+        """dInfer's rounds of max(2, min(4, masks // 8)) denoise forwards while the block [b, size] has a mask."""
+        mask, meter, last_saw_mask, g = self.fill, run.meter, None, run.grid
+        # response column of block position p in live row i: start of the block - prompt length + p
+        offset = [g.starts[b] + j * g.size - g.lengths[b] for b in run.live]
+        while bool((block == mask).any()):
+            rounds = max(min(int((block == mask).sum()) // EXPECTED_TPF, MAX_UNROLL), MIN_UNROLL)
+            for _ in range(rounds):
+                last_saw_mask = bool((block == mask).any())
+                logits = run.forward_block("denoise", block)
+                new = threshold_step(block, *llada2_propose(logits), mask, self.k.threshold)
+                for i, p in (new != block).nonzero().tolist():  # newly committed
+                    if offset[i] + p >= 0:  # a mask id in the prompt's tail is no response
+                        meter.commit(run.live[i], [offset[i] + p], [meter.calls - 1], ["denoise"])
+                block = new
+        self.saw_finished = last_saw_mask is False
+        return block
+
+    def store(self, run: BlockRun, block: torch.Tensor) -> None:
+        if not self.saw_finished:  # else the last forward's keys and values are the finished block's
+            run.forward_block("store", block)
+
+    def stats(self, run: BlockRun) -> dict:
+        return {"block_length": self.size, "blocks": run.row_blocks}
 
 
 @torch.no_grad()
@@ -100,76 +152,5 @@ def llada2(
     model: refusion.llada2_moe.LLaDA2MoeModelLM (or any model taking position ids, a cache and a [b, 1, q, kv]
     mask); input_ids [n, P] left-padded, attention_mask [n, P] (1 = real token)."""
     k = Llada2Knobs.of(knobs, overrides, "llada2")
-    size, eos, mask = k.block_length, eos_ids(model, eos_token_id), mask_id(model, mask_token_id)
-    device, n = input_ids.device, input_ids.shape[0]
-    plen = left_padding_mask(input_ids, attention_mask).sum(-1).tolist()
-    total = [-(-(p + k.gen_length) // size) * size for p in plen]  # whole blocks, as dInfer lays them out
-    first = [p // size * size for p in plen]
-    width = max(total)
-    x = torch.full((n, width), mask, dtype=torch.long, device=device)  # each row from its first real token
-    for r, p in enumerate(plen):
-        x[r, :p] = input_ids[r, input_ids.shape[1] - p:]
-    resp_len = max(t - p for t, p in zip(total, plen))
-    resp_cols = torch.tensor(plen, device=device)[:, None] + torch.arange(resp_len, device=device)
-    resp_cols = resp_cols.clamp(max=width - 1)
-    meter = Meter(model, ("prefill", "denoise", "store"))
-    meter.track(n, resp_len, device)
-
-    def settle() -> None:
-        meter.settle(x.gather(1, resp_cols), mask)
-
-    # prefill: each row's [0, max(first, B)), left-padded to a common width; pads see only themselves
-    pre = [max(f, size) for f in first]
-    wide = max(pre)
-    ids = torch.full((n, wide), mask, dtype=torch.long, device=device)
-    pos = torch.zeros(n, wide, dtype=torch.long, device=device)
-    real = torch.zeros(n, wide, dtype=torch.bool, device=device)
-    for r, f in enumerate(pre):
-        ids[r, wide - f:], pos[r, wide - f:], real[r, wide - f:] = x[r, :f], torch.arange(f, device=device), True
-    eye = torch.eye(wide, dtype=torch.bool, device=device)[None]
-    visible = (block_causal(pos, pos, size) & real[:, None, :] & real[:, :, None]) | (eye & ~real[:, :, None])
-    cache = DynamicCache(config=model.config)
-    forward(model, meter, "prefill", ids, position_ids=pos, visible=visible, cache=cache)
-    settle()
-    # the cache columns each row may read: its prefix [0, first); a row with first 0 reads none of the prefill
-    seen = real & torch.tensor([f > 0 for f in first], device=device)[:, None]
-
-    live, blocks = list(range(n)), 0
-    for j in range(-(-width // size)):
-        go = [i for i, r in enumerate(live) if first[r] + j * size < total[r]]
-        if not go:
-            break
-        if len(go) < len(live):
-            idx = torch.tensor(go, device=device)
-            cache.batch_select_indices(idx)
-            seen = seen[idx]
-            live = [live[i] for i in go]
-        blocks += len(live)
-        starts = torch.tensor([first[r] + j * size for r in live], device=device)
-        cols = starts[:, None] + torch.arange(size, device=device)  # [b, B] positions of each row's block
-        rows = torch.tensor(live, device=device)
-        block = x[rows[:, None], cols]
-        prefix = cache.get_seq_length()
-        visible = torch.cat([seen[:, None, :].expand(-1, size, -1),
-                             torch.ones(len(live), size, size, dtype=torch.bool, device=device)], dim=-1)
-        last_saw_mask = None
-        while bool((block == mask).any()):
-            rounds = max(min(int((block == mask).sum()) // EXPECTED_TPF, MAX_UNROLL), MIN_UNROLL)
-            for _ in range(rounds):
-                last_saw_mask = bool((block == mask).any())
-                cache_keep(cache, prefix)
-                logits = forward(model, meter, "denoise", block, position_ids=cols, visible=visible, cache=cache)
-                block = threshold_step(logits, block, mask, k.threshold)
-                x[rows[:, None], cols] = block
-                settle()
-        if last_saw_mask is not False:  # else the last forward's keys and values are the finished block's
-            cache_keep(cache, prefix)
-            forward(model, meter, "store", block, position_ids=cols, visible=visible, cache=cache)
-            settle()
-        seen = torch.cat([seen, torch.ones(len(live), size, dtype=torch.bool, device=device)], dim=1)
-        answer = cols >= torch.tensor([plen[r] for r in live], device=device)[:, None]
-        for r, e in zip(live, (is_eos(block, eos) & answer).any(-1).tolist()):
-            if e:  # the row ends with this block
-                total[r] = first[r] + (j + 1) * size
-    responses = [cut_after_eos(x[r, plen[r]:total[r]], eos)[:k.gen_length] for r in range(n)]
-    return responses, meter.finish(responses, block_length=size, blocks=blocks)
+    eos, mask = eos_ids(model, eos_token_id), mask_id(model, mask_token_id)
+    return decode_blocks(model, input_ids, attention_mask, Llada2Rule(k, mask), eos)

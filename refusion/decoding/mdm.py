@@ -12,7 +12,7 @@ Batches are left-padded; the padding mask travels as a 2-D mask, so the model's 
 bidirectional mask hides pads. Response region: gen_length mask tokens after the prompt.
 
 Public building blocks for variants (docs/extending.md writes a left-to-right LLaDA from them):
-``masked_start`` (the canvas), ``propose`` / ``dream_propose`` (token and confidence per position),
+``masked_start`` (the canvas), ``llada_propose`` / ``dream_propose`` (token and confidence per position),
 ``commit_topk`` / ``commit_sampled`` (unmask k positions of each row), ``finished`` / ``settled`` (when
 the answer can no longer change), ``top_p_filter`` / ``top_k_filter``, and the knob pieces
 ``block_length_knob`` / ``steps_knob`` / ``tokens_per_step_knob`` / ``stop_at_eos_knob`` / ``check_blocks`` /
@@ -26,28 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import (
-    Meter,
-    as_float32,
-    cache_keep,
-    choose,
-    cut_after_eos,
-    eos_ids,
-    forward,
-    is_eos,
-    make_generator,
-    mask_id,
-    new_cache,
-    padding_mask,
-    pick,
-    positions_from_mask,
-    token_prob,
-)
+from .cache import cache_keep, new_cache
+from .common import Meter, forward
 from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
+from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob
+from .tokens import cut_after_eos, eos_ids, is_eos, mask_id, padding_mask, positions_from_mask
 
 __all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "as_float32", "block_length_knob",
            "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "DREAM_FOLDER_KNOBS",
-           "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "propose", "settled", "settled_row",
+           "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "llada_propose", "settled", "settled_row",
            "steps_knob", "steps_of",
            "stop_at_eos_knob", "tokens_per_step_knob", "top_k_filter", "top_open", "top_p_filter"]
 
@@ -263,11 +250,11 @@ def commit_chosen(x, x0, chosen: list[list[int]], meter: Meter, offset: int) -> 
             meter.commit(b, [offset + j for j in cs], [f] * len(cs), [kind] * len(cs))
 
 
-def propose(logits, temperature, gen, mask):
+def llada_propose(logits, temperature, gen, mask):
     """Proposed token per position and its confidence, the *untempered* softmax probability
     (as in LLaDA: sampling noise picks the token, the model's own probability ranks it).
-    Never the mask id (common.choose)."""
-    x0, prob = pick(logits, temperature, gen, exclude=mask)
+    Never the mask id (proposals.propose_from_probs)."""
+    x0, prob = propose(logits, temperature, gen, exclude=mask)
     if temperature > 0:
         prob = token_prob(logits, x0, 0.0)
     return x0, prob
@@ -297,7 +284,7 @@ def dream_propose(logits, alg, temperature, top_p, top_k, gen, mask):
     decoding, where they change no token but do change the confidences -- and every
     confidence is measured on it: maskgit_plus the proposed token's probability,
     topk_margin top-1 minus top-2 probability, entropy the negative entropy (higher =
-    surer); origin ignores it. The token is never the mask id (common.choose)."""
+    surer); origin ignores it. The token is never the mask id (proposals.propose_from_probs)."""
     if temperature > 0:
         logits = logits / temperature
     if top_p is not None and top_p < 1:
@@ -305,7 +292,7 @@ def dream_propose(logits, alg, temperature, top_p, top_k, gen, mask):
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     probs = logits.softmax(-1)
-    x0, conf = choose(probs, temperature > 0, gen, exclude=mask)
+    x0, conf = propose_from_probs(probs, temperature > 0, gen, exclude=mask)
     if alg == "topk_margin":
         top2 = probs.topk(2, dim=-1).values
         conf = top2[..., 0] - top2[..., 1]
@@ -375,7 +362,7 @@ def llada(
         open_ = [list(range(block_length)) for _ in range(x.shape[0])]  # host: the block's masked positions
         for n_unmask in schedule:
             logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, lo:hi]
-            x0, prob = propose(logits, temperature, gen, mask)  # [B, block]
+            x0, prob = llada_propose(logits, temperature, gen, mask)  # [B, block]
             if remasking == "random":
                 prob = torch.rand(prob.shape, generator=gen, device=prob.device)
             # commit_topk on the host: the n_unmask most confident open positions per row, ties to the leftmost.
@@ -425,7 +412,7 @@ def fast_dllm(
     Phases: full (whole-sequence forwards) and cached (steps reusing the block cache).
     """
     k = FastDllmKnobs.of(knobs, overrides, "fast_dllm")
-    gen_length, block_length, threshold, temperature = k.gen_length, k.block_length, k.threshold, k.temperature
+    gen_length, block_length, threshold = k.gen_length, k.block_length, k.threshold
     cache_mode, shift, dream_loop = k.cache, int(k.shift), k.dream_loop
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
     gen = make_generator(input_ids.device, k.seed)
@@ -436,13 +423,7 @@ def fast_dllm(
     rows, thr = x.shape[0], as_float32(threshold)
     for b in range(gen_length // block_length):
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
-        # Block token j is predicted by the logit at j - shift. Cached steps forward the window [a, ...):
-        # from lo - 1 when that logit is needed there, from lo in the Dream loop (token lo is already
-        # committed by then; its slot gets a stand-in logit, never read) and without shift.
-        a = lo - int(shift and not dream_loop)
-        window_idx = (torch.arange(lo, hi, device=x.device) - shift - a).clamp_min(0)  # [block]
-        if cache_mode == "dual":  # cache order is prefix, suffix, then the window forwarded
-            order = torch.cat([attn[:, :a], attn[:, hi:], attn[:, a:hi]], 1)
+        a, window_idx, order = _cached_window(attn, lo, hi, shift, dream_loop, cache_mode == "dual")
         # Host bookkeeping, once per step (docs/design.md §6): the block's open (masked) positions per row.
         # A block starts all masked: nothing writes ahead of the current block.
         open_ = [list(range(block_length)) for _ in range(rows)]
@@ -465,20 +446,7 @@ def fast_dllm(
                 logits = forward(model, meter, "cached", x[:, a:hi], position_ids=pos[:, a:hi], attention_mask=order,
                                  cache=kv)[:, window_idx]
                 cache_keep(kv, a + total - hi)
-            if dream_loop:
-                x0, prob = dream_propose(logits, "maskgit_plus", temperature, k.top_p, k.top_k, gen, mask)
-            else:
-                x0, prob = propose(logits, temperature, gen, mask)  # [B, block]
-            if dream_loop and first:
-                chosen = [[0] for _ in range(rows)]  # the authors' rule: the full forward fixes the block's first token only
-            else:
-                # commit_topk's rule on the host: per row every open position whose confidence passes (at
-                # least the most confident one), most confident first, ties to the leftmost.
-                conf = prob.tolist()  # [B][block], float32 values
-                chosen = []
-                for c, op in zip(conf, open_):
-                    passed = sum(1 for j in op if (c[j] >= thr if dream_loop else c[j] > thr))
-                    chosen.append(top_open(c, op, max(passed, 1 if op else 0)))
+            x0, prob, chosen = _threshold_choice(logits, k, gen, mask, open_, first, thr)  # [B, block] each
             commit_chosen(x[:, lo:hi], x0, chosen, meter, lo - p0)
             open_ = [[j for j in op if j not in set(c)] for op, c in zip(open_, chosen)]
             first = False
@@ -486,6 +454,41 @@ def fast_dllm(
             break
     responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
     return responses, meter.finish(responses)
+
+
+def _cached_window(attn: torch.Tensor, lo: int, hi: int, shift: int, dream_loop: bool,
+                   dual: bool) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """Where ``fast_dllm``'s cached steps read block [lo, hi): (a, window_idx [block], order [B, kv] or None).
+    Block token j is predicted by the logit at j - shift. Cached steps forward the window [a, ...): from lo - 1
+    when that logit is needed there, from lo in the Dream loop (token lo is already committed by then; its slot
+    gets a stand-in logit, never read) and without shift; window_idx picks each block token's logit from the
+    window's. With the dual cache, ``order`` is the padding mask in cache order: prefix, suffix, then the window."""
+    a = lo - int(shift and not dream_loop)
+    window_idx = (torch.arange(lo, hi, device=attn.device) - shift - a).clamp_min(0)  # [block]
+    order = torch.cat([attn[:, :a], attn[:, hi:], attn[:, a:hi]], 1) if dual else None
+    return a, window_idx, order
+
+
+def _threshold_choice(logits: torch.Tensor, k: FastDllmKnobs, gen: torch.Generator | None, mask: int,
+                      open_: list[list[int]], first: bool, thr: float) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """One ``fast_dllm`` step's proposal for the block's logits [B, block, V] and its choice: (x0 [B, block], prob
+    [B, block], per row the block positions to commit, a host list). The Dream loop's full forward fixes the
+    block's first token only (the authors' rule); otherwise commit_topk's rule on the host: per row every open
+    position whose confidence passes ``thr`` (at least the most confident one), most confident first, ties to
+    the leftmost."""
+    dream_loop = k.dream_loop
+    if dream_loop:
+        x0, prob = dream_propose(logits, "maskgit_plus", k.temperature, k.top_p, k.top_k, gen, mask)
+    else:
+        x0, prob = llada_propose(logits, k.temperature, gen, mask)  # [B, block]
+    if dream_loop and first:
+        return x0, prob, [[0] for _ in open_]
+    conf = prob.tolist()  # [B][block], float32 values
+    chosen = []
+    for c, op in zip(conf, open_):
+        passed = sum(1 for j in op if (c[j] >= thr if dream_loop else c[j] > thr))
+        chosen.append(top_open(c, op, max(passed, 1 if op else 0)))
+    return x0, prob, chosen
 
 
 def _dream_greedy(model, meter, k, x, attn, pos, p0, times, mask, eos) -> None:

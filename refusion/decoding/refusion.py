@@ -65,24 +65,11 @@ from transformers import DynamicCache
 from ..kernels import BACKENDS as ATTN_BACKENDS
 from ..kernels import SlotLayout, attention_backend, require
 from ..slot_attention import slot_visibility
-from .common import (
-    Meter,
-    as_float32,
-    cache_append,
-    cache_from,
-    cache_len,
-    eos_ids,
-    forward,
-    is_eos,
-    kv_parts_bytes,
-    left_padding_mask,
-    make_generator,
-    mask_id,
-    new_cache,
-    pick,
-    token_prob,
-)
+from .cache import cache_append, cache_from, cache_len, kv_parts_bytes, new_cache
+from .common import Meter, forward
 from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
+from .proposals import as_float32, make_generator, propose, token_prob
+from .tokens import eos_ids, is_eos, left_padding_mask, mask_id
 
 PHASES = ("plan", "verify", "draft", "infill", "recompute")
 INFILL_SEEDS = ("global", "first")
@@ -426,12 +413,12 @@ def _plan(st: _State, kn: _Run) -> Steps:
     logits, _ = yield from _ask(st, "plan", torch.full_like(pos, kn.mask)[None], pos[None], [m * L])
     logits = logits[0].view(m, L, -1)  # [m, L, V]
     if kn.temperature > 0:  # sampling draws every position, in order (the generator's stream)
-        tok, conf = pick(logits, kn.temperature, st.gen)  # [m, L] each
+        tok, conf = propose(logits, kn.temperature, st.gen)  # [m, L] each
         first = conf[:, 0].tolist()
     elif not kn.left_to_right:
         # Greedy: each position's pick is its own row's softmax, so only what is used is computed -- the
         # slots' first tokens to choose the slots, then the chosen slots' drafts.
-        first = pick(logits[:, 0], 0.0, None)[1].tolist()
+        first = propose(logits[:, 0], 0.0, None)[1].tolist()
     if kn.left_to_right:
         picked = [0]
     else:  # the slots whose first token passes, else the most confident one (first on ties); host values
@@ -441,7 +428,7 @@ def _plan(st: _State, kn: _Run) -> Steps:
         st.drafts = tok[picked].clone()  # [k, L]
     else:
         rows = picked[0] if len(picked) == 1 else torch.tensor(picked, device=logits.device)
-        st.drafts = pick(logits[rows].view(len(picked), L, -1), 0.0, None)[0]  # [k, L]
+        st.drafts = propose(logits[rows].view(len(picked), L, -1), 0.0, None)[0]  # [k, L]
     st.fixed = [[(st.now(), "plan")] for _ in picked]  # a picked slot's first token is always accepted
 
 
@@ -519,7 +506,7 @@ def _infill_draft(st: _State, kn: _Run, todo: list[int]) -> Steps:
     for r, i in enumerate(todo):
         ids[r, st.accepted[i]:] = kn.mask
     logits, _ = yield from _infill_ask(st, kn, "draft", todo, ids)
-    new, _ = pick(logits, kn.temperature, st.gen)  # [n, L]
+    new, _ = propose(logits, kn.temperature, st.gen)  # [n, L]
     for r, i in enumerate(todo):
         st.drafts[i, st.accepted[i]:] = new[r, st.accepted[i]:]
 

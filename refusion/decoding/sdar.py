@@ -59,9 +59,11 @@ from typing import ClassVar
 
 import torch
 
-from .common import (Meter, cache_keep, cache_len, cut_after_eos, eos_ids, forward, is_eos, left_padding_mask,
-                     make_generator, mask_id, new_cache)
+from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks, prefill_blocks
+from .cache import new_cache
 from .knobs import Knobs, gen_length, knob, seed
+from .proposals import make_generator
+from .tokens import eos_ids, mask_id
 
 # generate.py's command-line defaults (its parse_args): what `python generate.py --model_dir ...` runs.
 DEFAULT_BLOCK, DEFAULT_STEPS, DEFAULT_THRESHOLD, DEFAULT_EB = 4, 4, 0.85, 0.35
@@ -125,7 +127,8 @@ def filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float)
 
 
 def draw(logits: torch.Tensor, k: SdarKnobs, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row's block logits [L, V] -> (drawn tokens [L], their probabilities [L])."""
+    """SDAR's proposal: one row's block logits [L, V] -> (drawn tokens [L], their probabilities [L]). Named
+    ``draw``, not ``sdar_propose``, as tests/test_decoding_sdar.py patches it by that name."""
     probs = torch.softmax(filtered(logits, k.temperature, k.top_k, k.top_p), dim=-1)
     if k.temperature == 0:
         p, tok = probs.max(dim=-1)
@@ -160,6 +163,57 @@ def to_commit(k: SdarKnobs, masked: torch.Tensor, prob: torch.Tensor, quota: int
     return chosen
 
 
+class SdarRule(BlockRule):
+    """SDAR's step rule for the shared block loop (block_loop.decode_blocks): prefill the prompt's whole blocks,
+    denoise a block by ``draw`` and ``to_commit`` until no row has a mask left or its steps, then store it."""
+    phases = ("prefill", "denoise", "store")
+    aligned = True
+
+    def __init__(self, k: SdarKnobs, mask: int):
+        self.k, self.fill, self.size, self.gen_length = k, mask, k.block_length, k.gen_length
+        self.schedule = quotas(k.block_length, k.denoising_steps)
+        self.gens: list[torch.Generator | None] = []
+        self.denoise_steps = 0
+
+    def budget(self, grid: BlockGrid) -> tuple[int, int | None]:
+        bound = 1 + max(grid.blocks) * (self.k.denoising_steps + 2)  # forwards per row at most
+        return self.gen_length, -(-bound // 3)
+
+    def start(self, run: BlockRun, input_ids: torch.Tensor, pad: torch.Tensor) -> None:
+        self.gens = [make_generator(run.device, self.k.seed) for _ in run.live]
+        run.cache = new_cache(run.model, run.meter)
+        run.seen = prefill_blocks(run, input_ids, run.grid.starts, self.fill)  # the prompt's whole blocks
+
+    def decide(self, run: BlockRun, j: int, cur: torch.Tensor | None) -> torch.Tensor:
+        """Denoise forwards of the block cur [b, size] while some row has a mask and steps left; a row whose block
+        is done waits (its outputs unused, its generator untouched)."""
+        k, mask, meter, lengths = self.k, self.fill, run.meter, run.grid.lengths
+        steps = [0] * len(run.live)
+        while True:
+            todo = [i for i in range(len(run.live)) if steps[i] <= k.denoising_steps and bool((cur[i] == mask).any())]
+            if not todo:
+                break
+            logits = run.forward_block("denoise", cur)  # reads the cache, never writes it
+            for i in todo:
+                b, s = run.live[i], steps[i]
+                masked = cur[i] == mask
+                tok, prob = draw(logits[i], k, self.gens[b])
+                quota = self.schedule[s] if s < k.denoising_steps else int(masked.sum())
+                chosen = to_commit(k, masked, prob, quota)
+                cur[i][chosen] = tok[chosen]
+                cols = [c for c in (run.pos[i][chosen] - lengths[b]).tolist() if c >= 0]  # prompt tail: no response
+                meter.commit(b, cols, [meter.calls - 1] * len(cols), ["denoise"] * len(cols))
+                steps[i] += 1
+        self.denoise_steps += sum(steps)
+        return cur
+
+    def store(self, run: BlockRun, block: torch.Tensor) -> None:
+        run.forward_block("store", block)  # generate.py's store_kv=True call
+
+    def stats(self, run: BlockRun) -> dict:
+        return {"block_length": self.size, "blocks": run.row_blocks, "denoise_steps": self.denoise_steps}
+
+
 @torch.no_grad()
 def sdar(
     model,
@@ -175,88 +229,4 @@ def sdar(
     an explicit 4-D mask (the sdar family on Qwen3ForCausalLM); input_ids [B, P], attention_mask [B, P]."""
     k = SdarKnobs.of(knobs, overrides, "sdar")
     eos, mask = eos_ids(model, eos_token_id), mask_id(model, mask_token_id)
-    device, size = input_ids.device, k.block_length
-    pad = left_padding_mask(input_ids, attention_mask)
-    batch, width = input_ids.shape
-    lengths = pad.sum(-1).tolist()
-    whole = [n // size for n in lengths]  # prompt blocks prefilled per row
-    blocks = [-(-(n + k.gen_length) // size) - w for n, w in zip(lengths, whole)]  # blocks decoded per row
-    prefill = max(whole) * size
-    schedule = quotas(size, k.denoising_steps)
-
-    meter = Meter(model, ("prefill", "denoise", "store"))
-    bound = 1 + max(blocks) * (k.denoising_steps + 2)  # forwards per row at most
-    meter.track(batch, k.gen_length, device, steps=-(-bound // 3))
-    gens = [make_generator(device, k.seed) for _ in range(batch)]
-    cache = new_cache(model, meter)
-
-    # The prompt's whole blocks, right-aligned at column `prefill`; a row's padding is whole blocks too.
-    ctx = torch.full((batch, prefill), mask, dtype=torch.long, device=device)
-    real = torch.zeros(batch, prefill, dtype=torch.bool, device=device)
-    tails, starts = [], []
-    for b in range(batch):
-        row = input_ids[b, width - lengths[b]:]
-        n = whole[b] * size
-        ctx[b, prefill - n:], real[b, prefill - n:] = row[:n], True
-        tails.append(row[n:])
-        starts.append(n)  # position of the row's first decoded block
-    if prefill:
-        blk = torch.arange(prefill, device=device) // size
-        visible = (blk[None, :] <= blk[:, None])[None] & real[:, None, :] & real[:, :, None]
-        visible |= torch.eye(prefill, dtype=torch.bool, device=device)[None] & ~real[:, :, None]  # pads: themselves
-        pos = (torch.arange(prefill, device=device)[None] - (prefill - torch.tensor(starts, device=device))[:, None])
-        forward(model, meter, "prefill", ctx, position_ids=pos.clamp(min=0), visible=visible, cache=cache)
-    seen = real  # [b, kv] the cache columns each live row sees
-
-    live = list(range(batch))
-    out: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    counts = {"blocks": 0, "denoise_steps": 0}
-    for j in range(max(blocks)):
-        cur = torch.full((len(live), size), mask, dtype=torch.long, device=device)
-        if j == 0:
-            for i, b in enumerate(live):
-                cur[i, :tails[b].numel()] = tails[b]
-        pos = torch.tensor([starts[b] + j * size for b in live], device=device)[:, None] + torch.arange(size,
-                                                                                                          device=device)
-        kv = cache_len(cache)
-        visible = torch.cat([seen[:, None, :].expand(-1, size, -1),
-                             torch.ones(len(live), size, size, dtype=torch.bool, device=device)], dim=-1)
-        steps = [0] * len(live)
-        while True:
-            todo = [i for i in range(len(live)) if steps[i] <= k.denoising_steps and bool((cur[i] == mask).any())]
-            if not todo:
-                break
-            logits = forward(model, meter, "denoise", cur, position_ids=pos, visible=visible, cache=cache)
-            cache_keep(cache, kv)  # a denoise step reads the cache, never writes it
-            for i in todo:
-                b, s = live[i], steps[i]
-                masked = cur[i] == mask
-                tok, prob = draw(logits[i], k, gens[b])
-                quota = schedule[s] if s < k.denoising_steps else int(masked.sum())
-                chosen = to_commit(k, masked, prob, quota)
-                cur[i][chosen] = tok[chosen]
-                cols = [c for c in (pos[i][chosen] - lengths[b]).tolist() if c >= 0]  # prompt tail: no response
-                meter.commit(b, cols, [meter.calls - 1] * len(cols), ["denoise"] * len(cols))
-                steps[i] += 1
-        counts["blocks"] += len(live)
-        counts["denoise_steps"] += sum(steps)
-        forward(model, meter, "store", cur, position_ids=pos, visible=visible, cache=cache)
-        stored = ~(cur == mask).any(-1)  # a block left masked is not in generate.py's cache
-        seen = torch.cat([seen, stored[:, None].expand(-1, size)], dim=-1)
-        keep = []
-        for i, b in enumerate(live):
-            first = max(0, lengths[b] - pos[i, 0].item())  # the prompt's tail is no response
-            out[b].append(cur[i, first:])
-            if j + 1 < blocks[b] and not bool(is_eos(torch.cat(out[b]), eos).any()):
-                keep.append(i)
-        if not keep:
-            break
-        if len(keep) < len(live):
-            idx = torch.tensor(keep, device=device)
-            cache.batch_select_indices(idx)
-            seen = seen[idx]
-        live = [live[i] for i in keep]
-
-    responses = [cut_after_eos(torch.cat(parts), eos)[:k.gen_length] for parts in out]
-    stats = meter.finish(responses, block_length=size, **counts)
-    return responses, stats
+    return decode_blocks(model, input_ids, attention_mask, SdarRule(k, mask), eos)
