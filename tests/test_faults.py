@@ -450,9 +450,11 @@ def test_nan_at_one_forward_of_every_decoder_in_a_real_run(setup, make_checkpoin
     bidir = make_checkpoint(tmp_path / "bidir", causal=False)
     knobs = {"ar": "gen_length=8", "refusion": "gen_length=8,slot_size=4", "llada": "gen_length=8,block_length=8",
              "fast_dllm": "gen_length=8,block_length=8", "dream": "gen_length=8", "d2f": "gen_length=8,block_size=8",
-             "diffusion_gemma": "gen_length=8,max_denoising_steps=4"}
+             "diffusion_gemma": "gen_length=8,max_denoising_steps=4", "llada2": "gen_length=8,block_length=8",
+             "sdar": "gen_length=8,block_length=4,denoising_steps=4"}
     assert set(knobs) == set(DECODERS), "a new decoder needs its knobs here"
-    own = {"diffusion_gemma": Path(__file__).parent / "fixtures" / "released" / "diffusiongemma"}  # Decoder.family
+    released = Path(__file__).parent / "fixtures" / "released"
+    own = {"diffusion_gemma": released / "diffusiongemma", "llada2": released / "llada2"}  # Decoder.family
     models = ",".join(f"{n}={own.get(DECODERS[n].family) or (setup['ckpt'] if DECODERS[n].causal else bidir)}:{n}:{k}"
                       for n, k in knobs.items())
     _run(setup, "nan-clean", models=models)
