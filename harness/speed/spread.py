@@ -207,6 +207,50 @@ def ensure_abs(n: int, out: Path) -> list[dict]:
     return got
 
 
+def _calibrate_main(ns: argparse.Namespace) -> int:
+    """``--calibrate``: read the three series, write results/compare_calibration.json, print its figures."""
+    series = {}
+    for role, name in (("rule", ns.calibrate), ("idle", ns.idle), ("slowed", ns.slowed)):
+        if name is None:
+            continue
+        series[role] = read_json_or_none(REPO / "results" / f"speed_spread_{name}.json")
+        if not series[role] or series[role].get("statistic") != timing_statistic():
+            print(f"error: results/speed_spread_{name}.json: missing, or made with another speedup statistic",
+                  file=sys.stderr)
+            return 2
+    if "idle" not in series:
+        print("error: --calibrate needs --idle NAME (a series of new idle runs)", file=sys.stderr)
+        return 2
+    got = calibrate(series["rule"], series["idle"], series.get("slowed"))
+    got["series"] = {k: f"results/speed_spread_{v}.json" for k, v in
+                     (("rule", ns.calibrate), ("idle", ns.idle), ("slowed", ns.slowed)) if v}
+    atomic_write_json(REPO / "results" / "compare_calibration.json", got)
+    fa = got["false_alarm"]
+    print(f"false alarms: {fa['called_different']} of {fa['figures']} figures ({100 * (fa['share'] or 0):.1f}%) "
+          f"over {got['idle_pairs']} idle pairs ({fa['pairs_with_any']} pairs with any)")
+    if "detection" in got:
+        d = got["detection"]
+        print(f"detection of {d['decoder']} x{d['factor']}: {d['detected']} of {d['figures']} figures "
+              f"({100 * (d['share'] or 0):.1f}%)")
+    print("wrote results/compare_calibration.json")
+    return 0
+
+
+def _parse_slow(text: str | None) -> dict | None | bool:
+    """``--slow DECODER=FACTOR`` as {"decoder", "factor"}; None without it; False (after one error line) when bad."""
+    if not text:
+        return None
+    dec, _, f = text.partition("=")
+    try:
+        slow = {"decoder": dec.strip(), "factor": float(f)}
+    except ValueError:
+        slow = None
+    if not slow or not slow["decoder"] or slow["factor"] <= 1:
+        print(f"error: --slow {text!r}: give DECODER=FACTOR with FACTOR > 1, e.g. refusion=1.5", file=sys.stderr)
+        return False
+    return slow
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness spread", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -231,43 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     out = Path(ns.out)
     if ns.calibrate:
-        series = {}
-        for role, name in (("rule", ns.calibrate), ("idle", ns.idle), ("slowed", ns.slowed)):
-            if name is None:
-                continue
-            series[role] = read_json_or_none(REPO / "results" / f"speed_spread_{name}.json")
-            if not series[role] or series[role].get("statistic") != timing_statistic():
-                print(f"error: results/speed_spread_{name}.json: missing, or made with another speedup statistic",
-                      file=sys.stderr)
-                return 2
-        if "idle" not in series:
-            print("error: --calibrate needs --idle NAME (a series of new idle runs)", file=sys.stderr)
-            return 2
-        got = calibrate(series["rule"], series["idle"], series.get("slowed"))
-        got["series"] = {k: f"results/speed_spread_{v}.json" for k, v in
-                         (("rule", ns.calibrate), ("idle", ns.idle), ("slowed", ns.slowed)) if v}
-        atomic_write_json(REPO / "results" / "compare_calibration.json", got)
-        fa = got["false_alarm"]
-        print(f"false alarms: {fa['called_different']} of {fa['figures']} figures "
-              f"({100 * (fa['share'] or 0):.1f}%) over {got['idle_pairs']} idle pairs ({fa['pairs_with_any']} pairs "
-              "with any)")
-        if "detection" in got:
-            d = got["detection"]
-            print(f"detection of {d['decoder']} x{d['factor']}: {d['detected']} of {d['figures']} figures "
-                  f"({100 * (d['share'] or 0):.1f}%)")
-        print("wrote results/compare_calibration.json")
-        return 0
-    slow = None
-    if ns.slow:
-        dec, _, f = ns.slow.partition("=")
-        try:
-            slow = {"decoder": dec.strip(), "factor": float(f)}
-        except ValueError:
-            slow = None
-        if not slow or not slow["decoder"] or slow["factor"] <= 1:
-            print(f"error: --slow {ns.slow!r}: give DECODER=FACTOR with FACTOR > 1, e.g. refusion=1.5",
-                  file=sys.stderr)
-            return 2
+        return _calibrate_main(ns)
+    slow = _parse_slow(ns.slow)
+    if slow is False:
+        return 2
     result_path = REPO / "results" / f"speed_spread_{ns.name}.json"
     result = read_json_or_none(result_path) or {}
     if ns.runs:
