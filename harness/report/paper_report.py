@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 from harness.report import paper
+from harness.report.timed import timed_average
 from harness.run import stats
 from harness.run.metrics import speedup
 # Loading lives in harness/report/runset.py; load_runs stays importable from here (harness.report.sweep, tests).
@@ -76,7 +77,7 @@ def _average(cells: dict[str, dict], n_columns: int, dists: dict[str, dict] | No
            "complete": len(qs) == len(ts) == n_columns, "quality_ci": None, "tokens_per_s_ci": None}
     for what, vals in (("quality", qs), ("tokens_per_s", ts)):
         if what == "tokens_per_s" and any(c.get("timed") for c in cells.values() if c.get(what) is not None):
-            out[f"{what}_ci"], out[f"{what}_ci_why"] = _timed_average(cells)
+            out[f"{what}_ci"], out[f"{what}_ci_why"] = timed_average(cells)
             continue
         got = [(dists or {}).get(k, {}).get(what) for k, c in cells.items() if c.get(what) is not None]
         iv = stats.mean_interval(got) if vals and all(d is not None for d in got) else None
@@ -84,25 +85,6 @@ def _average(cells: dict[str, dict], n_columns: int, dists: dict[str, dict] | No
         if iv is None and vals:
             out[f"{what}_ci_why"] = "a column has no per-item log to resample"
     return out
-
-
-def _timed_average(cells: dict[str, dict]) -> tuple[dict | None, str | None]:
-    """(interval, None) of a row's Avg tokens/s whose columns were timed in rounds, from ``timed.mean_in_run``:
-    one run timed every column, so its rounds are drawn once for all of them and each task's items on their
-    own; else (None, why)."""
-    from harness.report import timed
-
-    got = [c for c in cells.values() if c.get("tokens_per_s") is not None]
-    if not all(c.get("timed") for c in got):
-        return None, "some columns were timed in rounds and some in a single pass: no joint interval"
-    places = {(c.get("_run_dir"), c.get("model_in_run")) for c in got}
-    if len(places) != 1 or None in next(iter(places)):
-        return None, "the columns were timed in different runs, whose rounds do not pair: no joint interval"
-    run_dir, model = next(iter(places))
-    m = timed.mean_in_run(run_dir, model, [c["task"] for c in got])
-    if m is None or m["interval"] is None:
-        return None, "the run's timing.json does not hold every column's rounds"
-    return {**m["interval"], "method": m["interval"]["method"]}, None
 
 
 def cell_items(rs: RunSet, cell: dict) -> stats.Items | None:

@@ -75,3 +75,20 @@ def ratio_in_run(run_dir: str | Path, model: str, ref: str, units: list[str]) ->
     per = {u: timing.ratio(ps["records"], model, ref, u) for u in units}
     mean = timing.mean_ratio(ps["records"], model, ref, units) if units and all(per.values()) else None
     return {"per_unit": per, "mean": mean}
+
+
+def timed_average(cells: dict[str, dict]) -> tuple[dict | None, str | None]:
+    """(interval, None) of a Table 1 row's Avg tokens/s whose columns (harness/report/paper_report.py cells) were
+    timed in rounds, from ``mean_in_run``: one run timed every column, so its rounds are drawn once for all of
+    them and each task's items on their own; else (None, why)."""
+    got = [c for c in cells.values() if c.get("tokens_per_s") is not None]
+    if not all(c.get("timed") for c in got):
+        return None, "some columns were timed in rounds and some in a single pass: no joint interval"
+    places = {(c.get("_run_dir"), c.get("model_in_run")) for c in got}
+    if len(places) != 1 or None in next(iter(places)):
+        return None, "the columns were timed in different runs, whose rounds do not pair: no joint interval"
+    run_dir, model = next(iter(places))
+    m = mean_in_run(run_dir, model, [c["task"] for c in got])
+    if m is None or m["interval"] is None:
+        return None, "the run's timing.json does not hold every column's rounds"
+    return dict(m["interval"]), None
