@@ -5,12 +5,16 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
-# The torch pin lives in pyproject.toml only. It is installed first, alone, so the build is settled before
-# anything else: a torch==<pin> already in .venv (a build you installed yourself, CPU or CUDA) is kept, and
-# otherwise pip takes the build its configured index serves -- from PyPI on Linux x86-64, the CUDA one; a
-# machine whose pip configuration offers a local CPU wheel (find-links), as CI's does, gets that one
-# (docs/install.md "Which torch").
-TORCH_PIN := $(shell grep -oE '"torch==[^"]+"' pyproject.toml | tr -d '"')
+# The install: requirements/lock.txt pins every package .venv needs (pyproject.toml's pins and what they pull
+# in). pip unpacks one wheel at a time, so the locked list goes in as two halves in two pip processes at once
+# (--no-deps: nothing to resolve), then one resolving `pip install -e '.[test]'` lets pyproject.toml decide and
+# adds whatever the list lacks here (from PyPI on Linux x86-64 torch is the CUDA build, which pulls nvidia-*
+# packages); where the locked list cannot be installed (another platform), that step installs everything. A
+# torch==<pin> already in .venv (a build you installed yourself, CPU or CUDA) is kept; otherwise pip takes the
+# build its configured index serves, and a machine whose pip configuration offers a local CPU wheel
+# (find-links), as CI's does, gets that one (docs/install.md "Which torch").
+LOCK := requirements/lock.txt
+PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile
 # Byte-code: where PYTHONDONTWRITEBYTECODE is set (CI images, many Dockerfiles) Python never writes a .pyc
 # on import, and every process (each test worker, each worker a run starts) would compile torch, transformers
 # and lm_eval from source again, about 20 s a process on 2 cores. The targets clear it, so the first process
@@ -33,7 +37,7 @@ PYTEST_ARGS ?=
 REASON ?=
 export REASON  # read from the environment in the recipe: no shell re-parse of the text
 
-.PHONY: help setup setup-vllm test-engine docs decoders-doc test test-cpus test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
+.PHONY: help setup lock setup-vllm test-engine docs decoders-doc test test-cpus test-slow eval report merge shards-status compare sweep frontier trace browser-deps validate-tasks train-tiny curves bench-decoders bench-kernels side-by-side regress regress-update clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  %-16s %s\n", $$1, $$2}'
@@ -41,12 +45,27 @@ help: ## list the targets
 setup: $(STAMP) ## create .venv and install the project (editable, with test extra); instant when done
 
 # pip would compile every file it installs, one after another (--no-compile skips that): byte-code is written
-# on first import instead (PYTHONDONTWRITEBYTECODE above).
-$(STAMP): pyproject.toml
+# on first import instead (PYTHONDONTWRITEBYTECODE above). The halves' own setuptools builds the editable
+# project when they went in (no isolated build environment to make).
+$(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile $(TORCH_PIN)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[test]'
-	@touch $(STAMP)
+	@rm -f $(VENV)/.lock-*.txt && grep -E '^[A-Za-z0-9]' $(LOCK) | awk '{ print > ("$(VENV)/.lock-" (NR % 2) ".txt") }'
+	@$(PY) $(PIP_INSTALL) --no-deps -r $(VENV)/.lock-0.txt & a=$$!; \
+	$(PY) $(PIP_INSTALL) --no-deps -r $(VENV)/.lock-1.txt & b=$$!; \
+	wait $$a; ra=$$?; wait $$b; rb=$$?; iso=--no-build-isolation; \
+	if [ $$ra -ne 0 ] || [ $$rb -ne 0 ]; then iso=; \
+	  echo "setup: the locked list ($(LOCK)) did not install here; resolving from pyproject.toml" >&2; fi; \
+	$(PY) $(PIP_INSTALL) $$iso -e '.[test]'
+	@rm -f $(VENV)/.lock-*.txt && touch $(STAMP)
+
+# requirements/lock.txt again from pyproject.toml: a fresh venv resolved by pip, frozen (local version labels
+# such as +cpu dropped: the pin is the version, the build is the index's).
+lock: ## rewrite requirements/lock.txt (every package make setup installs, pinned) from pyproject.toml, in a fresh venv
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python $(PIP_INSTALL) -e '.[test]'
+	{ grep -E '^#' $(LOCK); .venv-lock/bin/python -m pip freeze --all --exclude-editable \
+	  | grep -vE '^pip==' | sed -E 's/\+[A-Za-z0-9.]+$$//' | sort -f; } > $(LOCK).tmp && mv $(LOCK).tmp $(LOCK)
+	rm -rf .venv-lock
 
 # vLLM in a venv of its own (its transformers pin is older than .venv's); nothing here touches .venv. The script
 # picks requirements/vllm-cuda.txt where nvidia-smi lists a GPU, else requirements/vllm-cpu.txt.

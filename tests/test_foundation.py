@@ -135,3 +135,20 @@ def test_make_eval_passes_task_without_shell_reparse(tmp_path, fake_venv, task):
     assert "INJECTED" not in out.stdout.replace(task, "")
     assert out.returncode != 0 and "unknown task" in out.stderr and task in out.stderr, out.stderr[-500:]
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_lock_holds_every_pin_of_pyproject_at_its_version():
+    """requirements/lock.txt (make setup's locked list, `make lock`) pins each package once, exactly, and agrees
+    with every pin of pyproject.toml but the docs extra (make setup does not install it)."""
+    docs = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["docs"])
+    lines = [x for x in (ROOT / "requirements" / "lock.txt").read_text().splitlines() if x and not x.startswith("#")]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][0-9A-Za-z.]*", x) for x in lines), lines
+    norm = [re.sub(r"[-_.]+", "-", x.split("==")[0]).lower() for x in lines]
+    assert len(set(norm)) == len(norm), "a package pinned twice"
+    locked = dict(zip(norm, (x.split("==")[1] for x in lines)))
+    for req in _requirements():
+        if req in docs:
+            continue
+        name, pin = req.split("==")
+        name = re.sub(r"[-_.]+", "-", name.split("[")[0]).lower()
+        assert locked.get(name) == pin, f"{req}: requirements/lock.txt has {locked.get(name)} (run make lock)"
