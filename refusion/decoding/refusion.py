@@ -353,12 +353,15 @@ def drive_rows(model, meter: Meter, rows: list[Generator], attn: str = "sdpa") -
     while pending:
         order = list(pending)
         answers = stacked_call(model, meter, [pending[b] for b in order], attn)
-        for b, ans in zip(order, answers):
+        answers.reverse()  # popped in row order, so each answer is held by its row's generator only
+        for b in order:
+            ans = answers.pop()
             try:
                 pending[b] = rows[b].send(ans)
             except StopIteration as stop:
                 responses[b] = stop.value
                 del pending[b]
+            del ans  # the step's logits die with the row's use of them, before the next model call
     return responses
 
 
