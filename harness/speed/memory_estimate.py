@@ -66,7 +66,7 @@ from harness.run.memory import LEAVES_OUT, DecodeMemory, weights_bytes
 from harness.run.store import atomic_write_json
 from refusion.decoding.common import additive_mask, cache_append, cache_from, cache_keep, floated, positions_from_mask
 from refusion.decoding.mdm import FastDllmKnobs
-from refusion.decoding.refusion import RefusionKnobs
+from refusion.decoding.refusion import PLAN_CHUNK, RefusionKnobs
 
 
 @dataclass(frozen=True)
@@ -180,6 +180,13 @@ def _proposal(model, ids, pos, keep, s: Shape, step, *, cache=None) -> None:
         del logits
 
 
+def _token_prob(logits: torch.Tensor) -> None:
+    """proposals.token_prob's tensors over logits [n, ..., V]: softmax and gather, about 64 positions at a time."""
+    step = max(1, 64 // max(1, logits[:1, ..., 0].numel()))
+    for i in range(0, logits.shape[0], step):
+        torch.softmax(logits[i:i + step] / 1.0, -1).max(-1)
+
+
 def _pick(logits: torch.Tensor) -> torch.Tensor:
     """A greedy pick's tensors: softmax [..., V], then its max -> tokens [...]."""
     return torch.softmax(logits, -1).max(-1)[1]
@@ -230,16 +237,17 @@ def ar_step(model, s: Shape) -> None:
     _pick(logits)
 
 
-def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int) -> list[torch.Tensor]:
+def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int, skip: int = 0) -> list[torch.Tensor]:
     """refusion.stacked_call's tensors for every row asking q tokens after its cache (the rows' caches are
     equally long): one row runs on its own cache, cropped straight back; several run on a padded copy of all
     their caches. Then each row commits the KV of its first ``commit`` query tokens (``cache_append``: a copy).
-    Returns per row its logits [1, q, V]."""
+    Returns per row its logits [1, q - skip, V] (a single row's float32 copy made of those only, as stacked_call's).
+    """
     t = rows[0].get_seq_length()
     ids = torch.full((s.batch, q), 4, dtype=torch.long)
     pos = torch.arange(pos_from, pos_from + q).expand(s.batch, -1)
     if s.batch == 1:
-        logits = _forward(model, ids, pos, visible=_visible(1, t, q), cache=rows[0])
+        logits = _forward(model, ids, pos, visible=_visible(1, t, q), cache=rows[0], keep=slice(skip, None))
         answers = [(logits, [(lay.keys[:, :, -q:], lay.values[:, :, -q:]) for lay in rows[0].layers])]
         rows[0].crop(-q)
     else:
@@ -253,7 +261,7 @@ def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int) ->
                 for (k, v), lay in zip(parts, row.layers):
                     k[b], v[b] = lay.keys[0], lay.values[0]
         stacked = cache_from(model, parts)
-        logits = _forward(model, ids, pos, visible=vis, cache=stacked)
+        logits = _forward(model, ids, pos, visible=vis, cache=stacked, keep=slice(skip, None))  # every row skips as much
         answers = [(logits[b:b + 1], [(lay.keys[b:b + 1, :, t:], lay.values[b:b + 1, :, t:]) for lay in stacked.layers])
                    for b in range(s.batch)]
     if commit:
@@ -265,17 +273,19 @@ def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int) ->
 def refusion_plan(model, s: Shape) -> None:
     rows = [DynamicCache(config=model.config) for _ in range(s.batch)]
     m = -(-s.gen // s.slot_size)  # slots, all masked
-    for logits in _stacked(model, s, rows, s.prompt + m * s.slot_size, 0, s.prompt):  # the prompt's KV committed
-        lg = logits[0, s.prompt:].view(m, s.slot_size, -1)  # [m, L, V]
+    # the prompt's KV committed; its logits not read (skip)
+    for logits in _stacked(model, s, rows, s.prompt + m * s.slot_size, 0, s.prompt, skip=s.prompt):
+        lg = logits[0].view(m, s.slot_size, -1)  # [m, L, V]
         _pick(lg[:, 0])  # the slots' first tokens
-        _pick(lg[torch.arange(m)])  # worst case: every slot picked, its drafts [m, L, V] gathered
+        for i in range(0, m, PLAN_CHUNK):  # worst case: every slot picked, its drafts gathered PLAN_CHUNK at a time
+            _pick(lg[torch.arange(i, min(i + PLAN_CHUNK, m))])
 
 
 def refusion_verify(model, s: Shape) -> None:
     rows = [_cache(model, 1, s.prompt) for _ in range(s.batch)]
     q = -(-s.gen // s.slot_size) * s.slot_size  # every slot drafted
     for logits in _stacked(model, s, rows, q, s.prompt, q):  # worst case: every draft accepted and committed
-        _pick(logits[0, :-1])
+        _token_prob(logits[0, :-1])
 
 
 def refusion_late(model, s: Shape) -> None:
@@ -285,7 +295,7 @@ def refusion_late(model, s: Shape) -> None:
         _pick(logits[0])
     del logits  # drive_rows drops each answer once its row has read it
     for logits in _stacked(model, s, rows, s.slot_size, t, s.slot_size):  # its verify and commit
-        _pick(logits[0, :-1])
+        _token_prob(logits[0, :-1])
 
 
 def llada_step(model, s: Shape) -> None:
