@@ -6,28 +6,40 @@ are driven through the same dispatch tracker that measures real decodes (harness
     table = released_table(batches=(1, 8), prompt=256, gen=512)
     table["models"]["refusion-8b"]["decoders"]["refusion"]["8"]["peak_bytes"]
 
-    python -m harness.speed.memory_estimate --out results/memory_released.json
+    python -m harness.speed.memory_estimate --out results/memory_estimate.json
 
 **The estimate** of a decoder at (batch, prompt, gen) is the largest phase peak. A phase builds the state the
 decoder holds when that forward runs -- its KV cache at that length (zeros in the model's dtype), the
 previous step's logits where the decoder still holds them -- *inside* the tracked region, then runs the
-forward and the decoder's work on its logits (common.forward's float32 copy and finiteness reduction, the
-softmax / max of a greedy pick, Dream's entropy, a cache commit). So a phase's peak is live KV at that phase
-plus that forward's peak of new storages. Phases (B batch, P prompt, G gen, L slot size, K block length):
+forward and the decoder's work on its logits (common.forward's finiteness reduction in the model's dtype and
+float32 copy of the positions the step reads, the softmax / max of a greedy pick, Dream's entropy, a cache
+commit). So a phase's peak is live KV at that phase plus that forward's peak of new storages. Each step's logits
+are dropped before the next forward, as the decoders drop them. With ``Shape.chunk`` (the knob logits_chunk)
+the streamed decoders' phases run the backbone and the LM head ``chunk`` decided positions at a time instead.
+Phases (B batch, P prompt, G gen, L slot size, K block length):
 
-- ``ar``: prefill (P tokens, logits [B, P, V]); step (two one-token steps ending with the cache at P+G-1,
-  the first step's logits [B, 1, V] alive during the second, as in the decoder's loop).
+- ``ar``: prefill (P tokens, logits [B, P, V], float32 of the last); step (two one-token steps ending with the
+  cache at P+G-1).
 - ``refusion``: plan (the first round: prompt + every slot as masks, [B, P+G] in one stacked call, logits
-  [B, P+G, V]; each row's prompt KV committed; worst case every slot picked: the drafts' logits gathered
-  [G, V] and softmaxed); verify (the first global verify: rows' caches at P, the stacked call's padded copy
+  [B, P+G, V], float32 of the slots' G positions; each row's prompt KV committed; worst case every slot picked:
+  the drafts' logits gathered and softmaxed 8 slots at a time); verify (the first global verify: rows' caches at P, the stacked call's padded copy
   of them, the drafts [B, G]; every draft accepted and committed); late (rows' caches at P+G-L: plan and
   verify of the last slot, stacked copy included). A batch of one runs on its own cache (no stacked copy).
-- ``llada`` / ``dream``: two full forwards over [B, P+G] with no cache (the first step's float32 logits are
-  still held while the second runs); LLaDA softmaxes a block [B, K, V], Dream the open columns [B, G, V]
-  (the second step's G-1 columns gathered first) and computes their entropy.
+- ``llada`` / ``dream``: two full forwards over [B, P+G] with no cache; LLaDA softmaxes a block [B, K, V],
+  Dream the open columns [B, G, V] (the second step's G-1 columns gathered) and computes their entropy.
 - ``fast_dllm`` (dual cache): full (a block's first forward over [B, P+G] writing the cache, then the
   prefix + suffix kept: the first block's suffix is copied); cached (two block steps [B, K] against the
-  cache at P+G-K).
+  cache at P+G-K). ``fast_dllm (prefix)``: full (the prefix kept); cached (the first block's steps, block and
+  suffix [B, G] against the prompt's KV).
+- ``d2f``: first (prompt + first block [B, P+K] in one stacked call, every position's float32 logits, the
+  prompt's KV kept); late (two active blocks [B, 2K] after caches at P+G-2K, the first one kept).
+- ``sdar``: prefill (the prompt's blocks, block-causal, no float32 logits); denoise (two steps and the store
+  forward of the last block [B, 4] after the cache at P+G-4).
+
+**The floor** (``floor``): the KV cache the algorithm holds at its largest (FLOOR_KV), the tracker's peak of the
+backbone alone over its largest forward (embeddings, residual stream, one layer's transients) and one chunk of
+logits (B x 32 positions; AR 1, SDAR its block) in the model's dtype and float32. ``decoder_entry`` gives each
+estimate with its floor, the ratio, and for the decoders with logits_chunk the streamed estimate.
 
 **What it leaves out**: everything the tracker leaves out (harness/run/memory.py: allocator caching and
 rounding, kernels' scratch, the interpreter), the weights (``weights_bytes`` beside), data-dependent work the
