@@ -1,5 +1,5 @@
 """The report's memory page (memory.md): each decoder's peak decode memory in the runs, split into KV cache,
-logits and other, beside its weights; and the estimate at the released sizes (results/memory_released.json,
+logits and other, beside its weights; and the estimate at the released sizes (results/memory_estimate.json,
 harness/speed/memory_estimate.py) beside the memory claim made for ReFusion."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from harness.run.store import read_json
 
 REPO = Path(__file__).resolve().parents[2]
-RELEASED = REPO / "results" / "memory_released.json"
+RELEASED = REPO / "results" / "memory_estimate.json"
 # What a widely read summary of the paper says (the arXiv abstract gives no figure): KV-cache reuse lowers peak
 # GPU memory by about 40% against the masked-diffusion baselines.
 CLAIM = 0.40
@@ -45,6 +45,12 @@ def runs_table(rs) -> list[str]:
             "|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
+def _cell(entry: dict) -> str:
+    """An estimate's peak in GiB, with its ratio to the floor where the file has one."""
+    ratio = entry.get("over_floor")
+    return _gib(entry.get("peak_bytes")) + (f" ({ratio:.2f}x floor)" if ratio is not None else "")
+
+
 def released_table(path: Path = RELEASED) -> list[str]:
     """The released-size estimate with ReFusion's peak over each MDM baseline's, beside the claim; [] without
     the file."""
@@ -57,14 +63,19 @@ def released_table(path: Path = RELEASED) -> list[str]:
              f"Each released architecture built from its config under FakeTensorMode, every decoder phase at its "
              f"largest shape through the same tracker (`python -m harness.speed.memory_estimate`, "
              f"`{path.relative_to(REPO) if path.is_relative_to(REPO) else path}`): prompt {s.get('prompt')}, "
-             f"{s.get('gen')} new tokens. GiB, weights excluded.", "",
+             f"{s.get('gen')} new tokens. GiB, weights excluded; beside each, the peak over the decoder's floor (its "
+             f"KV cache, the activations of its largest forward and one chunk of logits); a decoder with the knob "
+             f"logits_chunk also streamed (logits_chunk {s.get('streamed_logits_chunk')}).", "",
              "| model | decoder | weights GiB | " + " | ".join(f"batch {b}" for b in batches) + " |",
              "|---|---|---|" + "---|" * len(batches)]
     peak: dict[str, dict[str, int]] = {}
     for model, v in (data.get("models") or {}).items():
         for dec, per in (v.get("decoders") or {}).items():
-            cells = [_gib((per.get(b) or {}).get("peak_bytes")) for b in batches]
+            cells = [_cell(per.get(b) or {}) for b in batches]
             lines.append(f"| {model} | {dec} | {_gib(v.get('weights_bytes'))} | " + " | ".join(cells) + " |")
+            if all("streamed" in (per.get(b) or {}) for b in batches):
+                cells = [_cell(per[b]["streamed"]) for b in batches]
+                lines.append(f"| {model} | {dec}, streamed | {_gib(v.get('weights_bytes'))} | " + " | ".join(cells) + " |")
             if dec == "refusion" or dec in MDM_DECODERS:
                 peak[dec] = {b: (per.get(b) or {}).get("peak_bytes") for b in batches}
     if "refusion" in peak:

@@ -27,7 +27,7 @@ def shown_values(values: dict) -> dict:
     """The knob values as the decoders really use them where a knob's default is None (refusion/decoding/
     mdm.py): ``steps`` is gen_length (512 on the paper's tasks), or gen_length / ``tokens_per_step`` (rounded
     up) when that is set, fast_dllm's ``commit_first`` follows ``shift``, an unset ``top_p`` / ``top_k`` /
-    ``tokens_per_step`` is off, diffusion_gemma's unset ``canvas_length`` is the model's config's. What the
+    ``tokens_per_step`` / ``logits_chunk`` is off, diffusion_gemma's unset ``canvas_length`` is the model's config's. What the
     dry run prints and run.json records never says None."""
     out = dict(values)
     per_step, length = out.get("tokens_per_step"), out.get("gen_length")
@@ -41,7 +41,7 @@ def shown_values(values: dict) -> dict:
         out["commit_first"] = out.get("shift")
     if "canvas_length" in out and out["canvas_length"] is None:
         out["canvas_length"] = "config"  # the model's config.canvas_length (a run sets it from config.json)
-    for k in ("top_p", "top_k"):
+    for k in ("top_p", "top_k", "logits_chunk"):
         if k in out and out[k] is None:
             out[k] = "off"
     return out

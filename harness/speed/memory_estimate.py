@@ -6,28 +6,40 @@ are driven through the same dispatch tracker that measures real decodes (harness
     table = released_table(batches=(1, 8), prompt=256, gen=512)
     table["models"]["refusion-8b"]["decoders"]["refusion"]["8"]["peak_bytes"]
 
-    python -m harness.speed.memory_estimate --out results/memory_released.json
+    python -m harness.speed.memory_estimate --out results/memory_estimate.json
 
 **The estimate** of a decoder at (batch, prompt, gen) is the largest phase peak. A phase builds the state the
 decoder holds when that forward runs -- its KV cache at that length (zeros in the model's dtype), the
 previous step's logits where the decoder still holds them -- *inside* the tracked region, then runs the
-forward and the decoder's work on its logits (common.forward's float32 copy and finiteness reduction, the
-softmax / max of a greedy pick, Dream's entropy, a cache commit). So a phase's peak is live KV at that phase
-plus that forward's peak of new storages. Phases (B batch, P prompt, G gen, L slot size, K block length):
+forward and the decoder's work on its logits (common.forward's finiteness reduction in the model's dtype and
+float32 copy of the positions the step reads, the softmax / max of a greedy pick, Dream's entropy, a cache
+commit). So a phase's peak is live KV at that phase plus that forward's peak of new storages. Each step's logits
+are dropped before the next forward, as the decoders drop them. With ``Shape.chunk`` (the knob logits_chunk)
+the streamed decoders' phases run the backbone and the LM head ``chunk`` decided positions at a time instead.
+Phases (B batch, P prompt, G gen, L slot size, K block length):
 
-- ``ar``: prefill (P tokens, logits [B, P, V]); step (two one-token steps ending with the cache at P+G-1,
-  the first step's logits [B, 1, V] alive during the second, as in the decoder's loop).
+- ``ar``: prefill (P tokens, logits [B, P, V], float32 of the last); step (two one-token steps ending with the
+  cache at P+G-1).
 - ``refusion``: plan (the first round: prompt + every slot as masks, [B, P+G] in one stacked call, logits
-  [B, P+G, V]; each row's prompt KV committed; worst case every slot picked: the drafts' logits gathered
-  [G, V] and softmaxed); verify (the first global verify: rows' caches at P, the stacked call's padded copy
+  [B, P+G, V], float32 of the slots' G positions; each row's prompt KV committed; worst case every slot picked:
+  the drafts' logits gathered and softmaxed 8 slots at a time); verify (the first global verify: rows' caches at P, the stacked call's padded copy
   of them, the drafts [B, G]; every draft accepted and committed); late (rows' caches at P+G-L: plan and
   verify of the last slot, stacked copy included). A batch of one runs on its own cache (no stacked copy).
-- ``llada`` / ``dream``: two full forwards over [B, P+G] with no cache (the first step's float32 logits are
-  still held while the second runs); LLaDA softmaxes a block [B, K, V], Dream the open columns [B, G, V]
-  (the second step's G-1 columns gathered first) and computes their entropy.
+- ``llada`` / ``dream``: two full forwards over [B, P+G] with no cache; LLaDA softmaxes a block [B, K, V],
+  Dream the open columns [B, G, V] (the second step's G-1 columns gathered) and computes their entropy.
 - ``fast_dllm`` (dual cache): full (a block's first forward over [B, P+G] writing the cache, then the
   prefix + suffix kept: the first block's suffix is copied); cached (two block steps [B, K] against the
-  cache at P+G-K).
+  cache at P+G-K). ``fast_dllm (prefix)``: full (the prefix kept); cached (the first block's steps, block and
+  suffix [B, G] against the prompt's KV).
+- ``d2f``: first (prompt + first block [B, P+K] in one stacked call, every position's float32 logits, the
+  prompt's KV kept); late (two active blocks [B, 2K] after caches at P+G-2K, the first one kept).
+- ``sdar``: prefill (the prompt's blocks, block-causal, no float32 logits); denoise (two steps and the store
+  forward of the last block [B, 4] after the cache at P+G-4).
+
+**The floor** (``floor``): the KV cache the algorithm holds at its largest (FLOOR_KV), the tracker's peak of the
+backbone alone over its largest forward (embeddings, residual stream, one layer's transients) and one chunk of
+logits (B x 32 positions; AR 1, SDAR its block) in the model's dtype and float32. ``decoder_entry`` gives each
+estimate with its floor, the ratio, and for the decoders with logits_chunk the streamed estimate.
 
 **What it leaves out**: everything the tracker leaves out (harness/run/memory.py: allocator caching and
 rounding, kernels' scratch, the interpreter), the weights (``weights_bytes`` beside), data-dependent work the
@@ -54,7 +66,7 @@ import contextlib
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -64,9 +76,9 @@ from harness.models.checkpoints import build_config, inspect_checkpoint, model_c
 from harness.models.families import FAMILIES
 from harness.run.memory import LEAVES_OUT, DecodeMemory, weights_bytes
 from harness.run.store import atomic_write_json
-from refusion.decoding.common import additive_mask, cache_append, cache_from, cache_keep, positions_from_mask
+from refusion.decoding.common import additive_mask, cache_append, cache_from, cache_keep, floated, positions_from_mask
 from refusion.decoding.mdm import FastDllmKnobs
-from refusion.decoding.refusion import RefusionKnobs
+from refusion.decoding.refusion import PLAN_CHUNK, RefusionKnobs
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class Shape:
     gen: int
     slot_size: int = RefusionKnobs.slot_size
     block_length: int = FastDllmKnobs.block_length
+    chunk: int | None = None  # the knob logits_chunk of llada, fast_dllm and dream (None: the model's own forward)
 
 
 @dataclass(frozen=True)
@@ -97,16 +110,21 @@ RELEASED = {
     "llada-8b": Released("llada", dict(
         model_type="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
         vocab_size=126464, embedding_size=126464, max_sequence_length=4096, rope_theta=500000.0,
-        weight_tying=False, mask_token_id=126336), ("llada", "fast_dllm"),
+        weight_tying=False, mask_token_id=126336), ("llada", "fast_dllm", "fast_dllm (prefix)", "d2f"),
         "GSAI-ML/LLaDA-8B-Instruct config.json fields (OLMo-style), as LlamaForCausalLM"),
     "dream-7b": Released("dream", dict(
         model_type="Dream", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=131072),
-        ("dream", "fast_dllm"), "Qwen2.5-7B shape (qkv bias), as Qwen2ForCausalLM"),
+        ("dream", "fast_dllm", "fast_dllm (prefix)", "d2f"), "Qwen2.5-7B shape (qkv bias), as Qwen2ForCausalLM"),
+    "sdar-8b": Released("sdar", dict(
+        model_type="sdar", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+        max_position_embeddings=32768, block_size=4), ("sdar",),
+        "JetLM/SDAR-8B-Chat: Qwen3-8B shape, Qwen3's vocabulary 151936, block 4, as Qwen3ForCausalLM"),
 }
 # The decoders each committed tiny checkpoint runs (checkpoints/tiny/<name>), for the fake-vs-real check.
-TINY_DECODERS = {"ar": ("ar",), "refusion": ("refusion", "ar"), "mdm": ("llada", "fast_dllm"),
-                 "dream": ("dream", "fast_dllm")}
+TINY_DECODERS = {"ar": ("ar",), "refusion": ("refusion", "ar"), "mdm": ("llada", "fast_dllm", "fast_dllm (prefix)"),
+                 "dream": ("dream", "fast_dllm"), "d2f": ("d2f",)}
 
 
 # ---------------------------------------------------------------- models with no data
@@ -145,16 +163,40 @@ def _cache(model, batch: int, length: int):
                               for _ in range(layers)])
 
 
-def _forward(model, ids, pos, *, mask=None, visible=None, cache=None) -> torch.Tensor:
-    """common.forward's tensors: the model call, float32 logits [B, q, V] and check_finite's reduction
-    (made while the model's output is still held, as there)."""
+def _forward(model, ids, pos, *, mask=None, visible=None, cache=None, keep=None) -> torch.Tensor:
+    """common.forward's tensors: the model call, check_finite's reduction over its logits [B, q, V] in the model's
+    dtype, then the float32 copy of the kept positions (``floated``: [B, k, V]; all with ``keep`` None)."""
     if visible is not None:
         sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
         mask = visible[:, None] if sdpa else additive_mask(visible, model.dtype)
-    out = model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None)
-    logits = out.logits.float()
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
+                   use_cache=cache is not None).logits
     logits.amax(-1)  # [B, q]
-    return logits
+    return floated(logits, keep)
+
+
+def _proposal(model, ids, pos, keep, s: Shape, step, *, cache=None) -> None:
+    """common.proposal's tensors: with ``s.chunk`` None ``_forward`` then ``step`` on its kept logits; else the
+    backbone's hidden states [B, q, H] and, ``s.chunk`` kept positions at a time, the LM head's logits [B, n, V],
+    their float32 copy, check_finite's reduction and ``step``."""
+    if s.chunk is None:
+        step(_forward(model, ids, pos, cache=cache, keep=keep))
+        return
+    hidden = model.get_decoder()(input_ids=ids, position_ids=pos, cache=cache, use_cache=cache is not None)
+    hidden = hidden.last_hidden_state
+    keep = torch.arange(hidden.shape[1])[keep] if isinstance(keep, slice) else keep
+    for i in range(0, keep.numel(), s.chunk):
+        logits = model.get_output_embeddings()(hidden[:, keep[i:i + s.chunk]]).float()
+        logits.amax(-1)
+        step(logits)
+        del logits
+
+
+def _token_prob(logits: torch.Tensor) -> None:
+    """proposals.token_prob's tensors over logits [n, ..., V]: softmax and gather, about 64 positions at a time."""
+    step = max(1, 64 // max(1, logits[:1, ..., 0].numel()))
+    for i in range(0, logits.shape[0], step):
+        torch.softmax(logits[i:i + step] / 1.0, -1).max(-1)
 
 
 def _pick(logits: torch.Tensor) -> torch.Tensor:
@@ -190,7 +232,7 @@ def _visible(batch: int, cached: int, q: int) -> torch.Tensor:
 def ar_prefill(model, s: Shape) -> None:
     ids, _, pos = _tokens(s.batch, s.prompt)
     cache = DynamicCache(config=model.config)
-    logits = _forward(model, ids, pos, cache=cache)[:, -1]  # [B, V]
+    logits = _forward(model, ids, pos, cache=cache, keep=slice(-1, None))[:, -1]  # [B, V]
     _pick(logits)
 
 
@@ -198,24 +240,26 @@ def ar_step(model, s: Shape) -> None:
     start = s.prompt + max(s.gen - 3, 0)
     cache = _cache(model, s.batch, start)
     logits = torch.zeros(s.batch, model.config.vocab_size)  # the step before's [B, V]
-    for n in (start, start + 1):  # the second step runs while the first step's logits are held
+    for n in (start, start + 1):  # each step's logits are dropped once its token is picked, before the next
         tok = _pick(logits)
+        del logits
         pos = torch.full((s.batch, 1), n, dtype=torch.long)
         # the decoder hands the model its padding mask [B, n + 1], all ones: transformers makes None of it
         logits = _forward(model, tok[:, None], pos, cache=cache)[:, -1]
     _pick(logits)
 
 
-def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int) -> list[torch.Tensor]:
+def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int, skip: int = 0) -> list[torch.Tensor]:
     """refusion.stacked_call's tensors for every row asking q tokens after its cache (the rows' caches are
     equally long): one row runs on its own cache, cropped straight back; several run on a padded copy of all
     their caches. Then each row commits the KV of its first ``commit`` query tokens (``cache_append``: a copy).
-    Returns per row its logits [1, q, V]."""
+    Returns per row its logits [1, q - skip, V] (a single row's float32 copy made of those only, as stacked_call's).
+    """
     t = rows[0].get_seq_length()
     ids = torch.full((s.batch, q), 4, dtype=torch.long)
     pos = torch.arange(pos_from, pos_from + q).expand(s.batch, -1)
     if s.batch == 1:
-        logits = _forward(model, ids, pos, visible=_visible(1, t, q), cache=rows[0])
+        logits = _forward(model, ids, pos, visible=_visible(1, t, q), cache=rows[0], keep=slice(skip, None))
         answers = [(logits, [(lay.keys[:, :, -q:], lay.values[:, :, -q:]) for lay in rows[0].layers])]
         rows[0].crop(-q)
     else:
@@ -229,7 +273,7 @@ def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int) ->
                 for (k, v), lay in zip(parts, row.layers):
                     k[b], v[b] = lay.keys[0], lay.values[0]
         stacked = cache_from(model, parts)
-        logits = _forward(model, ids, pos, visible=vis, cache=stacked)
+        logits = _forward(model, ids, pos, visible=vis, cache=stacked, keep=slice(skip, None))  # every row skips as much
         answers = [(logits[b:b + 1], [(lay.keys[b:b + 1, :, t:], lay.values[b:b + 1, :, t:]) for lay in stacked.layers])
                    for b in range(s.batch)]
     if commit:
@@ -241,17 +285,19 @@ def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int) ->
 def refusion_plan(model, s: Shape) -> None:
     rows = [DynamicCache(config=model.config) for _ in range(s.batch)]
     m = -(-s.gen // s.slot_size)  # slots, all masked
-    for logits in _stacked(model, s, rows, s.prompt + m * s.slot_size, 0, s.prompt):  # the prompt's KV committed
-        lg = logits[0, s.prompt:].view(m, s.slot_size, -1)  # [m, L, V]
+    # the prompt's KV committed; its logits not read (skip)
+    for logits in _stacked(model, s, rows, s.prompt + m * s.slot_size, 0, s.prompt, skip=s.prompt):
+        lg = logits[0].view(m, s.slot_size, -1)  # [m, L, V]
         _pick(lg[:, 0])  # the slots' first tokens
-        _pick(lg[torch.arange(m)])  # worst case: every slot picked, its drafts [m, L, V] gathered
+        for i in range(0, m, PLAN_CHUNK):  # worst case: every slot picked, its drafts gathered PLAN_CHUNK at a time
+            _pick(lg[torch.arange(i, min(i + PLAN_CHUNK, m))])
 
 
 def refusion_verify(model, s: Shape) -> None:
     rows = [_cache(model, 1, s.prompt) for _ in range(s.batch)]
     q = -(-s.gen // s.slot_size) * s.slot_size  # every slot drafted
     for logits in _stacked(model, s, rows, q, s.prompt, q):  # worst case: every draft accepted and committed
-        _pick(logits[0, :-1])
+        _token_prob(logits[0, :-1])
 
 
 def refusion_late(model, s: Shape) -> None:
@@ -259,36 +305,31 @@ def refusion_late(model, s: Shape) -> None:
     rows = [_cache(model, 1, t) for _ in range(s.batch)]
     for logits in _stacked(model, s, rows, s.slot_size, t, 0):  # plan of the last slot
         _pick(logits[0])
+    del logits  # drive_rows drops each answer once its row has read it
     for logits in _stacked(model, s, rows, s.slot_size, t, s.slot_size):  # its verify and commit
-        _pick(logits[0, :-1])
+        _token_prob(logits[0, :-1])
 
 
 def llada_step(model, s: Shape) -> None:
     ids, _, pos = _tokens(s.batch, s.prompt + s.gen)
     lo = s.prompt
-    logits = None
-    for _ in range(2):  # the first step's logits (a view of all of them) are held while the second runs
-        logits = _forward(model, ids, pos)[:, lo:lo + s.block_length]
-        _pick(logits)
+    for _ in range(2):  # two steps: the first one's logits are gone before the second forward
+        _proposal(model, ids, pos, slice(lo, lo + s.block_length), s, _pick)
 
 
 def dream_step(model, s: Shape) -> None:
     ids, _, pos = _tokens(s.batch, s.prompt + s.gen)
-    logits = None
-    for open_cols in (s.gen, s.gen - 1):
-        logits = _forward(model, ids, pos)[:, s.prompt - 1:-1]  # [B, G, V] view
-        if open_cols < s.gen:
-            logits = logits[:, torch.arange(open_cols)]  # the open columns gathered
-        _entropy_propose(logits)
+    for open_cols in (s.gen, s.gen - 1):  # the second step proposes at its open columns only
+        keep = slice(s.prompt - 1, -1) if open_cols == s.gen else torch.arange(open_cols) + (s.prompt - 1)
+        _proposal(model, ids, pos, keep, s, _entropy_propose)
 
 
 def fast_dllm_full(model, s: Shape) -> None:
     ids, _, pos = _tokens(s.batch, s.prompt + s.gen)
     lo, hi, total = s.prompt, s.prompt + s.block_length, s.prompt + s.gen
     cache = DynamicCache(config=model.config)
-    logits = _forward(model, ids, pos, cache=cache)[:, lo:hi]
+    _proposal(model, ids, pos, slice(lo, hi), s, _pick, cache=cache)
     cache_keep(cache, lo, torch.arange(hi - lo, total - lo))  # the first block: the suffix copied
-    _pick(logits)
 
 
 def fast_dllm_cached(model, s: Shape) -> None:
@@ -297,20 +338,89 @@ def fast_dllm_cached(model, s: Shape) -> None:
     cache = _cache(model, s.batch, total - s.block_length)
     torch.cat([mask[:, :lo], mask[:, hi:], mask[:, lo:hi]], 1)  # the mask in cache order (all ones: None)
     window = torch.arange(s.block_length)
-    logits = None
     for _ in range(2):
-        logits = _forward(model, ids[:, lo:hi], pos[:, lo:hi], cache=cache)[:, window]
+        _proposal(model, ids[:, lo:hi], pos[:, lo:hi], window, s, _pick, cache=cache)
         cache_keep(cache, lo + total - hi)
-        _pick(logits)
 
 
+def fast_dllm_prefix_full(model, s: Shape) -> None:
+    ids, _, pos = _tokens(s.batch, s.prompt + s.gen)
+    lo, hi = s.prompt, s.prompt + s.block_length
+    cache = DynamicCache(config=model.config)
+    _proposal(model, ids, pos, slice(lo, hi), s, _pick, cache=cache)
+    cache_keep(cache, lo)  # the prefix only
+
+
+def fast_dllm_prefix_cached(model, s: Shape) -> None:
+    """The first block's cached steps: block + suffix [B, G] forwarded against the prompt's KV (the largest query
+    of the prefix cache), its KV dropped again after each step."""
+    ids, _, pos = _tokens(s.batch, s.prompt + s.gen)
+    lo = s.prompt
+    cache = _cache(model, s.batch, lo)
+    for _ in range(2):
+        _proposal(model, ids[:, lo:], pos[:, lo:], torch.arange(s.block_length), s, _pick, cache=cache)
+        cache_keep(cache, lo)
+
+
+def d2f_first(model, s: Shape) -> None:
+    """d2f's first step: prompt + the first block [B, P + K] in one stacked call, every position's float32 logits
+    (the step reads the active blocks'), the prompt's KV kept; the block's proposal."""
+    rows = [DynamicCache(config=model.config) for _ in range(s.batch)]
+    for logits in _stacked(model, s, rows, s.prompt + s.block_length, 0, s.prompt):
+        _pick(logits[0, s.prompt:])
+
+
+def d2f_late(model, s: Shape) -> None:
+    """d2f late in the response: two active blocks [B, 2K] after caches at P + G - 2K; the first one finished and
+    kept."""
+    t = s.prompt + s.gen - 2 * s.block_length
+    rows = [_cache(model, 1, t) for _ in range(s.batch)]
+    for logits in _stacked(model, s, rows, 2 * s.block_length, t, s.block_length):
+        _pick(logits[0])
+
+
+def _block_visible(batch: int, n: int, size: int) -> torch.Tensor:
+    """Bool [batch, n, n]: block-causal over blocks of ``size`` (SDAR's prefill of the prompt's whole blocks)."""
+    blk = torch.arange(n) // size
+    return (blk[None, :] <= blk[:, None]).expand(batch, -1, -1)
+
+
+def sdar_prefill(model, s: Shape) -> None:
+    """block_loop's prefill: the prompt's whole blocks [B, P] block-causal into the cache, no float32 logits."""
+    ids, _, pos = _tokens(s.batch, s.prompt)
+    _forward(model, ids, pos, visible=_block_visible(s.batch, s.prompt, SDAR_BLOCK), cache=DynamicCache(
+        config=model.config), keep=slice(0, 0))
+
+
+def sdar_denoise(model, s: Shape) -> None:
+    """The last block: two denoise forwards of [B, K] after the cache at P + G - K (cut back before each), each
+    step's logits gone before the next; then the store forward (KV only)."""
+    t = s.prompt + s.gen - SDAR_BLOCK
+    cache = _cache(model, s.batch, t)
+    ids = torch.full((s.batch, SDAR_BLOCK), 4, dtype=torch.long)
+    pos = torch.arange(t, t + SDAR_BLOCK).expand(s.batch, -1)
+    vis = torch.ones(s.batch, SDAR_BLOCK, t + SDAR_BLOCK, dtype=torch.bool)
+    for keep in (None, None, slice(0, 0)):
+        cache_keep(cache, t)
+        logits = _forward(model, ids, pos, visible=vis, cache=cache, keep=keep)
+        torch.softmax(logits, -1).max(-1)  # the draw's probabilities and pick
+        del logits
+
+
+SDAR_BLOCK = 4  # SDAR's generate.py block_length (its folders' block_size)
 PHASES: dict[str, dict[str, Callable]] = {
     "ar": {"prefill": ar_prefill, "step": ar_step},
     "refusion": {"plan": refusion_plan, "verify": refusion_verify, "late": refusion_late},
     "llada": {"step": llada_step},
     "dream": {"step": dream_step},
     "fast_dllm": {"full": fast_dllm_full, "cached": fast_dllm_cached},
+    "fast_dllm (prefix)": {"full": fast_dllm_prefix_full, "cached": fast_dllm_prefix_cached},
+    "d2f": {"first": d2f_first, "late": d2f_late},
+    "sdar": {"prefill": sdar_prefill, "denoise": sdar_denoise},
 }
+# The decoders with the knob logits_chunk, and the value their streamed estimate uses (LLaDA's block length).
+STREAMED = ("llada", "dream", "fast_dllm", "fast_dllm (prefix)")
+STREAM_CHUNK = 32
 
 
 # ---------------------------------------------------------------- estimates
@@ -337,9 +447,58 @@ def estimate(model, decoder: str, s: Shape, mode: FakeTensorMode | None = None) 
             "phases": {p: v["peak_bytes"] for p, v in peaks.items()}}
 
 
+# ---------------------------------------------------------------- the floor
+
+
+# What a decoder's algorithm must hold at its largest moment (B batch, P prompt, G gen, K block, L slot): the
+# tokens of its KV cache, the tokens of its largest forward (whose activations it must make), and the positions
+# one chunk of logits covers (decided positions, at most ``STREAM_CHUNK``).
+FLOOR_KV = {"ar": lambda s: s.prompt + s.gen - 1, "refusion": lambda s: s.prompt + s.gen, "llada": lambda s: 0,
+            "dream": lambda s: 0, "fast_dllm": lambda s: s.prompt + s.gen - s.block_length,
+            "fast_dllm (prefix)": lambda s: s.prompt + s.gen - s.block_length,
+            "d2f": lambda s: s.prompt + s.gen - s.block_length, "sdar": lambda s: s.prompt + s.gen - SDAR_BLOCK}
+FLOOR_QUERY = {"ar": lambda s: s.prompt, "d2f": lambda s: s.prompt + s.block_length, "sdar": lambda s: s.prompt}
+FLOOR_CHUNK = {"ar": 1, "sdar": SDAR_BLOCK}
+
+
+def _kv_bytes(model, batch: int, tokens: int) -> int:
+    """2 (keys, values) x layers x batch x tokens x kv heads x head dim x bytes per element."""
+    layers, heads, d = _dims(model)
+    return 2 * layers * batch * tokens * heads * d * model.dtype.itemsize
+
+
+def floor(model, decoder: str, s: Shape, mode: FakeTensorMode | None = None) -> dict:
+    """The least a decode of ``decoder`` at ``s`` can hold: {"kv_cache": its KV at its largest (FLOOR_KV),
+    "activations": the tracker's peak of the backbone alone (no cache, no logits) over its largest forward
+    (FLOOR_QUERY, default P + G) -- embeddings, the residual stream and one layer's transients --, "logits": one
+    chunk of B x FLOOR_CHUNK (default STREAM_CHUNK) positions' logits in the model's dtype and float32,
+    "bytes": their sum}."""
+    q = FLOOR_QUERY.get(decoder, lambda s: s.prompt + s.gen)(s)
+    with mode if mode is not None else contextlib.nullcontext(), torch.no_grad(), DecodeMemory(model) as mem:
+        ids, _, pos = _tokens(s.batch, q)
+        model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False)
+    out = {"kv_cache": _kv_bytes(model, s.batch, FLOOR_KV[decoder](s)), "activations": mem.result()["peak_bytes"],
+           "logits": s.batch * FLOOR_CHUNK.get(decoder, STREAM_CHUNK) * model.config.vocab_size
+           * (model.dtype.itemsize + 4)}
+    return {**out, "bytes": sum(out.values())}
+
+
+def decoder_entry(model, decoder: str, s: Shape, mode: FakeTensorMode | None = None) -> dict:
+    """``estimate`` at the decoder's default knobs, its ``floor`` and the ratio ``over_floor``; for the STREAMED
+    decoders also ``streamed``, the estimate with logits_chunk = STREAM_CHUNK, and its ratio."""
+    entry = estimate(model, decoder, s, mode)
+    entry["floor"] = floor(model, decoder, s, mode)
+    entry["over_floor"] = round(entry["peak_bytes"] / entry["floor"]["bytes"], 3)
+    if decoder in STREAMED:
+        streamed = estimate(model, decoder, replace(s, chunk=STREAM_CHUNK), mode)
+        streamed["over_floor"] = round(streamed["peak_bytes"] / entry["floor"]["bytes"], 3)
+        entry["streamed"] = {"logits_chunk": STREAM_CHUNK, **streamed}
+    return entry
+
+
 def released_table(batches=(1, 8), prompt: int = 256, gen: int = 512, models=None,
                    dtype: torch.dtype = torch.bfloat16) -> dict:
-    """{"models": {model: {"weights_bytes", "source", "decoders": {decoder: {str(batch): estimate}}}},
+    """{"models": {model: {"weights_bytes", "source", "decoders": {decoder: {str(batch): decoder_entry}}}},
     "settings": ...} for the RELEASED models (all, or those named in ``models``)."""
     table: dict = {}
     for name in models or RELEASED:
@@ -347,14 +506,16 @@ def released_table(batches=(1, 8), prompt: int = 256, gen: int = 512, models=Non
         mode = FakeTensorMode()
         model = fake_model(rel.family, rel.config, dtype, mode)
         table[name] = {"weights_bytes": weights_bytes(model), "source": rel.source, "decoders": {
-            dec: {str(b): estimate(model, dec, Shape(b, prompt, gen), mode) for b in batches}
+            dec: {str(b): decoder_entry(model, dec, Shape(b, prompt, gen), mode) for b in batches}
             for dec in rel.decoders}}
     knobs = Shape(1, prompt, gen)
     settings = {"batches": list(batches), "prompt": prompt, "gen": gen, "dtype": str(dtype).removeprefix("torch."),
-                "slot_size": knobs.slot_size, "block_length": knobs.block_length}
+                "slot_size": knobs.slot_size, "block_length": knobs.block_length, "sdar_block": SDAR_BLOCK,
+                "streamed_logits_chunk": STREAM_CHUNK}
     return {"models": table, "settings": settings,
             "method": "fake tensors at released size through the dispatch tracker; peak = max over phases of live "
-                      "KV + the phase forward's new storages; weights excluded",
+                      "KV + the phase forward's new storages; weights excluded; floor = KV cache at its largest + "
+                      "the backbone's peak over the largest forward + one chunk of logits",
             "leaves_out": LEAVES_OUT}
 
 
@@ -364,7 +525,7 @@ def _gib(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harness.speed.memory_estimate", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="results/memory_released.json")
+    ap.add_argument("--out", default="results/memory_estimate.json")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--gen", type=int, default=512)
@@ -377,7 +538,10 @@ def main(argv: list[str] | None = None) -> int:
     for model, entry in table["models"].items():
         print(f"{model}: weights {_gib(entry['weights_bytes'])}")
         for dec, per_batch in entry["decoders"].items():
-            cells = ", ".join(f"batch {b}: {_gib(e['peak_bytes'])} ({e['phase']})" for b, e in per_batch.items())
+            cells = ", ".join(f"batch {b}: {_gib(e['peak_bytes'])} ({e['phase']}) = {e['over_floor']:.2f} x floor "
+                              f"{_gib(e['floor']['bytes'])}" + (f", streamed {_gib(e['streamed']['peak_bytes'])} = "
+                                                                 f"{e['streamed']['over_floor']:.2f} x" if "streamed" in e else "")
+                              for b, e in per_batch.items())
             print(f"  {dec}: {cells}")
     print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")
     return 0

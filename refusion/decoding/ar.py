@@ -56,7 +56,7 @@ def ar(
     cache = new_cache(model, meter)
     logits = forward(
         model, meter, "prefill", input_ids,
-        position_ids=positions_from_mask(mask), attention_mask=mask, cache=cache,
+        position_ids=positions_from_mask(mask), attention_mask=mask, cache=cache, keep=slice(-1, None),
     )[:, -1]  # [B, V]: left padding puts every row's last real token at the end
     next_pos = mask.sum(-1, keepdim=True)  # [B, 1] position of the first response token
 
@@ -70,6 +70,7 @@ def ar(
     n_prompt, n = mask.shape[1], 0
     for step in range(gen_length):
         tok, _ = propose(logits, temperature, gen)  # [B]
+        del logits  # a float32 model's prefill logits are a view of all [B, P, V]: gone before the next forward
         out[:, step] = tok
         n = step + 1
         meter.settle(out[:, :n])

@@ -96,13 +96,14 @@ class BlockRun:
                                        torch.ones(n, size, size, dtype=torch.bool, device=self.device)], dim=-1)
         return self._visible
 
-    def forward_block(self, phase: str, block: torch.Tensor) -> torch.Tensor:
-        """One counted forward of the block [b, size] after the cache, under ``visible``: logits [b, size, V]. The
+    def forward_block(self, phase: str, block: torch.Tensor, logits: bool = True) -> torch.Tensor:
+        """One counted forward of the block [b, size] after the cache, under ``visible``: logits [b, size, V]
+        (``logits`` false: a call made for its KV only, whose float32 logits are not copied: [b, 0, V]). The
         cache is first cut back to the block's prefix, so it then holds the prefix and this forward's KV of the
         block (a denoise step's KV is dropped so by the next forward; a store's stays)."""
         cache_keep(self.cache, self.prefix)
         return forward(self.model, self.meter, phase, block, position_ids=self.pos, visible=self.visible,
-                       cache=self.cache)
+                       cache=self.cache, keep=None if logits else slice(0, 0))
 
     def extend_seen(self, block: torch.Tensor, fill: int | None) -> None:
         """The cache now holds (or is about to hold) the block: each row reads it unless still ``fill`` somewhere
@@ -218,5 +219,7 @@ def prefill_blocks(run: BlockRun, input_ids: torch.Tensor, widths: list[int], fi
         blk = pos // g.size
         visible = (blk[:, None, :] <= blk[:, :, None]) & real[:, None, :] & real[:, :, None]
         visible |= torch.eye(wide, dtype=torch.bool, device=device)[None] & ~real[:, :, None]  # pads: themselves
-        forward(run.model, run.meter, "prefill", ids, position_ids=pos, visible=visible, cache=run.cache)
+        # for its KV only: no float32 copy of its logits (common.forward's keep)
+        forward(run.model, run.meter, "prefill", ids, position_ids=pos, visible=visible, cache=run.cache,
+                keep=slice(0, 0))
     return real

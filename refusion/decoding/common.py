@@ -307,8 +307,9 @@ def forward(
     slots=None,
     cache: DynamicCache | None = None,
     kv_extra: int = 0,
+    keep: slice | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One counted, timed model call; returns float logits [B, q, V].
+    """One counted, timed model call; returns float logits [B, q, V], or [B, k, V] with ``keep``.
 
     `phase` is a phase name, or several when one call serves rows at different stages
     (counted once in nfe and once in each phase). `kv_extra`: bytes of KV held outside
@@ -326,6 +327,11 @@ def forward(
 
     With ``meter.compiled`` the call goes through ``compiled.compiled_call`` (static shapes, the same
     visibility as an explicit mask); a call that compiled counts its seconds in ``meter.compile_s``.
+
+    `keep`: the query positions whose logits the caller reads (a slice, or a 1-D index tensor [k]). The model
+    still computes the logits of every position (the same matmul, so the same bits); the finiteness check
+    reads all of them, in the model's dtype; then only the kept positions get the float32 copy (``floated``),
+    and the rest is freed when this returns (docs/design.md §6, "Peak decode memory").
     """
     if meter.compiled:
         meter.count(phase)
@@ -342,7 +348,7 @@ def forward(
         if cache is not None:
             meter.kv(cache, extra=kv_extra)
         check_finite(logits, real_queries(input_ids.shape[1], attention_mask, visible), meter.calls)
-        return logits
+        return floated(logits, keep)
     if visible is not None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             # SDPA takes the bool pattern as is (True = attend): no float mask to build per call.
@@ -365,10 +371,21 @@ def forward(
     meter.forward_s += time.perf_counter() - t0
     if cache is not None:
         meter.kv(cache, extra=kv_extra)
-    logits = out.logits.float()
+    logits = out.logits  # [B, q, V] in the model's dtype; the rest of ``out`` is dropped with this frame
     check_finite(logits, real_queries(input_ids.shape[1], attention_mask if visible is None else None, visible),
                  meter.calls)
-    return logits
+    return floated(logits, keep)
+
+
+def floated(logits: torch.Tensor, keep: slice | torch.Tensor | None = None) -> torch.Tensor:
+    """float32 logits of the kept query positions: logits [B, q, V] -> [B, k, V] (all q with `keep` None).
+
+    Selecting before the float32 copy changes no value (the copy is elementwise) and, for a model in bfloat16,
+    never makes a float32 tensor of the positions nobody reads. A float32 model's logits are returned as a view
+    (a slice) or a gathered copy (an index tensor), as the decoders sliced them before."""
+    if keep is not None:
+        logits = logits[:, keep]
+    return logits.float()
 
 
 def counted_call(meter: Meter, phase: str, call, check: bool = False):
@@ -385,3 +402,60 @@ def counted_call(meter: Meter, phase: str, call, check: bool = False):
     if check:
         check_finite(out, None, meter.calls)
     return out
+
+
+# ---------------------------------------------------------------- streamed proposals (the knob logits_chunk)
+
+
+def forward_hidden(model, meter: Meter, phase: str, input_ids: torch.Tensor, *,
+                   position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                   cache: DynamicCache | None = None) -> torch.Tensor:
+    """One counted, timed call of the model's backbone (``model.get_decoder()``): its last hidden states
+    [B, q, H], after the final norm, and no logits; the LM head is then applied only where the step decides
+    (``streamed_proposal``). Counted and metered as ``forward`` (a 2-D padding mask only; never compiled)."""
+    meter.count(phase)
+    meter._sync()
+    t0 = time.perf_counter()
+    out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                              cache=cache, use_cache=cache is not None)
+    meter._sync()
+    meter.forward_s += time.perf_counter() - t0
+    if cache is not None:
+        meter.kv(cache)
+    return out.last_hidden_state
+
+
+def streamed_proposal(model, meter: Meter, hidden: torch.Tensor, keep: torch.Tensor, chunk: int,
+                      step) -> tuple[torch.Tensor, torch.Tensor]:
+    """``step`` (float32 logits [B, n, V] -> (token [B, n], confidence [B, n]), each position on its own) over
+    the query positions ``keep`` [k] of hidden [B, q, H], ``chunk`` positions at a time: the LM head runs on
+    [B, chunk, H] rows only, so at most one chunk's logits [B, chunk, V] (and its float32 copy) is alive.
+    Returns (token [B, k], confidence [B, k]). Each chunk is refused when not finite (``check_finite``).
+
+    The head's matmul has B x chunk rows instead of B x q: where a BLAS picks its kernel by the row count
+    (MKL's float32 sgemm on few rows), the logits can differ in the last bit from the full product's, so the
+    tokens are today's only where both row counts take the same kernel (docs/design.md §6)."""
+    head, toks, confs = model.get_output_embeddings(), [], []
+    for i in range(0, keep.numel(), chunk):
+        logits = head(hidden[:, keep[i:i + chunk]]).float()  # [B, n, V]
+        check_finite(logits, None, meter.calls)
+        tok, conf = step(logits)
+        del logits  # one chunk alive at a time
+        toks.append(tok)
+        confs.append(conf)
+    return torch.cat(toks, 1), torch.cat(confs, 1)
+
+
+def proposal(model, meter: Meter, phase: str, input_ids: torch.Tensor, keep: slice | torch.Tensor,
+             chunk: int | None, step, **call) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward and ``step``'s (token [B, k], confidence [B, k]) at its query positions ``keep`` (a slice, or
+    an index tensor [k]); ``call``: ``forward``'s keywords (position_ids, attention_mask, cache). ``chunk`` None:
+    the model's own forward (logits of every position, float32 copy of the kept ones: today's bits); else
+    ``streamed_proposal``, ``chunk`` positions at a time. The logits are gone when this returns, so none is
+    alive during the next forward."""
+    if chunk is None or meter.compiled:
+        return step(forward(model, meter, phase, input_ids, keep=keep, **call))
+    hidden = forward_hidden(model, meter, phase, input_ids, **call)
+    if isinstance(keep, slice):
+        keep = torch.arange(hidden.shape[1], device=hidden.device)[keep]
+    return streamed_proposal(model, meter, hidden, keep, chunk, step)

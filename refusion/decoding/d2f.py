@@ -207,7 +207,7 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
         if new:  # finished blocks are contiguous from `cached` (module doc: retire)
             if cache is not None and kn.on_cache is not None:
                 kn.on_cache({"row": b, "ids": ids[:end].clone(), "cache": cache})
-            last = logits[end - start - 1]
+            last = logits[end - start - 1].clone()  # [V], a copy: a view would hold this step's logits [q, V]
             cached = end
             for j in new:
                 row.state[j] = CACHED
@@ -233,6 +233,7 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
                 ids[torch.tensor(commit_pos, device=device)] = torch.tensor(commit_tok, device=device)
                 cols = [p - n_prompt for p in commit_pos]
                 meter.commit(b, cols, [meter.calls - 1] * len(cols), [meter.phase_log[-1]] * len(cols))
+        del logits, pred  # this step's logits go before the next forward (docs/design.md §6)
         row.retire(active)
     return cut_after_eos(ids[n_prompt:row.length], kn.eos)
 

@@ -265,6 +265,7 @@ def _denoise(model, meter: Meter, cache: DynamicCache, seen: torch.Tensor, posit
         held = torch.where(changed & ~done[:, None], meter.calls - 1, held)
         done, history = _stop(done, history, new_argmax, scaled, k)
         canvas, argmax, cond = new_canvas, new_argmax, scaled.to(embed_dtype)
+        del logits, scaled, probs  # only cond [b, L, V] goes into the next forward (docs/design.md §6)
         if bool(done.all()):
             break
     return argmax, held, ran

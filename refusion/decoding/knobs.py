@@ -160,6 +160,24 @@ def compile_knob() -> Any:
                        "preallocated KV cache; same tokens); off = the paper's eager setting")
 
 
+def logits_chunk_knob() -> Any:
+    """The ``logits_chunk`` knob (default none) of the decoders whose steps propose through ``common.proposal``;
+    pair it with ``check_logits_chunk`` in ``check()``."""
+    return knob(None, "logits computed only at the positions a step decides, this many positions at a time (at "
+                      "most one chunk of [batch, chunk, vocabulary] logits alive; greedy, eager); none = the LM "
+                      "head over every forwarded position as the model's forward runs it (float32 copy of the "
+                      "decided ones only). A chunk can change a float32 logit's last bit where the matmul's kernel "
+                      "depends on its row count (docs/design.md section 6)", low=1, optional=True)
+
+
+def check_logits_chunk(k) -> None:
+    """ValueError when ``k.logits_chunk`` is set with sampling or compiled forwards (its streamed path is greedy and
+    eager: a sampled draw's order over a chunked batch would differ)."""
+    if k.logits_chunk is not None and (k.temperature > 0 or k.compile):
+        raise ValueError("logits_chunk streams greedy, eager steps only: temperature 0 and compile false, or "
+                         "logits_chunk none")
+
+
 def folder_knobs(folder, knobs: type[Knobs], sources: dict[str, dict[str, str]]) -> dict[str, Any]:
     """The knobs a checkpoint folder sets for itself, read from its JSON files and validated one way for every
     family. ``sources``: file name (config.json, generation_config.json) -> {knob: its key in that file}, a

@@ -121,6 +121,7 @@ class Llada2Rule(BlockRule):
                 last_saw_mask = bool((block == mask).any())
                 logits = run.forward_block("denoise", block)
                 new = threshold_step(block, *llada2_propose(logits), mask, self.k.threshold)
+                del logits  # before the next forward (docs/design.md §6)
                 for i, p in (new != block).nonzero().tolist():  # newly committed
                     if offset[i] + p >= 0:  # a mask id in the prompt's tail is no response
                         meter.commit(run.live[i], [offset[i] + p], [meter.calls - 1], ["denoise"])
@@ -130,7 +131,7 @@ class Llada2Rule(BlockRule):
 
     def store(self, run: BlockRun, block: torch.Tensor) -> None:
         if not self.saw_finished:  # else the last forward's keys and values are the finished block's
-            run.forward_block("store", block)
+            run.forward_block("store", block, logits=False)
 
     def stats(self, run: BlockRun) -> dict:
         return {"block_length": self.size, "blocks": run.row_blocks}

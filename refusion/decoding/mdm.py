@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from .cache import cache_keep, new_cache
-from .common import Meter, forward
-from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
+from .common import Meter, proposal
+from .knobs import Knobs, check_logits_chunk, compile_knob, gen_length, knob, logits_chunk_knob, seed, temperature
 from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob
 from .tokens import cut_after_eos, eos_ids, is_eos, mask_id, padding_mask, positions_from_mask
 
@@ -116,9 +116,11 @@ class LladaKnobs(Knobs):
     stop_at_eos: bool = stop_at_eos_knob()
     seed: int = seed()
     compile: bool = compile_knob()
+    logits_chunk: int = logits_chunk_knob()
 
     def check(self) -> None:
         check_steps(self)
+        check_logits_chunk(self)
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,10 @@ class FastDllmKnobs(Knobs):
     stop_at_eos: bool = stop_at_eos_knob()
     seed: int = seed()
     compile: bool = compile_knob()
+    logits_chunk: int = logits_chunk_knob()
 
     def check(self) -> None:
+        check_logits_chunk(self)
         if self.commit_first and not self.shift:
             raise ValueError("commit_first is the Fast-dLLM authors' rule for Dream (shift=true); got shift=false")
         if (self.top_p is not None or self.top_k is not None) and not self.dream_loop:
@@ -189,8 +193,10 @@ class DreamKnobs(Knobs):
                              "fewer forwards)")
     seed: int = seed()
     compile: bool = compile_knob()
+    logits_chunk: int = logits_chunk_knob()
 
     def check(self) -> None:
+        check_logits_chunk(self)
         if not self.eps < 1:
             raise ValueError(f"eps must be in [0, 1), got {self.eps}")
 
@@ -361,8 +367,10 @@ def llada(
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
         open_ = [list(range(block_length)) for _ in range(x.shape[0])]  # host: the block's masked positions
         for n_unmask in schedule:
-            logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, lo:hi]
-            x0, prob = llada_propose(logits, temperature, gen, mask)  # [B, block]
+            # token and confidence at the block only [B, block]; its logits are gone before the next forward
+            x0, prob = proposal(model, meter, "step", x, slice(lo, hi), k.logits_chunk,
+                                lambda lg: llada_propose(lg, temperature, gen, mask), position_ids=pos,
+                                attention_mask=attn)
             if remasking == "random":
                 prob = torch.rand(prob.shape, generator=gen, device=prob.device)
             # commit_topk on the host: the n_unmask most confident open positions per row, ties to the leftmost.
@@ -420,7 +428,7 @@ def fast_dllm(
     x, attn, pos = masked_start(model, input_ids, attention_mask, gen_length, mask)
     p0, total = input_ids.shape[1], x.shape[1]
     meter.track(x.shape[0], gen_length, x.device)
-    rows, thr = x.shape[0], as_float32(threshold)
+    rows, thr, step = x.shape[0], as_float32(threshold), _fast_dllm_propose(k, gen, mask)
     for b in range(gen_length // block_length):
         lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
         a, window_idx, order = _cached_window(attn, lo, hi, shift, dream_loop, cache_mode == "dual")
@@ -432,21 +440,21 @@ def fast_dllm(
             if first or cache_mode == "none":
                 if first:
                     kv = None if cache_mode == "none" else new_cache(model, meter)
-                logits = forward(model, meter, "full", x, position_ids=pos, attention_mask=attn, cache=kv)
-                logits = logits[:, lo - shift:hi - shift]
+                x0, prob = proposal(model, meter, "full", x, slice(lo - shift, hi - shift), k.logits_chunk, step,
+                                    position_ids=pos, attention_mask=attn, cache=kv)  # [B, block] each
                 if first and cache_mode == "prefix":
                     cache_keep(kv, a)  # keep positions < a (x is in position order)
                 elif first and cache_mode == "dual":
                     cache_keep(kv, a, torch.arange(hi - a, total - a, device=x.device))  # prefix + suffix
             elif cache_mode == "prefix":
-                logits = forward(model, meter, "cached", x[:, a:], position_ids=pos[:, a:], attention_mask=attn,
-                                 cache=kv)[:, window_idx]
+                x0, prob = proposal(model, meter, "cached", x[:, a:], window_idx, k.logits_chunk, step,
+                                    position_ids=pos[:, a:], attention_mask=attn, cache=kv)
                 cache_keep(kv, a)
             else:  # dual
-                logits = forward(model, meter, "cached", x[:, a:hi], position_ids=pos[:, a:hi], attention_mask=order,
-                                 cache=kv)[:, window_idx]
+                x0, prob = proposal(model, meter, "cached", x[:, a:hi], window_idx, k.logits_chunk, step,
+                                    position_ids=pos[:, a:hi], attention_mask=order, cache=kv)
                 cache_keep(kv, a + total - hi)
-            x0, prob, chosen = _threshold_choice(logits, k, gen, mask, open_, first, thr)  # [B, block] each
+            chosen = _threshold_choice(prob, k, open_, first, thr)  # the step's logits are gone already
             commit_chosen(x[:, lo:hi], x0, chosen, meter, lo - p0)
             open_ = [[j for j in op if j not in set(c)] for op, c in zip(open_, chosen)]
             first = False
@@ -469,26 +477,29 @@ def _cached_window(attn: torch.Tensor, lo: int, hi: int, shift: int, dream_loop:
     return a, window_idx, order
 
 
-def _threshold_choice(logits: torch.Tensor, k: FastDllmKnobs, gen: torch.Generator | None, mask: int,
-                      open_: list[list[int]], first: bool, thr: float) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """One ``fast_dllm`` step's proposal for the block's logits [B, block, V] and its choice: (x0 [B, block], prob
-    [B, block], per row the block positions to commit, a host list). The Dream loop's full forward fixes the
-    block's first token only (the authors' rule); otherwise commit_topk's rule on the host: per row every open
-    position whose confidence passes ``thr`` (at least the most confident one), most confident first, ties to
-    the leftmost."""
+def _fast_dllm_propose(k: FastDllmKnobs, gen: torch.Generator | None, mask: int):
+    """``fast_dllm``'s proposal, block logits [B, block, V] -> (x0 [B, block], prob [B, block]): Dream's sampler in
+    the Dream loop, else LLaDA's."""
+    if k.dream_loop:
+        return lambda logits: dream_propose(logits, "maskgit_plus", k.temperature, k.top_p, k.top_k, gen, mask)
+    return lambda logits: llada_propose(logits, k.temperature, gen, mask)
+
+
+def _threshold_choice(prob: torch.Tensor, k: FastDllmKnobs, open_: list[list[int]], first: bool,
+                      thr: float) -> list[list[int]]:
+    """One ``fast_dllm`` step's choice from its confidences prob [B, block]: per row the block positions to commit,
+    a host list. The Dream loop's full forward fixes the block's first token only (the authors' rule);
+    otherwise commit_topk's rule on the host: per row every open position whose confidence passes ``thr`` (at
+    least the most confident one), most confident first, ties to the leftmost."""
     dream_loop = k.dream_loop
-    if dream_loop:
-        x0, prob = dream_propose(logits, "maskgit_plus", k.temperature, k.top_p, k.top_k, gen, mask)
-    else:
-        x0, prob = llada_propose(logits, k.temperature, gen, mask)  # [B, block]
     if dream_loop and first:
-        return x0, prob, [[0] for _ in open_]
+        return [[0] for _ in open_]
     conf = prob.tolist()  # [B][block], float32 values
     chosen = []
     for c, op in zip(conf, open_):
         passed = sum(1 for j in op if (c[j] >= thr if dream_loop else c[j] > thr))
         chosen.append(top_open(c, op, max(passed, 1 if op else 0)))
-    return x0, prob, chosen
+    return chosen
 
 
 def _dream_greedy(model, meter, k, x, attn, pos, p0, times, mask, eos) -> None:
@@ -507,11 +518,11 @@ def _dream_greedy(model, meter, k, x, attn, pos, p0, times, mask, eos) -> None:
             break
         cols = sorted(set().union(*open_))  # columns still open in some row
         where = {j: t for t, j in enumerate(cols)}
-        # Shift: position p0 - 1 + j predicts response token j. [B, m, V]
-        logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, p0 - 1:-1]
-        if len(cols) < gen_length:
-            logits = logits[:, torch.tensor(cols, device=x.device)]
-        x0, conf = dream_propose(logits, k.alg, k.temperature, k.top_p, k.top_k, None, mask)  # [B, m] each
+        # Shift: position p0 - 1 + j predicts response token j; the float32 copy of the open columns only.
+        keep = slice(p0 - 1, -1) if len(cols) == gen_length else torch.tensor(cols, device=x.device) + (p0 - 1)
+        x0, conf = proposal(model, meter, "step", x, keep, k.logits_chunk,  # [B, m] each; no logits left after
+                            lambda lg: dream_propose(lg, k.alg, k.temperature, k.top_p, k.top_k, None, mask),
+                            position_ids=pos, attention_mask=attn)
         last, left = i == steps - 1, steps - i
         confs, x0s = conf.tolist(), x0.tolist()
         chosen = []
@@ -601,8 +612,9 @@ def dream(
         if not bool(masked.any()):
             break  # origin can finish early; the remaining steps would change nothing
         # Shift: position p0 - 1 + j predicts response token j. [B, G, V]
-        logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, p0 - 1:-1]
-        x0, conf = dream_propose(logits, k.alg, k.temperature, k.top_p, k.top_k, gen, mask)  # [B, G] each
+        x0, conf = proposal(model, meter, "step", x, slice(p0 - 1, -1), k.logits_chunk,  # [B, G] each
+                            lambda lg: dream_propose(lg, k.alg, k.temperature, k.top_p, k.top_k, gen, mask),
+                            position_ids=pos, attention_mask=attn)
         last, left = i == steps - 1, steps - i
         part = 1 - times[i + 1] / times[i]  # 0-d float32: the share of the masks this step unmasks
         if k.alg == "origin":

@@ -47,11 +47,14 @@ def propose_from_probs(
     return tok, probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
-def token_prob(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Probability of `tokens` [...] under logits [..., V] (tempered when sampling)."""
+def token_prob(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, rows: int = 64) -> torch.Tensor:
+    """Probability of `tokens` [n, ...] under logits [n, ..., V] (tempered when sampling), computed for about
+    `rows` positions at a time along the first dimension: each position's softmax is its own, so the values are
+    those of one call over all, with at most [rows, V] probabilities alive."""
     scale = temperature if temperature > 0 else 1.0
-    probs = torch.softmax(logits / scale, dim=-1)
-    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    step = max(1, rows // max(1, tokens[:1].numel()))  # leading entries per chunk
+    return torch.cat([torch.softmax(logits[i:i + step] / scale, dim=-1).gather(-1, tokens[i:i + step].unsqueeze(-1))
+                      .squeeze(-1) for i in range(0, tokens.shape[0], step)]) if tokens.numel() else tokens.float()
 
 
 def make_generator(device: torch.device, seed: int | None) -> torch.Generator | None:

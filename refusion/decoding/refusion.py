@@ -74,6 +74,7 @@ from .tokens import eos_ids, is_eos, left_padding_mask, mask_id
 PHASES = ("plan", "verify", "draft", "infill", "recompute")
 INFILL_SEEDS = ("global", "first")
 KV_LAYOUTS = ("packed", "replicated")
+PLAN_CHUNK = 8  # picked slots whose drafts one greedy plan proposes at a time (the gathered logits [8, L, V])
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [U, kv_heads, T, head_dim]
 
@@ -190,6 +191,7 @@ class Req:
     extra: int = 0
     layout: SlotLayout | None = None
     keep: int = 0  # the call commits the KV of the first `keep` query tokens to the row's cache (rows None)
+    skip: int = 0  # the first `skip` query tokens' logits are not read: the answer leaves them out (no float32 copy)
 
 
 def _vis(r: Req) -> torch.Tensor:
@@ -267,7 +269,7 @@ class _State:
 
 
 def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa") -> list[Answer]:
-    """One model call for every pending request; returns (logits [U, q, V], KV of the query) each.
+    """One model call for every pending request; returns (logits [U, q - skip, V], KV of the query) each.
 
     A single request runs on its own cache, which is cropped straight back to the
     committed tokens (the one place the cache is trimmed; keeping KV is the commit's
@@ -286,12 +288,13 @@ def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa") -> li
             idx = torch.tensor(r.rows, device=r.ids.device)
             cache = cache_from(model, [(lay.keys[idx], lay.values[idx]) for lay in cache.layers])
         q = r.ids.shape[1]
+        keep = slice(r.skip, None) if r.skip else None  # float32 logits of the positions read only
         if attn != "sdpa" and r.layout is not None:  # the fused slot-attention kernels
             logits = forward(model, meter, phases, r.ids, position_ids=r.pos, slots=r.layout, cache=cache,
-                             kv_extra=r.extra)
+                             kv_extra=r.extra, keep=keep)
         else:
             logits = forward(model, meter, phases, r.ids, position_ids=r.pos,
-                             visible=_vis(r).expand(r.ids.shape[0], -1, -1), cache=cache, kv_extra=r.extra)
+                             visible=_vis(r).expand(r.ids.shape[0], -1, -1), cache=cache, kv_extra=r.extra, keep=keep)
         if cache is None:
             return [(logits, None)]
         kv = [(lay.keys[:, :, -q:], lay.values[:, :, -q:]) for lay in cache.layers]
@@ -327,15 +330,16 @@ def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa") -> li
                 v[u0:u0 + u, :, tm - t:] = lay.values[idx]
         u0 += u
     cache = None if reqs[0].cache is None else cache_from(model, parts)
+    low = min(r.skip for r in reqs)  # float32 logits of the positions some request reads only
     logits = forward(model, meter, phases, ids, position_ids=pos, visible=vis, cache=cache,
-                     kv_extra=sum(r.extra for r in reqs))
+                     kv_extra=sum(r.extra for r in reqs), keep=slice(low, None))
     out, u0 = [], 0
     for r, q, u in zip(reqs, qs, us):
         kv = None if cache is None else [(lay.keys[u0:u0 + u, :, tm:tm + q], lay.values[u0:u0 + u, :, tm:tm + q])
                                          for lay in cache.layers]
         if r.keep and kv is not None:
             cache_append(r.cache, [[(k[:, :, :r.keep], v[:, :, :r.keep]) for k, v in kv]])
-        out.append((logits[u0:u0 + u, :q], kv))
+        out.append((logits[u0:u0 + u, r.skip - low:q - low], kv))  # the trimmed logits start at `low`
         u0 += u
     return out
 
@@ -353,12 +357,15 @@ def drive_rows(model, meter: Meter, rows: list[Generator], attn: str = "sdpa") -
     while pending:
         order = list(pending)
         answers = stacked_call(model, meter, [pending[b] for b in order], attn)
-        for b, ans in zip(order, answers):
+        answers.reverse()  # popped in row order, so each answer is held by its row's generator only
+        for b in order:
+            ans = answers.pop()
             try:
                 pending[b] = rows[b].send(ans)
             except StopIteration as stop:
                 responses[b] = stop.value
                 del pending[b]
+            del ans  # the step's logits die with the row's use of them, before the next model call
     return responses
 
 
@@ -395,12 +402,12 @@ def _ask(st: _State, phase: str, ids: torch.Tensor, pos: torch.Tensor, slot_lens
         u = ids.shape[0]
         ids = torch.cat([torch.tensor(st.row.ids[cached:], device=device).expand(u, -1), ids], 1)
         pos = torch.cat([torch.tensor(st.row.pos[cached:], device=device).expand(u, -1), pos], 1)
-    logits, kv = yield Req(phase, st.cache, ids, pos, vis, rows, extra, layout)
+    logits, kv = yield Req(phase, st.cache, ids, pos, vis, rows, extra, layout, skip=pre)  # [U, q, V]: no `pre`
     if pre and st.cache is not None:
         cache_append(st.cache, [[(k[:1, :, :pre], v[:1, :, :pre]) for k, v in kv]])
     if kv is not None and pre:
         kv = [(k[:, :, pre:], v[:, :, pre:]) for k, v in kv]
-    return logits[:, pre:], kv
+    return logits, kv
 
 
 # ---------------------------------------------------------------- phases
@@ -427,8 +434,10 @@ def _plan(st: _State, kn: _Run) -> Steps:
     if kn.temperature > 0:
         st.drafts = tok[picked].clone()  # [k, L]
     else:
-        rows = picked[0] if len(picked) == 1 else torch.tensor(picked, device=logits.device)
-        st.drafts = propose(logits[rows].view(len(picked), L, -1), 0.0, None)[0]  # [k, L]
+        # PLAN_CHUNK picked slots at a time: each position's softmax is its own, so the drafts are those of one
+        # call over all of them, with at most [PLAN_CHUNK, L, V] gathered (and its softmax) alive
+        st.drafts = torch.cat([propose(logits[torch.tensor(picked[i:i + PLAN_CHUNK], device=logits.device)], 0.0,
+                                       None)[0] for i in range(0, len(picked), PLAN_CHUNK)])  # [k, L]
     st.fixed = [[(st.now(), "plan")] for _ in picked]  # a picked slot's first token is always accepted
 
 

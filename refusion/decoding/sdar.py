@@ -204,11 +204,12 @@ class SdarRule(BlockRule):
                 cols = [c for c in (run.pos[i][chosen] - lengths[b]).tolist() if c >= 0]  # prompt tail: no response
                 meter.commit(b, cols, [meter.calls - 1] * len(cols), ["denoise"] * len(cols))
                 steps[i] += 1
+            del logits  # before the next forward (docs/design.md §6)
         self.denoise_steps += sum(steps)
         return cur
 
     def store(self, run: BlockRun, block: torch.Tensor) -> None:
-        run.forward_block("store", block)  # generate.py's store_kv=True call
+        run.forward_block("store", block, logits=False)  # generate.py's store_kv=True call: its KV only
 
     def stats(self, run: BlockRun) -> dict:
         return {"block_length": self.size, "blocks": run.row_blocks, "denoise_steps": self.denoise_steps}
