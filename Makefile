@@ -5,14 +5,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
-# The install: requirements/lock.txt pins every package .venv needs (pyproject.toml's pins and what they pull
-# in). pip unpacks one wheel at a time, so the locked list goes in as two halves in two pip processes at once
-# (--no-deps: nothing to resolve), then one resolving `pip install -e '.[test]'` lets pyproject.toml decide and
-# adds whatever the list lacks here (from PyPI on Linux x86-64 torch is the CUDA build, which pulls nvidia-*
-# packages); where the locked list cannot be installed (another platform), that step installs everything. A
-# torch==<pin> already in .venv (a build you installed yourself, CPU or CUDA) is kept; otherwise pip takes the
-# build its configured index serves, and a machine whose pip configuration offers a local CPU wheel
-# (find-links), as CI's does, gets that one (docs/install.md "Which torch").
+# The install (scripts/setup_venv.py): requirements/lock.txt pins every package .venv needs (pyproject.toml's
+# pins and what they pull in). uv (pinned, installed by pip) puts the list in with --no-deps, its wheels unpacked
+# in parallel, then resolves `-e '.[test]'`: pyproject.toml decides and whatever the list lacks here is added
+# (from PyPI on Linux x86-64 torch is the CUDA build, which pulls nvidia-* packages). uv is given pip's index
+# settings (`pip config list`), so both see the same wheels. Where that fails, pip does it all (the list in two
+# pip processes at once, then the resolving install, which installs everything where the list did not). A
+# torch==<pin> already in .venv (a build you installed yourself, CPU or CUDA) is kept; otherwise the build the
+# configured index serves, and a machine whose pip configuration offers a local CPU wheel (find-links), as
+# CI's does, gets that one (docs/install.md "Which torch").
 LOCK := requirements/lock.txt
 PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile
 # Byte-code: where PYTHONDONTWRITEBYTECODE is set (CI images, many Dockerfiles) Python never writes a .pyc
@@ -44,19 +45,13 @@ help: ## list the targets
 
 setup: $(STAMP) ## create .venv and install the project (editable, with test extra); instant when done
 
-# pip would compile every file it installs, one after another (--no-compile skips that): byte-code is written
-# on first import instead (PYTHONDONTWRITEBYTECODE above). The halves' own setuptools builds the editable
-# project when they went in (no isolated build environment to make).
-$(STAMP): pyproject.toml $(LOCK)
+# Neither tool compiles what it installs (17,000 files): byte-code is written on first import instead
+# (PYTHONDONTWRITEBYTECODE above). The list's own setuptools builds the editable project (no isolated build
+# environment to make).
+$(STAMP): pyproject.toml $(LOCK) scripts/setup_venv.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@rm -f $(VENV)/.lock-*.txt && grep -E '^[A-Za-z0-9]' $(LOCK) | awk '{ print > ("$(VENV)/.lock-" (NR % 2) ".txt") }'
-	@$(PY) $(PIP_INSTALL) --no-deps -r $(VENV)/.lock-0.txt & a=$$!; \
-	$(PY) $(PIP_INSTALL) --no-deps -r $(VENV)/.lock-1.txt & b=$$!; \
-	wait $$a; ra=$$?; wait $$b; rb=$$?; iso=--no-build-isolation; \
-	if [ $$ra -ne 0 ] || [ $$rb -ne 0 ]; then iso=; \
-	  echo "setup: the locked list ($(LOCK)) did not install here; resolving from pyproject.toml" >&2; fi; \
-	$(PY) $(PIP_INSTALL) $$iso -e '.[test]'
-	@rm -f $(VENV)/.lock-*.txt && touch $(STAMP)
+	$(PY) scripts/setup_venv.py --lock $(LOCK) --extra test
+	@touch $(STAMP)
 
 # requirements/lock.txt again from pyproject.toml: a fresh venv resolved by pip, frozen (local version labels
 # such as +cpu dropped: the pin is the version, the build is the index's).
@@ -255,7 +250,7 @@ DOCS_PINS := $(shell sed -n '/^docs = \[/,/^\]/p' pyproject.toml | grep -oE '"[^
 DOCS_STAMP := $(VENV)/.docs-$(shell printf '%s' '$(DOCS_PINS)' | cksum | cut -d' ' -f1)
 
 $(DOCS_STAMP): | $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile $(DOCS_PINS)
+	$(PY) scripts/setup_venv.py --pins '$(DOCS_PINS)'
 	@rm -f $(VENV)/.docs-* && touch $@
 
 docs: $(DOCS_STAMP) ## build the docs site (README, docs/, the committed reports) into build/site/, strict

@@ -180,7 +180,7 @@ def test_worker_error_is_passed_on_as_one_line(setup, tmp_path, capsys, monkeypa
     the user as one runner line with the resume hint, instead of "failed (exit N)"."""
     from harness.run import launch, runner
 
-    def fake_worker(cmd, env):
+    def fake_worker(cmd, env, server=None):
         err_file = Path(cmd[cmd.index("--error-file") + 1])
         err_file.parent.mkdir(parents=True, exist_ok=True)
         err_file.write_text("checkpoint file '/x/model.safetensors' cannot be read: truncated\n")

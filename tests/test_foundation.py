@@ -137,6 +137,31 @@ def test_make_eval_passes_task_without_shell_reparse(tmp_path, fake_venv, task):
     assert not (tmp_path / "runs").exists()
 
 
+def test_setup_hands_uv_what_pip_is_configured_with():
+    """scripts/setup_venv.py: uv reads no pip configuration, so `pip config list`'s index settings become its
+    flags (a PIP_* variable replaces the files' value of its key, as in pip; a value may hold several), and the
+    locked list is the lock file's pins only."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("setup_venv", ROOT / "scripts" / "setup_venv.py")
+    setup_venv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_venv)
+    cfg = setup_venv.pip_config("\n".join([
+        ":env:.find-links='/opt/wheels'", "global.find-links='/elsewhere'", "global.cert='/etc/ca.crt'",
+        "global.constraint='/etc/xdg/pip/constraints.txt'",
+        "global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'",
+        "install.index-url='https://mirror.example/simple'", "download.find-links='/not-for-install'", "junk"]))
+    assert cfg["find-links"] == ["/opt/wheels"] and cfg["cert"] == ["/etc/ca.crt"]
+    flags = setup_venv.uv_flags(cfg)
+    pairs = list(zip(flags[::2], flags[1::2]))
+    assert pairs == [("--index-strategy", "unsafe-best-match"), ("--index-url", "https://mirror.example/simple"),
+                     ("--extra-index-url", "file:///opt/pypi/simple"),
+                     ("--extra-index-url", "file:///opt/pypi-more/simple"), ("--find-links", "/opt/wheels"),
+                     ("--constraint", "/etc/xdg/pip/constraints.txt")]
+    pins = setup_venv.locked_pins(ROOT / "requirements" / "lock.txt")
+    assert pins and all("==" in x and not x.startswith("#") for x in pins) and "torch==2.13.0" in pins
+
+
 def test_the_lock_holds_every_pin_of_pyproject_at_its_version():
     """requirements/lock.txt (make setup's locked list, `make lock`) pins each package once, exactly, and agrees
     with every pin of pyproject.toml but the docs extra (make setup does not install it)."""

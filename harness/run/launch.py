@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.run import cluster, summary
+from harness.run import cluster, summary, zygote
 from harness.run.faults import STOP_SIGNALS
 from harness.run.store import atomic_write_json, read_json, read_json_or_none
+from harness.run.zygote import die_with_parent  # noqa: F401 - the runner's, re-exported
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,22 +51,16 @@ def raise_stopped(signum, _frame) -> None:
     raise Stopped(signum)
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Linux: have the kernel send `sig` to this process when its parent dies."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def run_worker(cmd: list[str], env: dict) -> int:
+def run_worker(cmd: list[str], env: dict, server: zygote.Server | None = None) -> int:
     """Run one model's worker; SIGTERM, SIGINT and SIGUSR1 (Slurm's warning before the end of a job) stop it
-    cleanly: the journal keeps finished samples, the run resumes with its run id."""
+    cleanly: the journal keeps finished samples, the run resumes with its run id. ``server``: the run's fork
+    server (harness/run/zygote.py), which starts it warm where it can; a plain process otherwise."""
     old = {s: signal.signal(s, raise_stopped) for s in STOP_SIGNALS}
-    # The worker gets SIGKILL if this runner dies in any way (kill -9 included).
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
+    # The worker gets SIGKILL if this runner dies in any way (kill -9 included); a forked one when the server
+    # dies, which dies with this runner.
+    proc = server.start(cmd, env, str(REPO)) if server is not None else None
+    if proc is None:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
     try:
         return proc.wait()
     except Stopped:
@@ -83,7 +78,32 @@ def run_worker(cmd: list[str], env: dict) -> int:
             signal.signal(s, h)
 
 
-def run_child(cmd: list[str], run_dir: Path, tmp_name: str, drop_env: tuple[str, ...] = ()) -> int:
+def child_env(tmp: Path | None = None) -> dict:
+    """The environment of the run's children (and of its fork server): this one, the repository first on the
+    import path, and TMPDIR their own folder."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    if tmp is not None:
+        env["TMPDIR"] = str(tmp)
+    return env
+
+
+def fork_server(run_dir: Path) -> zygote.Server | None:
+    """The run's fork server, importing in the background from now on (its temporary folder is the run's
+    ``.tmp-zygote``); None where it cannot start or ``REFUSION_FORK_SERVER=0`` (every child then a plain process)."""
+    if os.environ.get("REFUSION_FORK_SERVER", "1") == "0":
+        return None
+    tmp = run_dir / ".tmp-zygote"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(mode=0o700)
+        return zygote.Server(child_env(tmp), str(REPO), tmp=tmp)
+    except OSError as e:
+        print(f"warning: no fork server ({e}); each child imports torch itself", file=sys.stderr)
+        return None
+
+
+def run_child(cmd: list[str], run_dir: Path, tmp_name: str, drop_env: tuple[str, ...] = (),
+              server: zygote.Server | None = None) -> int:
     """``run_worker`` with the child's temporary files (torchelastic_* of a multi-process launch, the
     sandbox's folders) in a folder of its own inside the run folder, ``tmp_name``, removed when the child
     ends; one left by a runner killed with SIGKILL is removed at the next start. ``drop_env``: variables
@@ -91,17 +111,16 @@ def run_child(cmd: list[str], run_dir: Path, tmp_name: str, drop_env: tuple[str,
     tmp = run_dir / tmp_name
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o700)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "TMPDIR": str(tmp)}
+    env = child_env(tmp)
     for name in drop_env:
         env.pop(name, None)
     try:
-        return run_worker(cmd, env)
+        return run_worker(cmd, env, server)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def timed_rounds(run_dir: Path, cfg: dict) -> int | None:
+def timed_rounds(run_dir: Path, cfg: dict, server: zygote.Server | None = None) -> int | None:
     """The timed rounds of an interleaved run (harness/run/rounds.py, its own process), unless timing.json
     holds them for these timing settings already (a resumed run); an exit status to stop with, or None."""
     t = cfg.get("timing") or {}
@@ -118,7 +137,8 @@ def timed_rounds(run_dir: Path, cfg: dict) -> int | None:
     # A fault in a timed decode (out of memory, non-finite logits) is retried once, then the item is dropped from
     # the timing and named (harness/run/rounds.py); the rounds fail only on a bug or on a timed decode whose
     # tokens differ from the pass's.
-    rc = run_child([sys.executable, "-m", "harness.run.rounds", "--run-dir", str(run_dir)], run_dir, ".tmp-timing")
+    rc = run_child([sys.executable, "-m", "harness.run.rounds", "--run-dir", str(run_dir)], run_dir, ".tmp-timing",
+                   server=server)
     for d in (read_json_or_none(run_dir / "timing.json") or {}).get("dropped") or []:
         print(f"warning: timed rounds: {d['side']} on {d['group']}: document(s) "
               f"{', '.join(str(x[1]) for x in d['docs'])} failed twice ({d['reason']}); left out of every model's "
@@ -130,7 +150,7 @@ def timed_rounds(run_dir: Path, cfg: dict) -> int | None:
     return None
 
 
-def memory_pass(run_dir: Path, cfg: dict) -> None:
+def memory_pass(run_dir: Path, cfg: dict, server: zygote.Server | None = None) -> None:
     """The memory pass (harness/run/memory_pass.py, its own process), unless memory.json holds it for these
     settings already (a resumed run) or it is off (``--memory-items 0``). A failed pass is a warning: quality,
     counts and speed are kept, and the summary says the decode peak was not measured."""
@@ -149,7 +169,7 @@ def memory_pass(run_dir: Path, cfg: dict) -> None:
           file=sys.stderr)
     # The fault hooks stay: a call that faults is retried once, then named and left out of the peak.
     rc = run_child([sys.executable, "-m", "harness.run.memory_pass", "--run-dir", str(run_dir)], run_dir,
-                   ".tmp-memory")
+                   ".tmp-memory", server=server)
     if rc != 0:
         print(f"warning: the memory pass failed (exit {rc}); the decode peak is not measured: rerun with --run-id "
               f"{run_dir.name} to measure it", file=sys.stderr)
@@ -173,7 +193,7 @@ def _has_failed(run_dir: Path, cfg: dict, model: str) -> bool:
 
 
 def run_models(run_dir: Path, cfg: dict, debug: bool, rates: dict[str, float] | None = None,
-               retry_failed: bool = False) -> int | None:
+               retry_failed: bool = False, server: zygote.Server | None = None) -> int | None:
     """Each model's worker in turn (skipping finished ones); an exit status to stop with, or None when done.
     A machine of rank > 0 starts the same workers, which join rank 0's through accelerate, and writes
     nothing of the run's own (run.json, summary): rank 0 does."""
@@ -198,7 +218,7 @@ def run_models(run_dir: Path, cfg: dict, debug: bool, rates: dict[str, float] | 
         err_file = worker_error_file(run_dir, m["name"])
         err_file.unlink(missing_ok=True)
         # One temporary folder per machine: the run folder may be shared between machines.
-        rc = run_child(cmd, run_dir, f".tmp-{m['name']}" + (f"-machine{rank}" if rank else ""))
+        rc = run_child(cmd, run_dir, f".tmp-{m['name']}" + (f"-machine{rank}" if rank else ""), server=server)
         stopped = {128 + int(sig) for sig in STOP_SIGNALS} | {-int(sig) for sig in STOP_SIGNALS}
         if rc in stopped:  # the worker got the stop signal itself (Slurm signals every process of the step)
             raise Stopped(abs(rc) - 128 if rc > 0 else -rc)

@@ -43,7 +43,8 @@ from harness.run import cluster, summary
 from harness.run.faults import STOP_SIGNALS
 from harness.run.finalize import finalize
 from harness.run.guard import BUSY_SHARE
-from harness.run.launch import Stopped, die_with_parent, memory_pass, raise_stopped, run_models, timed_rounds
+from harness.run.launch import (Stopped, die_with_parent, fork_server, memory_pass, raise_stopped, run_models,
+                                timed_rounds)
 from harness.run.memory_pass import DEFAULT_ITEMS as MEMORY_ITEMS
 from harness.run.model_check import compile_settings, describe_resolved, dtype_warning, validate_models
 from harness.run.model_list import InputError, KnobHelp, load_models_file, parse_models, template_args
@@ -310,18 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     # A stop signal anywhere below (between models, while the summary is written) ends the run as one
     # during a model does: everything written so far is whole (atomic writes), the run resumes.
     saved = {sig: signal.signal(sig, raise_stopped) for sig in STOP_SIGNALS}
+    server = fork_server(run_dir)  # each child a fork of it: torch and transformers imported once (zygote.py)
     try:
-        rc = run_models(run_dir, cfg, ns.debug, rates, ns.retry_failed)
+        rc = run_models(run_dir, cfg, ns.debug, rates, ns.retry_failed, server=server)
         if rc is not None:
             return rc
         if cfg["launch"].get("machine_rank"):
             print(f"machine rank {cfg['launch']['machine_rank']}: every model done; machine rank 0 writes the "
                   f"results in {run_dir}", file=sys.stderr)
             return 0
-        rc = timed_rounds(run_dir, cfg)
+        rc = timed_rounds(run_dir, cfg, server)
         if rc is not None:
             return rc
-        memory_pass(run_dir, cfg)
+        memory_pass(run_dir, cfg, server)
         result = finalize(run_dir)
     except Stopped as e:
         for sig in STOP_SIGNALS:  # a second signal (Slurm sends one to every process) changes nothing now
@@ -330,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 128 + e.signum
     finally:
+        if server is not None:
+            server.close()
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     print(summary.table(result))

@@ -157,12 +157,15 @@ def side_order(names: Sequence[str], rnd: int, gi: int, order: str, seed: int) -
 
 def run_rounds(sides: Sequence[Side], groups: Sequence[str], *, rounds: int = DEFAULT_ROUNDS, order: str = "abba",
                seed: int = SEED, min_block_s: float = MIN_BLOCK_S, guard: Guard | None = None, progress: bool = True,
-               desc: str = "timed rounds", flip: bool = False, same_repeat: bool = False) -> dict:
+               desc: str = "timed rounds", flip: bool = False, same_repeat: bool = False,
+               warmed: dict[str, dict[str, float]] | None = None) -> dict:
     """Warm-up, then ``rounds`` interleaved rounds (module doc). Returns {"records": [{round, group, side,
     repeat, calls}], "repeat": {group: {side: n}}, "order", "rounds", "guard"}. ``flip`` starts ABBA on the other
     side (a confirmation run). Each side repeats a short block until it lasts ``min_block_s`` on its own;
     ``same_repeat`` gives every side the fastest side's count instead (two versions of the same work, as in
-    an A/B, whose blocks must stay alike: a repeated block runs on warmer caches)."""
+    an A/B, whose blocks must stay alike: a repeated block runs on warmer caches). ``warmed``: {group: {side:
+    wall seconds}} of blocks every side has already decoded untimed, exactly as a round would (the A/B's
+    sizing decode): their warm-up is that decode, not one more."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     from tqdm import tqdm
@@ -172,8 +175,10 @@ def run_rounds(sides: Sequence[Side], groups: Sequence[str], *, rounds: int = DE
     repeat: dict[str, dict[str, int]] = {}
     for g in groups:  # untimed warm-up: first calls, allocations, caches; sets each side's repeat count
         # per side, not per group: a fast side's short block must not make a slow side repeat too
+        done = (warmed or {}).get(g) or {}
         repeat[g] = {n: max(1, min(MAX_REPEAT, math.ceil(min_block_s / max(
-            sum(c.get("wall_s", 0.0) for c in by[n].block(g, 1)), 1e-6)))) for n in names}
+            done[n] if n in done else sum(c.get("wall_s", 0.0) for c in by[n].block(g, 1)), 1e-6))))
+            for n in names}
         if same_repeat:
             repeat[g] = dict.fromkeys(names, max(repeat[g].values()))
     records = []

@@ -16,7 +16,8 @@ workload with both code versions in one run:
    by the current tokenizer: both sides get the same token ids and knobs; batch 1), as many as fill about
    ``TARGET_BLOCK_S`` by the first item's time, at least one (a slow decoder's block is one item). It is timed by the
    harness's timing protocol (harness/run/timing.py): per (preset, kind) one block of its items, decoded by
-   each side in turn in each of ``ROUNDS`` rounds (ABBA), after an untimed warm-up; a block shorter than
+   each side in turn in each of ``ROUNDS`` rounds (ABBA), after an untimed warm-up (for a one-item block,
+   the decode that sized it); a block shorter than
    ``MIN_BLOCK_S`` is repeated within its round. Time is wall time, so a slowdown that waits (a sleep, a
    lock, a blocking read) counts like one that works; the worker's CPU time is recorded beside it as the
    second signal (a slowdown in wall time alone is a wait).
@@ -240,14 +241,18 @@ def measure(items: list[Item], cur: Worker, base: Worker, progress: bool = True,
     each side in turn in every round (ABBA; ``flip`` starts with the other side), after an untimed warm-up
     (harness/run/timing.py ``run_rounds``). Returns run_rounds' result plus both sides' tokens."""
     groups = groups_of(items)
+    warmed: dict[str, dict[str, float]] = {}
     for g, its in groups.items():
         # Items per group: as many of the first --ab-limit as fill about TARGET_BLOCK_S, at least one (a slow
         # decoder's block is one item long: its rounds, not its items, are what the ratio needs).
-        t = min(float(w.decode(its[0]).get("wall_seconds") or 0.0) for w in (cur, base))
-        groups[g] = its[:max(1, min(len(its), int(TARGET_BLOCK_S / max(t, 1e-6))))]
+        first = {n: float(w.decode(its[0]).get("wall_seconds") or 0.0) for n, w in (("current", cur),
+                                                                                   ("baseline", base))}
+        groups[g] = its[:max(1, min(len(its), int(TARGET_BLOCK_S / max(min(first.values()), 1e-6))))]
+        if len(groups[g]) == 1:  # that decode was the block's warm-up: a slow block is not decoded once more
+            warmed[g] = first
     sides = [ABSide("current", cur, groups), ABSide("baseline", base, groups)]
     got = timing.run_rounds(sides, list(groups), rounds=rounds, order="abba", min_block_s=min_block_s, guard=guard,
-                            progress=progress, desc="speed A/B", flip=flip, same_repeat=True)
+                            progress=progress, desc="speed A/B", flip=flip, same_repeat=True, warmed=warmed)
     got["same_tokens"] = {g: all(sides[0].tokens.get((g, i)) == sides[1].tokens.get((g, i))
                                  for i in range(len(its))) for g, its in groups.items()}
     got["items"] = {g: len(its) for g, its in groups.items()}
