@@ -169,6 +169,13 @@ def build_config(ns: argparse.Namespace) -> dict:
     if ns.run_id is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", ns.run_id):
         raise InputError(f"--run-id {ns.run_id!r} may only use letters, digits, '_', '.', '-'")
     check_out_writable(Path(ns.out), ns.run_id)  # before minutes of loading, not after
+    tasks_dirs = [Path(d).expanduser() for d in ns.tasks_dir]
+    for d in tasks_dirs:
+        if not d.is_dir():
+            raise InputError(f"--tasks-dir {str(d)!r} is not a folder")
+    task_arg = paper_tasks(ns.task) if ns.prompts == "paper" else ns.task
+    tm = task_manager(extra_dirs=tasks_dirs)  # tasks/ and the --tasks-dir folders: indexing only
+    task_names(task_arg, tm)  # a misspelt task fails in seconds, before torch is imported or a checkpoint read
     import torch
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -182,17 +189,10 @@ def build_config(ns: argparse.Namespace) -> dict:
         models = load_models_file(ns.models_file)
     else:
         models = parse_models(ns.models or ",".join(DEFAULT_MODELS))
-    tasks_dirs = [Path(d).expanduser() for d in ns.tasks_dir]
-    for d in tasks_dirs:
-        if not d.is_dir():
-            raise InputError(f"--tasks-dir {str(d)!r} is not a folder")
     from harness.models.checkpoints import resolve_dtype
     run_template_args = template_args(ns.chat_template_args)
     task_defaults = not ns.no_task_defaults
     inspected: dict[str, Any] = {}
-    task_arg = paper_tasks(ns.task) if ns.prompts == "paper" else ns.task
-    tm = task_manager(extra_dirs=tasks_dirs)  # tasks/ and the --tasks-dir folders: indexing only
-    task_names(task_arg, tm)  # a misspelt task fails in seconds, before any checkpoint
     # Cheap checks first (decoders, every checkpoint completely, attention, model knobs), before tasks load.
     validate_models(models, [], task_defaults, inspected)
     limit = ns.limit
