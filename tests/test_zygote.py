@@ -103,6 +103,8 @@ def test_what_it_does_not_serve_is_left_to_a_plain_process(server, capfd):
     srv, env, root = server
     assert srv.start([sys.executable, "-m", "json.tool", "--help"], env, str(root)) is None  # another module
     assert _start(server, capfd, "exit", "0", env_extra={"ZPROBE_EXTRA": "1"}) is None  # another environment
+    child = _start(server, capfd, "exit", "0", env_extra={"REFUSION_X": "1"})  # the project's own: its to read
+    assert child.wait() == 0
     assert srv.why is None  # the server is still up
     child = _start(server, capfd, "exit", "5")
     assert child.wait() == 5
@@ -141,6 +143,6 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-def test_the_server_is_off_when_asked(tmp_path, monkeypatch):
+def test_the_server_is_off_when_asked(monkeypatch):
     monkeypatch.setenv("REFUSION_FORK_SERVER", "0")
-    assert launch.fork_server(tmp_path) is None
+    assert launch.fork_server() is None

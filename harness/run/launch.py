@@ -87,19 +87,13 @@ def child_env(tmp: Path | None = None) -> dict:
     return env
 
 
-def fork_server(run_dir: Path) -> zygote.Server | None:
-    """The run's fork server, importing in the background from now on (its temporary folder is the run's
-    ``.tmp-zygote``); None where it cannot start or ``REFUSION_FORK_SERVER=0`` (every child then a plain process)."""
+def fork_server() -> zygote.Server | None:
+    """The run's fork server, not started yet: its first child starts it, in the environment the children get
+    then (it keeps this process's TMPDIR: it writes nothing, and each child gets its own). None where
+    ``REFUSION_FORK_SERVER=0``: every child then a plain process."""
     if os.environ.get("REFUSION_FORK_SERVER", "1") == "0":
         return None
-    tmp = run_dir / ".tmp-zygote"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(mode=0o700)
-        return zygote.Server(child_env(tmp), str(REPO), tmp=tmp)
-    except OSError as e:
-        print(f"warning: no fork server ({e}); each child imports torch itself", file=sys.stderr)
-        return None
+    return zygote.Server(child_env, str(REPO))
 
 
 def run_child(cmd: list[str], run_dir: Path, tmp_name: str, drop_env: tuple[str, ...] = (),

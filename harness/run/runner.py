@@ -158,6 +158,11 @@ def _timing_arguments(p: argparse.ArgumentParser) -> None:
                    "share of the machine during the timed rounds (default: %(default)s)")
 
 
+def check_run_id(run_id: str | None) -> None:
+    if run_id is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
+        raise InputError(f"--run-id {run_id!r} may only use letters, digits, '_', '.', '-'")
+
+
 def build_config(ns: argparse.Namespace) -> dict:
     """Everything a run needs, validated; raises InputError. Writes nothing."""
     if ns.limit is not None and ns.limit < 1:
@@ -166,8 +171,7 @@ def build_config(ns: argparse.Namespace) -> dict:
         raise InputError(f"--num-processes must be >= 1, got {ns.num_processes}")
     if ns.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {ns.batch_size}")
-    if ns.run_id is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", ns.run_id):
-        raise InputError(f"--run-id {ns.run_id!r} may only use letters, digits, '_', '.', '-'")
+    check_run_id(ns.run_id)
     check_out_writable(Path(ns.out), ns.run_id)  # before minutes of loading, not after
     tasks_dirs = [Path(d).expanduser() for d in ns.tasks_dir]
     for d in tasks_dirs:
@@ -273,6 +277,17 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()  # `make eval` killed: stop as if by SIGTERM instead of running on orphaned
     ns = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Each child of the run starts from it (zygote.py): started with the first child, ended with the runner on
+    # every way out.
+    server = fork_server()
+    try:
+        return _main(ns, server)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _main(ns: argparse.Namespace, server) -> int:
     from tasks.info import resolve_aliases
 
     ns.task, aliased = resolve_aliases(ns.task)  # before anything is written: run.json records the real name
@@ -311,7 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     # A stop signal anywhere below (between models, while the summary is written) ends the run as one
     # during a model does: everything written so far is whole (atomic writes), the run resumes.
     saved = {sig: signal.signal(sig, raise_stopped) for sig in STOP_SIGNALS}
-    server = fork_server(run_dir)  # each child a fork of it: torch and transformers imported once (zygote.py)
     try:
         rc = run_models(run_dir, cfg, ns.debug, rates, ns.retry_failed, server=server)
         if rc is not None:
@@ -332,8 +346,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 128 + e.signum
     finally:
-        if server is not None:
-            server.close()
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     print(summary.table(result))

@@ -17,8 +17,8 @@ streams (the runner's, passed at each start). What stays as it was:
   jemalloc background thread, libraries that prepare for fork themselves (pthread_atfork), as every
   fork-started PyTorch DataLoader worker relies on. Before each fork the server checks that no Python thread
   and no native thread has appeared since. Where it cannot serve a command (another module, an environment
-  that differs in anything but TMPDIR, a new thread, a server that failed to start), the caller starts the
-  command as a plain process (``launch.run_worker``).
+  that differs in anything but TMPDIR and REFUSION_* variables, a new thread, a server that failed to
+  start), the caller starts the command as a plain process (``launch.run_worker``).
 
 Protocol: one SOCK_SEQPACKET socket pair between runner and server. Each start sends a JSON request
 (argv, env, cwd) with four file descriptors (a fresh socket for this child's replies, stdin, stdout,
@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import Callable
 
 # Modules the children import anyway (worker, rounds, memory pass), heaviest first; one that is missing is skipped.
 PRELOAD = ("torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "transformers.generation.utils",
@@ -45,8 +46,10 @@ PRELOAD = ("torch", "transformers", "transformers.models.qwen3.modeling_qwen3", 
            "scipy.stats", "sympy", "safetensors.torch", "tokenizers", "numpy", "psutil", "tqdm")
 # The commands it serves: `python -m <one of these> ...` (the run's own children).
 MODULES = ("harness.run.worker", "harness.run.rounds", "harness.run.memory_pass")
-# Variables a child may have unlike the server (each child's temporary folder): read when used, not at import.
+# Variables a child may have unlike the server: each child's temporary folder, and the project's own (read by
+# the project's code, which each child loads itself). What the preloaded libraries read at import must match.
 PER_CHILD_ENV = ("TMPDIR",)
+PER_CHILD_PREFIX = "REFUSION_"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 MAX_MSG = 1 << 20
 
@@ -130,8 +133,10 @@ def _refuse(req: dict, started: dict, threads: int, modules: tuple[str, ...]) ->
     ``threads``: its native threads after it."""
     if req["argv"][:2] != [sys.executable, "-m"] or len(req["argv"]) < 3 or req["argv"][2] not in modules:
         return f"not a command it serves: {' '.join(req['argv'][:3])}"
-    if {k: v for k, v in req["env"].items() if k not in PER_CHILD_ENV} != \
-            {k: v for k, v in started.items() if k not in PER_CHILD_ENV}:
+    def shared(env: dict) -> dict:
+        return {k: v for k, v in env.items() if k not in PER_CHILD_ENV and not k.startswith(PER_CHILD_PREFIX)}
+
+    if shared(req["env"]) != shared(started):
         return "another environment"
     import threading
 
@@ -260,12 +265,12 @@ class Child:
 class Server:
     """The runner's handle on the fork server: ``start(cmd, env, cwd)`` gives a Child, or None where the server
     cannot serve that command (the caller then starts it as a plain process). The server process starts at the
-    first ``start`` (a run with nothing left to decode starts none; ``begin()`` starts it ahead); ``close()``
-    ends it and removes ``tmp`` (its temporary folder, if given); a context manager too."""
+    first ``start`` (a run with nothing left to decode starts none; ``begin()`` starts it ahead), in ``env``
+    (or what ``env()`` gives then); ``close()`` ends it; a context manager too."""
 
-    def __init__(self, env: dict, cwd: str, tmp: os.PathLike | None = None, modules: tuple[str, ...] = MODULES,
+    def __init__(self, env: dict | Callable[[], dict], cwd: str, modules: tuple[str, ...] = MODULES,
                  preload: tuple[str, ...] = PRELOAD) -> None:
-        self.env, self.cwd, self.tmp, self.modules, self.preload = env, cwd, tmp, modules, preload
+        self.env, self.cwd, self.modules, self.preload = env, cwd, modules, preload
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen | None = None
         self.why: str | None = None
@@ -278,7 +283,8 @@ class Server:
         spec = json.dumps({"modules": list(self.modules), "preload": list(self.preload)})
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "harness.run.zygote", str(theirs.fileno()), spec],
-                                         cwd=self.cwd, env=self.env, pass_fds=[theirs.fileno()],
+                                         cwd=self.cwd, env=self.env() if callable(self.env) else self.env,
+                                         pass_fds=[theirs.fileno()],
                                          stdin=subprocess.DEVNULL, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
         except OSError as e:
             mine.close()
@@ -324,10 +330,6 @@ class Server:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
-        if self.tmp is not None:
-            import shutil
-
-            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> Server:
         return self
