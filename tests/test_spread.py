@@ -58,3 +58,31 @@ def test_calibration_counts_false_alarms_on_idle_pairs_and_detections_on_slowed_
     want = sum(timing.spread_verdict(a, b, timing.spread_factor(base))["differs"] and b < a
                for a, b in zip([2.0, 2.05, 2.0, 2.0 * factor * 1.05], [2.0 / 1.5, 2.0 / 1.5, 2.0 / 1.01, 2.0 / 1.5]))
     assert det["detected"] == want == 3  # the third slowed run barely slowed: not called
+
+
+def test_each_run_records_the_whole_commands_wall_time(tmp_path, monkeypatch):
+    """ensure_runs times each `harness eval` from start to exit (what `make eval` costs its user) into the run
+    folder; run_figures and the series carry it; a run made before (no record) has none."""
+    import json
+    import subprocess
+
+    calls = []
+
+    def fake_run(cmd, cwd=None, env=None):
+        run = tmp_path / cmd[cmd.index("--run-id") + 1]
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"rows": [], "timing": {"machine": "quiet"}}))
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(spread.subprocess, "run", fake_run)
+    ticks = iter([100.0, 250.5, 300.0, 440.0])
+    monkeypatch.setattr(spread.time, "monotonic", lambda: next(ticks))
+    spread.ensure_runs(2, "w", ["--task", "embedded"], tmp_path)
+    runs = [spread.run_figures(tmp_path / f"spread-w-0{i}") for i in (1, 2)]
+    assert [r["wall_seconds"] for r in runs] == [150.5, 140.0] and len(calls) == 2
+    assert spread._walls(runs) == {"runs": 2, "lowest": 140.0, "median": 150.5, "highest": 150.5,
+                                   "unit": "seconds, the whole `harness eval` command"}
+    (tmp_path / "spread-w-02" / spread.WALL_FILE).unlink()
+    assert spread.run_figures(tmp_path / "spread-w-02")["wall_seconds"] is None
+    assert spread._walls([{"wall_seconds": None}]) is None

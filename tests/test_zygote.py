@@ -23,6 +23,7 @@ from harness.run import launch, zygote
 PROBE = '''
 import atexit, json, os, signal, sys, time
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "tmpdir": os.environ.get("TMPDIR"),
+                  "set_by_import": os.environ.get("ZSET"), "kept": os.environ.get("ZKEEP"),
                   "extra": os.environ.get("ZPROBE_EXTRA"), "path0": sys.path[0], "name": __name__,
                   "ppid": os.getppid(), "warm": "torch" in sys.modules,
                   "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
@@ -40,15 +41,26 @@ if mode == "sleep":
 '''
 
 
+# A preloaded module that sets variables the way libraries do at import (setdefault): ZSET unset before it.
+ZSET = '''
+import os
+os.environ.setdefault("ZSET", "by-import")
+os.environ.setdefault("ZKEEP", "by-import")
+'''
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("zygote")
     (root / "zprobe.py").write_text(PROBE)
-    env = {**launch.child_env(root / "tmp-server"), "PYTHONPATH": f"{root}{os.pathsep}{launch.REPO}"}
-    (root / "tmp-server").mkdir()
-    srv = zygote.Server(env, str(root), modules=("zprobe",), preload=("torch",))
+    (root / "zset.py").write_text(ZSET)
+    env = {**launch.child_env(), "PYTHONPATH": f"{root}{os.pathsep}{launch.REPO}", "ZKEEP": "the-run's"}
+    srv = zygote.Server(env, str(root), modules=("zprobe",), preload=("torch", "zset"))
+    srv.begin(root / "tmp-server")
+    assert (root / "tmp-server").is_dir()
     yield srv, env, root
     srv.close()
+    assert not (root / "tmp-server").exists()  # its temporary folder goes with it
 
 
 def _start(server, capfd, *args, env_extra=None, cwd=None):
@@ -72,6 +84,8 @@ def test_a_child_runs_its_module_as_python_m_would(server, capfd):
     assert got["argv"] == [str(root / "zprobe.py"), "exit", "3"] and got["name"] == "__main__"
     assert got["cwd"] == str(root) and got["path0"] == str(root) and got["tmpdir"] == str(root / "tmp-child")
     assert got["warm"]  # torch came with the fork: the child did not import it
+    # what the preload set is there, as a fresh import would set it; what the run gave wins over it
+    assert got["set_by_import"] == "by-import" and got["kept"] == "the-run's"
     assert got["sigterm"] and got["sigint"] and got["ppid"] == srv.proc.pid
     assert "atexit ran" in out  # its exit handlers run, as at a normal interpreter exit
 

@@ -88,8 +88,8 @@ def child_env(tmp: Path | None = None) -> dict:
 
 
 def fork_server() -> zygote.Server | None:
-    """The run's fork server, not started yet: its first child starts it, in the environment the children get
-    then (it keeps this process's TMPDIR: it writes nothing, and each child gets its own). None where
+    """The run's fork server, not started yet: its first child starts it (``run_child``), in the environment the
+    children get then, with a temporary folder of its own in the run folder (``.tmp-zygote``). None where
     ``REFUSION_FORK_SERVER=0``: every child then a plain process."""
     if os.environ.get("REFUSION_FORK_SERVER", "1") == "0":
         return None
@@ -108,6 +108,8 @@ def run_child(cmd: list[str], run_dir: Path, tmp_name: str, drop_env: tuple[str,
     env = child_env(tmp)
     for name in drop_env:
         env.pop(name, None)
+    if server is not None:
+        server.begin(run_dir / ".tmp-zygote")  # with the run's first child; a temporary folder of its own
     try:
         return run_worker(cmd, env, server)
     finally:

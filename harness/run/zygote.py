@@ -32,12 +32,14 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Callable
 
 # Modules the children import anyway (worker, rounds, memory pass), heaviest first; one that is missing is skipped.
@@ -210,7 +212,9 @@ def serve(fd: int, modules: tuple[str, ...] = MODULES, preload: tuple[str, ...] 
                 conn.close()
                 for c in children.values():
                     c.close()
-                code = _child({**req, "env": {**req["env"], **added}, "server_pid": server_pid}, fds[1:])
+                # The request's values win: a fresh process would have started with them, and its imports set
+                # only what was unset.
+                code = _child({**req, "env": {**added, **req["env"]}, "server_pid": server_pid}, fds[1:])
             finally:
                 os._exit(code)
         for f in fds[1:]:
@@ -274,17 +278,28 @@ class Server:
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen | None = None
         self.why: str | None = None
+        self.tmp: Path | None = None
 
-    def begin(self) -> None:
-        """Start the server process (it imports in the background from now on)."""
-        if self.proc is not None:
+    def begin(self, tmp: Path | None = None) -> None:
+        """Start the server process (it imports in the background from now on), with ``tmp`` its TMPDIR (made
+        here, removed by ``close``): its imports leave files there (torch's inductor cache folder), not in the
+        caller's."""
+        if self.proc is not None or self.why is not None:
             return
+        env = self.env() if callable(self.env) else dict(self.env)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # one left by a runner killed with SIGKILL
+            try:
+                tmp.mkdir(mode=0o700)
+            except OSError as e:
+                self.why = f"no temporary folder ({e})"
+                return
+            self.tmp, env["TMPDIR"] = tmp, str(tmp)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         spec = json.dumps({"modules": list(self.modules), "preload": list(self.preload)})
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "harness.run.zygote", str(theirs.fileno()), spec],
-                                         cwd=self.cwd, env=self.env() if callable(self.env) else self.env,
-                                         pass_fds=[theirs.fileno()],
+                                         cwd=self.cwd, env=env, pass_fds=[theirs.fileno()],
                                          stdin=subprocess.DEVNULL, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
         except OSError as e:
             mine.close()
@@ -330,6 +345,8 @@ class Server:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> Server:
         return self

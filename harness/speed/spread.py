@@ -52,6 +52,9 @@ def timing_statistic() -> str:
     return RATIO_STATISTIC
 
 
+WALL_FILE = "spread_wall.json"  # in each run folder: the whole command's wall seconds
+
+
 def _run_id(name: str, i: int) -> str:
     return f"spread-{name}-{i:02d}"
 
@@ -74,7 +77,10 @@ def ensure_runs(n: int, name: str, eval_args: list[str], out: Path, faults: dict
         p = subprocess.run(cmd, cwd=REPO, env=env)
         if p.returncode != 0:
             raise SystemExit(f"error: run {run.name} failed (exit {p.returncode}); rerun to resume it")
-        print(f"spread: run {i}/{n} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        wall = time.monotonic() - t0
+        # The command's whole wall time (start to exit, imports included): what `make eval` costs its user.
+        atomic_write_json(run / WALL_FILE, {"seconds": round(wall, 1), "command": shlex.join(cmd[1:])})
+        print(f"spread: run {i}/{n} done in {wall:.0f} s", file=sys.stderr, flush=True)
 
 
 def run_figures(run: Path) -> dict:
@@ -84,10 +90,18 @@ def run_figures(run: Path) -> dict:
     return {"run": run.name, "commit": (s.get("environment") or {}).get("git_commit"),
             "machine": t.get("machine") or ("busy" if t.get("busy") else "quiet"),
             "timing_seconds": t.get("seconds"), "timed_items": t.get("items"), "rounds": t.get("rounds"),
+            "wall_seconds": (read_json_or_none(run / WALL_FILE) or {}).get("seconds"),
             "mean": {m: {"speedup": v, "interval": (s.get("mean_speedup_interval") or {}).get(m)}
                      for m, v in (s.get("mean_speedup") or {}).items() if m != s.get("baseline")},
             "rows": {f"{r['model']}/{r['task']}": {"speedup": r["speedup"], "interval": r.get("speedup_ci")}
                      for r in s["rows"] if r["model"] != s.get("baseline") and r.get("speedup") is not None}}
+
+
+def _walls(runs: list[dict]) -> dict | None:
+    """The runs' whole wall times (each command from start to exit), where recorded."""
+    w = [r["wall_seconds"] for r in runs if r.get("wall_seconds") is not None]
+    return {"runs": len(w), "lowest": min(w), "median": sorted(w)[len(w) // 2], "highest": max(w),
+            "unit": "seconds, the whole `harness eval` command"} if w else None
 
 
 def spread_of(runs: list[dict], key: str) -> dict:
@@ -294,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             "mean_spread": spread_of(runs, "mean"), "row_spread": spread_of(runs, "rows"),
             "row_coverage": coverage(spread_of(runs, "rows")), "mean_coverage": coverage(spread_of(runs, "mean")),
             "largest_row_ratio": max((v["max_over_min"] for v in spread_of(runs, "rows").values()), default=None),
-            "compare_pairs_kind": ns.pairs, "compare_pairs": pairs,
+            "wall_seconds": _walls(runs), "compare_pairs_kind": ns.pairs, "compare_pairs": pairs,
             "compare_pairs_called_different": sum(1 for x in pairs if x["differ"])})
     if ns.ab:
         abs_ = ensure_abs(ns.ab, out)
@@ -310,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         c = result["row_coverage"]
         print(f"task speedup intervals holding the median of the other runs' points: {c['held']} of {c['of']} "
               f"({100 * c['share']:.0f}%)")
+    if ns.runs and result.get("wall_seconds"):
+        w = result["wall_seconds"]
+        print(f"wall time of the command: {w['lowest']:.0f}-{w['highest']:.0f} s over {w['runs']} runs")
     if ns.runs and result.get("largest_row_ratio"):
         print(f"largest per-task speedup ratio between two of these runs: x{result['largest_row_ratio']:.2f}")
     if result.get("compare_pairs") is not None and ns.runs:
