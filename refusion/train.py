@@ -318,29 +318,8 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state_path = out_dir / f".{name}.state.pt"
-    log: list[dict] = []
-    start, tokens_seen = 0, 0
-    state = None
-    if state_path.exists():
-        try:
-            state = _load_state(state_path, cfg, shape, fingerprint)
-        except StateMismatch as e:
-            if not fresh:
-                raise
-            print(f"[{name}] discarding the state file: {e}", file=sys.stderr)
-            state_path.unlink()
-    if state is not None:
-        model.load_state_dict(state["model"])
-        model.tie_weights()
-        opt.load_state_dict(state["optim"])
-        start, log, tokens_seen = state["step"], state["log"], state["tokens_seen"]
-        random.setstate(state["python_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        print(f"[{name}] resuming at step {start} from {state_path}", file=sys.stderr)
-    else:
-        init = init_of(name, cfg)
-        if init != "scratch":
-            _load_init(model, tokenizer, Path(cfg.init_dir or out_dir) / init)
+    start, log, tokens_seen = _resume_or_init(name, model, opt, tokenizer, cfg, shape, fingerprint, out_dir,
+                                              state_path, fresh)
 
     def save_state(step: int) -> None:
         _atomic_torch_save({"config": dataclasses.asdict(cfg), "shape": dataclasses.asdict(shape),
@@ -358,13 +337,7 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
         items, rng = draw_items(examples, step, cfg)
         batch = collate(name, items, rng, cfg, tokenizer)
         tokens_seen += sum(len(ex.prompt) + len(ex.response) for ex in items)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        loss = loss_fn(model, batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        loss = _optimizer_step(model, opt, loss_fn, batch, lr_at(step, cfg), cfg.grad_clip)
         done = step + 1
         log.append({"step": done, "loss": loss.item(), "lr": opt.param_groups[0]["lr"], "tokens": tokens_seen,
                     "elapsed_s": round(time.time() - t0, 2)})
@@ -384,7 +357,58 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
             bar.close()
             return None
 
-    # Write the finished checkpoint next to its final place, then swap it in.
+    final = _publish(name, model, tokenizer, log, cfg, shape, fingerprint, tokens_seen, out_dir)
+    state_path.unlink(missing_ok=True)
+    return final
+
+
+def _resume_or_init(name: str, model, opt, tokenizer, cfg: TrainConfig, shape: ModelShape, fingerprint: str,
+                    out_dir: Path, state_path: Path, fresh: bool) -> tuple[int, list[dict], int]:
+    """(start step, log, tokens seen): from the state file when there is one (model, optimizer, RNG states
+    restored; one of another configuration or corpus raises StateMismatch unless ``fresh``), else step 0 from
+    the model's init checkpoint (or from scratch)."""
+    import torch
+
+    state = None
+    if state_path.exists():
+        try:
+            state = _load_state(state_path, cfg, shape, fingerprint)
+        except StateMismatch as e:
+            if not fresh:
+                raise
+            print(f"[{name}] discarding the state file: {e}", file=sys.stderr)
+            state_path.unlink()
+    if state is None:
+        init = init_of(name, cfg)
+        if init != "scratch":
+            _load_init(model, tokenizer, Path(cfg.init_dir or out_dir) / init)
+        return 0, [], 0
+    model.load_state_dict(state["model"])
+    model.tie_weights()
+    opt.load_state_dict(state["optim"])
+    random.setstate(state["python_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    print(f"[{name}] resuming at step {state['step']} from {state_path}", file=sys.stderr)
+    return state["step"], state["log"], state["tokens_seen"]
+
+
+def _optimizer_step(model, opt, loss_fn, batch, lr: float, grad_clip: float):
+    """One AdamW step at learning rate ``lr`` with the gradient norm clipped; returns the loss."""
+    import torch
+
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss = loss_fn(model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return loss
+
+
+def _publish(name: str, model, tokenizer, log: list[dict], cfg: TrainConfig, shape: ModelShape, fingerprint: str,
+             tokens_seen: int, out_dir: Path) -> Path:
+    """Write the finished checkpoint next to its final place (``out_dir/name``), then swap it in."""
     final = out_dir / name
     staging = out_dir / f".{name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
@@ -404,7 +428,6 @@ def train_one(name: str, tokenizer, examples, cfg: TrainConfig, shape: ModelShap
         os.replace(final, old)
     os.replace(staging, final)
     shutil.rmtree(old, ignore_errors=True)
-    state_path.unlink(missing_ok=True)
     return final
 
 
@@ -550,6 +573,40 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     if corpus is None or entry is None:
         print("error: the trainer needs a corpus: run it as `python -m harness train-tiny`", file=sys.stderr)
         return 2
+    a = _parser(add_options).parse_args(argv)
+    names = [n.strip() for n in a.models.split(",") if n.strip()]
+    why = _bad_args(a, names)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads, warmup=a.warmup,
+                     suffix_share=a.suffix_share, save_every=a.save_every,
+                     save_every_s=a.save_every_s, snapshot_every=a.snapshot_every, init_dir=a.init_dir,
+                     **{f"{m}_init": getattr(a, f"{m}_init") for m in MODEL_NAMES})
+    overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr), ("open_share", a.open_share),
+                                        ("result_share", a.result_share), ("number_share", a.number_share))
+                      if v is not None})
+    previous = getattr(a, "recipe", "current") == "previous"
+    base = TrainConfig(**overrides)
+    hook = make_hook(a) if make_hook is not None else None
+    out = Path(a.out)
+    # Models a scheduled run already finished (an interrupted `make train-tiny` resumes where it was).
+    done = {n for n in names if _finished(out, n, recipe(n, previous, **overrides))}
+    for n in sorted(done, key=MODEL_NAMES.index):
+        print(f"{n}: {out / n} was finished by this run (same recipe); kept", flush=True)
+    todo = [n for n in sorted(set(names), key=MODEL_NAMES.index) if n not in done]
+    if len(todo) > 1 and not a.sequential and a.threads >= 2:
+        code = _schedule(todo, base, a, argv, entry)
+    else:
+        code = _in_process(todo, base, overrides, a, corpus, hook, previous)
+    if code == 0 and not a.child:
+        for n in names:  # the whole run is done: a later `make train-tiny` trains again from scratch
+            _done_marker(out, n).unlink(missing_ok=True)
+    return code
+
+
+def _parser(add_options: Callable[[argparse.ArgumentParser], None] | None) -> argparse.ArgumentParser:
+    """The trainer's options, and the caller's (``add_options``)."""
     p = argparse.ArgumentParser(prog="python -m harness train-tiny", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODEL_NAMES),
                    help=f"comma-separated subset of {','.join(MODEL_NAMES)} (default: all)")
@@ -604,45 +661,22 @@ def main(argv: list[str] | None = None, corpus: Callable[[], Corpus] | None = No
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one model of a scheduled run
     if add_options is not None:
         add_options(p)
-    a = p.parse_args(argv)
-    names = [n.strip() for n in a.models.split(",") if n.strip()]
+    return p
+
+
+def _bad_args(a: argparse.Namespace, names: list[str]) -> str | None:
+    """What is wrong with the options (one line), or None."""
     bad = [n for n in names if n not in MODEL_NAMES]
     if bad or not names:
-        print(f"error: unknown model(s) {', '.join(bad) or '(none)'}; valid: {', '.join(MODEL_NAMES)}", file=sys.stderr)
-        return 2
+        return f"unknown model(s) {', '.join(bad) or '(none)'}; valid: {', '.join(MODEL_NAMES)}"
     if (a.steps is not None and a.steps < 1) or a.batch_size < 1 or (a.lr is not None and a.lr <= 0):
-        print("error: --steps and --batch-size must be >= 1, --lr > 0", file=sys.stderr)
-        return 2
+        return "--steps and --batch-size must be >= 1, --lr > 0"
     shares = [x for x in (a.open_share, a.result_share, a.number_share) if x is not None]
     if not (all(0 <= x <= 1 for x in shares) and sum(shares) <= 1 and 0 <= a.suffix_share <= 1) \
             or a.save_every < 1 or a.save_every_s <= 0 or a.snapshot_every < 0 or a.warmup < 0:
-        print("error: --open-share, --result-share, --number-share (and their sum) and --suffix-share must be in "
-              "[0, 1], --save-every >= 1, --save-every-s > 0, --snapshot-every >= 0, --warmup >= 0", file=sys.stderr)
-        return 2
-    overrides = dict(batch_size=a.batch_size, seed=a.seed, threads=a.threads, warmup=a.warmup,
-                     suffix_share=a.suffix_share, save_every=a.save_every,
-                     save_every_s=a.save_every_s, snapshot_every=a.snapshot_every, init_dir=a.init_dir,
-                     **{f"{m}_init": getattr(a, f"{m}_init") for m in MODEL_NAMES})
-    overrides.update({k: v for k, v in (("steps", a.steps), ("lr", a.lr), ("open_share", a.open_share),
-                                        ("result_share", a.result_share), ("number_share", a.number_share))
-                      if v is not None})
-    previous = getattr(a, "recipe", "current") == "previous"
-    base = TrainConfig(**overrides)
-    hook = make_hook(a) if make_hook is not None else None
-    out = Path(a.out)
-    # Models a scheduled run already finished (an interrupted `make train-tiny` resumes where it was).
-    done = {n for n in names if _finished(out, n, recipe(n, previous, **overrides))}
-    for n in sorted(done, key=MODEL_NAMES.index):
-        print(f"{n}: {out / n} was finished by this run (same recipe); kept", flush=True)
-    todo = [n for n in sorted(set(names), key=MODEL_NAMES.index) if n not in done]
-    if len(todo) > 1 and not a.sequential and a.threads >= 2:
-        code = _schedule(todo, base, a, argv, entry)
-    else:
-        code = _in_process(todo, base, overrides, a, corpus, hook, previous)
-    if code == 0 and not a.child:
-        for n in names:  # the whole run is done: a later `make train-tiny` trains again from scratch
-            _done_marker(out, n).unlink(missing_ok=True)
-    return code
+        return ("--open-share, --result-share, --number-share (and their sum) and --suffix-share must be in "
+                "[0, 1], --save-every >= 1, --save-every-s > 0, --snapshot-every >= 0, --warmup >= 0")
+    return None
 
 
 def _in_process(names: list[str], base: TrainConfig, overrides: dict, a: argparse.Namespace,

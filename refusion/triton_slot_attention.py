@@ -67,6 +67,28 @@ def missing(device: torch.device | str | None = None) -> str | None:
 if triton is not None:
 
     @triton.jit
+    def _attend_keys(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+        """One block of keys in the online softmax (FlashAttention's update): q [BLOCK_M, BLOCK_D], k
+        [BLOCK_D, BLOCK_N], v [BLOCK_N, BLOCK_D], ``visible`` a mask broadcast to [BLOCK_M, BLOCK_N]; the running
+        max m_i and sum l_i [BLOCK_M] and the unnormalised output acc [BLOCK_M, BLOCK_D], float32, updated.
+        Scores in base 2 (``qk_scale`` includes log2 e)."""
+        if IEEE:
+            qk = tl.dot(q, k, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _slot_attn_fwd(
         Q, K, V, O, SID, SSTART, M_PART, L_PART,
         sm_scale, prefix_len, n_q, H, GROUP, split_len, num_splits,
@@ -109,23 +131,9 @@ if triton is not None:
             n_ok = offs_n < p1
             k = tl.load(k_base + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd,
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            if IEEE:
-                qk = tl.dot(q, k, input_precision="ieee")
-            else:
-                qk = tl.dot(q, k)
-            qk = tl.where(n_ok[None, :], qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd,
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_keys(q, k, v, n_ok[None, :], m_i, l_i, acc, qk_scale, IEEE)
 
         # 2. The slots: packed keys [slot start of the block's first query, the block's last query]
         #    (by the last split only).
@@ -140,24 +148,10 @@ if triton is not None:
             kv_n = prefix_len + offs_n
             k = tl.load(k_base + kv_n[None, :] * s_kn + offs_d[:, None] * s_kd,
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            if IEEE:
-                qk = tl.dot(q, k, input_precision="ieee")
-            else:
-                qk = tl.dot(q, k)
-            seen = (sid_k[None, :] == sid_q[:, None]) & (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :]
-            qk = tl.where(seen, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + kv_n[:, None] * s_vn + offs_d[None, :] * s_vd,
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            seen = (sid_k[None, :] == sid_q[:, None]) & (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :]
+            m_i, l_i, acc = _attend_keys(q, k, v, seen, m_i, l_i, acc, qk_scale, IEEE)
 
         if SPLIT:  # unnormalised partial results: O is [S, B, H, n, D] float32, M/L_PART [S, B, H, n]
             o_ptrs = O + pid_s * s_os + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from harness.run.metrics import aggregate, quality_metrics, withheld_verdicts
 from harness.run.store import atomic_write_json, atomic_write_jsonl, read_json
+from harness.run.zygote import die_with_parent
 
 
 def _peak_rss_bytes() -> int:
@@ -77,16 +78,6 @@ def _sample_rows(samples: dict, records: dict[tuple, dict], unit: dict) -> list[
     return rows
 
 
-def _die_with_parent() -> None:
-    """The runner (or accelerate's launcher) is gone: this worker must not keep writing."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.run.worker", description=__doc__)
     p.add_argument("--run-dir", required=True)
@@ -118,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(ns: argparse.Namespace) -> int:
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # the runner (or accelerate's launcher) gone: this worker must not keep writing
     # SIGTERM (and Slurm's warning signal, SIGUSR1) unwinds like an exception: open files close, the
     # journal keeps every finished sample. SIGINT already does (KeyboardInterrupt).
     from harness.run.faults import pause_at
