@@ -410,11 +410,16 @@ def runner_reference(runner_setup, shared_once):
         cmd = [sys.executable, "-m", "harness", "eval", "--task", s["task"], "--models", s["models"], "--tasks-dir",
                str(s["tasks"]), "--out", str(s["out"]), "--run-id", "ref", "--threads", "1", "--no-chat-template"]
         shutil.rmtree(s["out"] / "ref", ignore_errors=True)
+        # the fork server on, and saying why it refuses a child (harness/run/zygote.py)
         p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
-                                               "TOKENIZERS_PARALLELISM": "false"},
+                                               "TOKENIZERS_PARALLELISM": "false", "REFUSION_FORK_SERVER": "1",
+                                               "REFUSION_FORK_SERVER_DEBUG": "1"},
                            capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stderr[-4000:]
         assert "done:" in p.stdout and s["task"] in p.stdout
+        # every child (each model's worker, the timed rounds, the memory pass) was forked from the server, which
+        # the runner started before its own imports: what those set in its environment must not refuse them
+        assert "fork server:" not in p.stderr, p.stderr[-4000:]
 
     shared_once("runner-reference", make)
     return s["out"] / "ref"

@@ -90,7 +90,7 @@ def test_aliases_name_real_tasks_and_shadow_none():
 def test_alias_is_resolved_before_anything_is_written(tmp_path, monkeypatch, capsys):
     seen = {}
 
-    def build_config(ns):
+    def build_config(ns, checked=None):
         seen["task"] = ns.task
         raise runner.InputError("stop here")
 

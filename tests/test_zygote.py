@@ -113,12 +113,29 @@ def test_a_stop_signal_reaches_the_child_and_its_death_is_reported_as_popen_does
     assert child.wait(timeout=30) == -signal.SIGTERM
 
 
+def test_what_the_caller_set_since_the_server_began_is_served(server, capfd, monkeypatch):
+    """The runner begins the server before its own imports, which set variables (torch's inductor cache folder,
+    scikit-learn's KMP_DUPLICATE_LIB_OK): its children, which have them, are served; one set only for the child
+    is not."""
+    monkeypatch.setenv("ZLATE", "set-by-the-caller-after-begin")
+    child = _start(server, capfd, "exit", "0", env_extra={"ZLATE": "set-by-the-caller-after-begin"})
+    assert child is not None and child.wait() == 0
+    assert _start(server, capfd, "exit", "0", env_extra={"ZLATE": "set-by-the-caller-after-begin",
+                                                         "ZOTHER": "1"}) is None
+
+
 def test_what_it_does_not_serve_is_left_to_a_plain_process(server, capfd):
     srv, env, root = server
     assert srv.start([sys.executable, "-m", "json.tool", "--help"], env, str(root)) is None  # another module
     assert _start(server, capfd, "exit", "0", env_extra={"ZPROBE_EXTRA": "1"}) is None  # another environment
     child = _start(server, capfd, "exit", "0", env_extra={"REFUSION_X": "1"})  # the project's own: its to read
     assert child.wait() == 0
+    # a variable the preload set itself, with the runner's own value (its imports set it under its TMPDIR): served,
+    # and the child has the runner's value, as a fresh process started by the runner would
+    capfd.readouterr()
+    child = _start(server, capfd, "exit", "0", env_extra={"ZSET": "by-the-runner's-import"})
+    assert child is not None and child.wait() == 0
+    assert _out(capfd)[0]["set_by_import"] == "by-the-runner's-import"
     assert srv.why is None  # the server is still up
     child = _start(server, capfd, "exit", "5")
     assert child.wait() == 5

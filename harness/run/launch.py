@@ -88,9 +88,10 @@ def child_env(tmp: Path | None = None) -> dict:
 
 
 def fork_server() -> zygote.Server | None:
-    """The run's fork server, not started yet: its first child starts it (``run_child``), in the environment the
-    children get then, with a temporary folder of its own in the run folder (``.tmp-zygote``). None where
-    ``REFUSION_FORK_SERVER=0``: every child then a plain process."""
+    """The run's fork server, not started yet: the runner starts it once the run's tasks are checked
+    (``server.begin``), or else its first child (``run_child``), in the environment the children get then, with
+    a temporary folder of its own (``zygote.Server.begin``). None where ``REFUSION_FORK_SERVER=0``: every child
+    then a plain process."""
     if os.environ.get("REFUSION_FORK_SERVER", "1") == "0":
         return None
     return zygote.Server(child_env, str(REPO))
@@ -108,8 +109,6 @@ def run_child(cmd: list[str], run_dir: Path, tmp_name: str, drop_env: tuple[str,
     env = child_env(tmp)
     for name in drop_env:
         env.pop(name, None)
-    if server is not None:
-        server.begin(run_dir / ".tmp-zygote")  # with the run's first child; a temporary folder of its own
     try:
         return run_worker(cmd, env, server)
     finally:

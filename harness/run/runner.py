@@ -37,7 +37,7 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from harness.run import cluster, summary
 from harness.run.faults import STOP_SIGNALS
@@ -163,8 +163,9 @@ def check_run_id(run_id: str | None) -> None:
         raise InputError(f"--run-id {run_id!r} may only use letters, digits, '_', '.', '-'")
 
 
-def build_config(ns: argparse.Namespace) -> dict:
-    """Everything a run needs, validated; raises InputError. Writes nothing."""
+def build_config(ns: argparse.Namespace, checked: Callable[[], None] | None = None) -> dict:
+    """Everything a run needs, validated; raises InputError. Writes nothing. ``checked()`` runs once the tasks are
+    valid, before the slow checks: the runner starts its fork server there (its imports overlap the checks)."""
     if ns.limit is not None and ns.limit < 1:
         raise InputError(f"--limit must be >= 1, got {ns.limit}")
     if ns.num_processes < 1:
@@ -180,6 +181,8 @@ def build_config(ns: argparse.Namespace) -> dict:
     task_arg = paper_tasks(ns.task) if ns.prompts == "paper" else ns.task
     tm = task_manager(extra_dirs=tasks_dirs)  # tasks/ and the --tasks-dir folders: indexing only
     task_names(task_arg, tm)  # a misspelt task fails in seconds, before torch is imported or a checkpoint read
+    if checked is not None:
+        checked()
     import torch
 
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -294,7 +297,8 @@ def _main(ns: argparse.Namespace, server) -> int:
     for short, real in aliased:
         print(f"task {short!r} is {real!r}", file=sys.stderr)
     try:
-        cfg = build_config(ns)
+        # a run starts its fork server early (its imports then run beside the checks); a dry run needs none
+        cfg = build_config(ns, None if server is None or ns.dry_run else server.begin)
         warning = dtype_warning(cfg)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)

@@ -17,12 +17,13 @@ streams (the runner's, passed at each start). What stays as it was:
   jemalloc background thread, libraries that prepare for fork themselves (pthread_atfork), as every
   fork-started PyTorch DataLoader worker relies on. Before each fork the server checks that no Python thread
   and no native thread has appeared since. Where it cannot serve a command (another module, an environment
-  that differs in anything but TMPDIR and REFUSION_* variables, a new thread, a server that failed to
-  start), the caller starts the command as a plain process (``launch.run_worker``).
+  that differs in anything but TMPDIR, REFUSION_* variables and what libraries set at import (``_refuse``), a
+  new thread, a server that failed to start), the caller starts the command as a plain process
+  (``launch.run_worker``).
 
 Protocol: one SOCK_SEQPACKET socket pair between runner and server. Each start sends a JSON request
-(argv, env, cwd) with four file descriptors (a fresh socket for this child's replies, stdin, stdout,
-stderr); the server replies on that socket with ``{"pid": n}`` (or ``{"refused": why}``), then
+(argv, env, cwd, and ``late``: the variables the runner set since the server began) with four file descriptors
+(a fresh socket for this child's replies, stdin, stdout, stderr); the server replies on that socket with ``{"pid": n}`` (or ``{"refused": why}``), then
 ``{"exit": code}`` when the child ends.
 """
 
@@ -37,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -86,7 +88,6 @@ def _exit_code(e: SystemExit) -> int:
 def _child(req: dict, fds: list[int]) -> int:
     """In the forked child: become ``python -m <module> <args>`` in the request's folder and environment."""
     import runpy
-    import tempfile
 
     for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(s, signal.SIG_DFL)
@@ -130,16 +131,25 @@ def _child(req: dict, fds: list[int]) -> int:
     return code
 
 
-def _refuse(req: dict, started: dict, threads: int, modules: tuple[str, ...]) -> str | None:
+def _refuse(req: dict, started: dict, added: dict, threads: int, modules: tuple[str, ...]) -> str | None:
     """Why the server cannot start this request (None: it can). ``started``: its environment before the preload;
-    ``threads``: its native threads after it."""
+    ``added``: what the preload set there itself; ``threads``: its native threads after it. Besides TMPDIR and
+    REFUSION_*, the request may differ in the variables of ``added`` and in those it names ``late``: what the
+    runner's own imports set after the server began (libraries that set at import what is unset, such as torch's
+    inductor cache folder under the runner's TMPDIR or scikit-learn's KMP_DUPLICATE_LIB_OK): a fresh process the
+    runner started would have had them; the child gets the request's values."""
     if req["argv"][:2] != [sys.executable, "-m"] or len(req["argv"]) < 3 or req["argv"][2] not in modules:
         return f"not a command it serves: {' '.join(req['argv'][:3])}"
-    def shared(env: dict) -> dict:
-        return {k: v for k, v in env.items() if k not in PER_CHILD_ENV and not k.startswith(PER_CHILD_PREFIX)}
+    free = set(added) | set(req.get("late") or ())
 
-    if shared(req["env"]) != shared(started):
-        return "another environment"
+    def shared(env: dict) -> dict:
+        return {k: v for k, v in env.items()
+                if k not in PER_CHILD_ENV and not k.startswith(PER_CHILD_PREFIX) and k not in free}
+
+    theirs, ours = shared(req["env"]), shared(started)
+    if theirs != ours:
+        names = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+        return f"another environment ({', '.join(names[:5])}{' ...' if len(names) > 5 else ''})"
     import threading
 
     if threads == 0:
@@ -193,7 +203,7 @@ def serve(fd: int, modules: tuple[str, ...] = MODULES, preload: tuple[str, ...] 
             continue
         conn = socket.socket(fileno=fds[0])
         req = json.loads(msg)
-        why = _refuse(req, started, threads, modules)
+        why = _refuse(req, started, added, threads, modules)
         if why is not None:
             _send(conn, {"refused": why})
             for f in fds[1:]:
@@ -279,22 +289,28 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.why: str | None = None
         self.tmp: Path | None = None
+        self.served = False  # a child was started
+        self.began: dict[str, str] = {}
 
     def begin(self, tmp: Path | None = None) -> None:
         """Start the server process (it imports in the background from now on), with ``tmp`` its TMPDIR (made
-        here, removed by ``close``): its imports leave files there (torch's inductor cache folder), not in the
+        here, a leftover of that name removed first; None: a new folder in the caller's temporary folder),
+        removed by ``close``: its imports leave files there (torch's inductor cache folder), not in the
         caller's."""
         if self.proc is not None or self.why is not None:
             return
         env = self.env() if callable(self.env) else dict(self.env)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)  # one left by a runner killed with SIGKILL
-            try:
+        try:
+            if tmp is None:
+                tmp = Path(tempfile.mkdtemp(prefix="refusion-fork-server-"))
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)  # one left by a runner killed with SIGKILL
                 tmp.mkdir(mode=0o700)
-            except OSError as e:
-                self.why = f"no temporary folder ({e})"
-                return
-            self.tmp, env["TMPDIR"] = tmp, str(tmp)
+        except OSError as e:
+            self.why = f"no temporary folder ({e})"
+            return
+        self.tmp, env["TMPDIR"] = tmp, str(tmp)
+        self.began = dict(os.environ)  # the caller's environment now: what it sets later is named at each start
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         spec = json.dumps({"modules": list(self.modules), "preload": list(self.preload)})
         try:
@@ -315,7 +331,8 @@ class Server:
             return None
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            socket.send_fds(self.sock, [json.dumps({"argv": cmd, "env": env, "cwd": cwd}).encode()],
+            late = sorted(k for k, v in os.environ.items() if self.began.get(k) != v)
+            socket.send_fds(self.sock, [json.dumps({"argv": cmd, "env": env, "cwd": cwd, "late": late}).encode()],
                             [theirs.fileno(), 0, 1, 2])
             theirs.close()
             reply = json.loads(mine.recv(MAX_MSG) or b'{"refused": "the server is gone"}')
@@ -331,6 +348,7 @@ class Server:
             if reply["refused"] == "the server is gone":
                 self.why = reply["refused"]
             return None
+        self.served = True
         return Child(mine, int(reply["pid"]))
 
     def close(self, timeout: float = 0.5) -> None:
@@ -340,7 +358,8 @@ class Server:
             self.sock.close()
         if self.proc is not None:
             t0 = time.monotonic()
-            while self.proc.poll() is None and time.monotonic() - t0 < timeout:
+            # one that served no child (a run that stopped at a check) may still be importing: killed at once
+            while self.served and self.proc.poll() is None and time.monotonic() - t0 < timeout:
                 time.sleep(0.01)
             if self.proc.poll() is None:
                 self.proc.kill()
