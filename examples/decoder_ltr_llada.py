@@ -2,10 +2,9 @@
 
 The stock ``llada`` decoder unmasks, at each step of a block, the block's most confident masked
 positions. This variant unmasks the *leftmost* ones instead: the same forwards and the same
-proposals, only the choice of positions differs. It is written entirely from the public building
-blocks of ``refusion.decoding`` (common.py: the meter and the counted forward; mdm.py: the canvas,
-the proposal, the commit and the stopping test), so it is counted, traced and stopped at EOS like
-every other decoder.
+proposals, only the choice of positions differs. So it is ``llada``'s step rule with another step
+(``LladaRule.step``): the shared block loop (block_loop.py ``decode_blocks``) runs it, so it is
+counted, traced and stopped at EOS like every other decoder, and it writes no loop of its own.
 
 To use it in runs, copy this file to ``refusion/decoding/ltr_llada.py`` and add one line to the
 registry in ``refusion/decoding/__init__.py``::
@@ -24,10 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from refusion.decoding import Decoder, register
-from refusion.decoding.common import Meter, cut_after_eos, eos_ids, forward, make_generator, mask_id
+from refusion.decoding.block_loop import BlockRun, decode_blocks
+from refusion.decoding.common import proposal
 from refusion.decoding.knobs import Knobs, compile_knob, gen_length, seed, temperature
-from refusion.decoding.mdm import (block_length_knob, block_schedule, check_steps, commit_topk, finished, llada_propose,
-                                   masked_start, steps_knob, stop_at_eos_knob, tokens_per_step_knob)
+from refusion.decoding.mdm import (LladaRule, block_length_knob, check_steps, llada_propose, steps_knob,
+                                   stop_at_eos_knob, tokens_per_step_knob)
+from refusion.decoding.proposals import make_generator
+from refusion.decoding.tokens import eos_ids, mask_id
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,21 @@ class LtrLladaKnobs(Knobs):
     temperature: float = temperature()
     stop_at_eos: bool = stop_at_eos_knob()
     seed: int = seed()
-    compile: bool = compile_knob()  # every decoder has it: Meter(..., compile=) does the rest
+    compile: bool = compile_knob()  # the loop's Meter(..., compile=) does the rest
 
     def check(self) -> None:
         check_steps(self)  # block_length divides gen_length; steps a multiple of the block count
+
+
+class LtrLladaRule(LladaRule):
+    """``llada``'s rule (its canvas, blocks and schedule: the shared block loop runs them) with another step:
+    the same forward and proposal, then the schedule's count of the *leftmost* open positions of each row."""
+
+    def step(self, run: BlockRun, lo: int, hi: int, s: int, open_: list[list[int]]):
+        x0, _ = proposal(run.model, run.meter, "step", self.x, slice(lo, hi), None,  # [B, block]: a token each
+                         lambda lg: llada_propose(lg, self.k.temperature, self.gen, self.mask),
+                         position_ids=self.pos, attention_mask=self.attn)
+        return x0, [op[:self.schedule[s]] for op in open_]  # open positions are ascending: the leftmost first
 
 
 @torch.no_grad()
@@ -55,28 +68,8 @@ def ltr_llada(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     1-D response per row, cut after its first EOS, and the stats of ``Meter.finish``."""
     k = LtrLladaKnobs.of(knobs, overrides, "ltr_llada")
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
-    gen = make_generator(input_ids.device, k.seed)
-    meter = Meter(model, ("step",), compile=k.compile)  # one phase: every forward is a full one
-    x, attn, pos = masked_start(model, input_ids, attention_mask, k.gen_length, mask)  # [B, P+G] each
-    p0 = input_ids.shape[1]
-    n_blocks, schedule = block_schedule(k)  # tokens committed at each step of a block, as llada
-    meter.track(x.shape[0], k.gen_length, x.device)  # the commit log: which forward fixed each token
-    # Position score: the leftmost position ranks first ([block], larger = earlier).
-    leftness = -torch.arange(k.block_length, dtype=torch.float32, device=x.device)
-    for b in range(n_blocks):
-        lo, hi = p0 + b * k.block_length, p0 + (b + 1) * k.block_length
-        for n in schedule:
-            logits = forward(model, meter, "step", x, position_ids=pos, attention_mask=attn)[:, lo:hi]
-            x0, _ = llada_propose(logits, k.temperature, gen, mask)  # [B, block]: a token per position
-            block = x[:, lo:hi]  # a view: commits land in x
-            score = torch.where(block == mask, leftness.expand_as(x0), torch.full_like(x0, -torch.inf,
-                                                                                           dtype=torch.float32))
-            commit_topk(block, x0, score, torch.full((x.shape[0],), n, device=x.device))
-            meter.settle(x[:, p0:], mask)  # after every forward: records what it committed
-        if k.stop_at_eos and finished(x, p0, hi, eos):
-            break
-    responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
-    return responses, meter.finish(responses)
+    return decode_blocks(model, input_ids, attention_mask, LtrLladaRule(k, mask, make_generator(input_ids.device,
+                                                                                                 k.seed)), eos)
 
 
 def register_example() -> Decoder:

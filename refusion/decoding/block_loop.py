@@ -1,4 +1,5 @@
-"""The block loop shared by the block-diffusion decoders (``sdar``, ``llada2``, ``diffusion_gemma``): one loop,
+"""The block loop shared by the block decoders: the block-diffusion ones (a KV cache of decided blocks) and the
+semi-autoregressive masked-diffusion ones (a canvas each forward reads whole: mdm.py ``CanvasRule``). One loop,
 and each decoder is its step rule (a ``BlockRule``) with its knobs.
 
 The loop owns what every block decoder does the same way (docs/design.md §4b, §6):
@@ -11,8 +12,10 @@ The loop owns what every block decoder does the same way (docs/design.md §4b, �
             which drops whatever a previous forward of the block wrote (the cache keep) before each forward;
   store     the rule extends the cache with the decided block (``BlockRule.store``): before the finished rows
             leave, or, with ``store_late`` (an encoder that writes a block only when a next one reads it), after;
-  stop      a row ends after the block in which an EOS appears among its response tokens, or after its last
-            block; rows that ended leave the batch (their cache rows and visibility dropped) at once;
+            a canvas rule (``kv`` false) keeps its canvas itself and stores nothing;
+  stop      a row ends after the block in which an EOS appears among its response tokens (``stop_at_eos``), or
+            after its last block; rows that ended leave the batch (their cache rows and visibility dropped, the
+            rule's own rows through ``BlockRule.prune``) at once, or, with ``prune_rows`` false, once none goes on;
   counting  one ``Meter`` per call (NFE per phase, KV peak, decode and forward time, the forward budget); the
             row blocks decoded; responses cut after the first EOS and to ``gen_length``.
 
@@ -62,6 +65,7 @@ class BlockRun:
         self.seen: torch.Tensor | None = None  # [b, kv] bool; the rule's start sets it
         self.out: list[list[torch.Tensor]] = [[] for _ in self.live]  # per row, its blocks' response tokens
         self.row_blocks = 0  # row blocks decoded (a stat)
+        self.ended: set[int] = set()  # rows (batch indices) with an EOS in their response
         self.pos = torch.empty(0, dtype=torch.long, device=device)
         self.prefix = 0
         self._visible: torch.Tensor | None = None
@@ -114,9 +118,10 @@ class BlockRun:
             stored = (~(block == fill).any(-1))[:, None].expand(-1, block.shape[1])
         self.seen = torch.cat([self.seen, stored], dim=-1)
 
-    def collect(self, j: int, block: torch.Tensor) -> list[int]:
+    def collect(self, j: int, block: torch.Tensor, stop_at_eos: bool = True) -> list[int]:
         """Block j [b, size] decided: each row's response part joins its answer. Returns the indices into
-        ``live`` of the rows that go on (no EOS among their response tokens yet, blocks left)."""
+        ``live`` of the rows that go on: blocks left and, with ``stop_at_eos``, no EOS among their response
+        tokens yet (in this block or an earlier one: a row kept in the batch after its EOS stays ended)."""
         g = self.grid
         answer = self.pos >= torch.tensor([g.lengths[b] for b in self.live], device=self.device)[:, None]
         ended = (is_eos(block, self.eos) & answer).any(-1).tolist()
@@ -124,18 +129,24 @@ class BlockRun:
         for i, b in enumerate(self.live):
             first = max(0, g.lengths[b] - (g.starts[b] + j * g.size))  # the prompt's tail is no response
             self.out[b].append(block[i, first:])
-            if j + 1 < g.blocks[b] and not ended[i]:
+            if ended[i] and stop_at_eos:
+                self.ended.add(b)
+            if j + 1 < g.blocks[b] and b not in self.ended:
                 keep.append(i)
         return keep
 
-    def prune(self, keep: list[int]) -> None:
-        """Only the live rows ``keep`` (indices into ``live``) go on: the others leave the cache and the batch."""
-        if len(keep) < len(self.live):
-            idx = torch.tensor(keep, device=self.device)
+    def prune(self, keep: list[int]) -> torch.Tensor | None:
+        """Only the live rows ``keep`` (indices into ``live``) go on: the others leave the cache and the batch.
+        Returns their indices [k] (None when every row goes on)."""
+        if len(keep) == len(self.live):
+            return None
+        idx = torch.tensor(keep, device=self.device)
+        if self.cache is not None:
             self.cache.batch_select_indices(idx)
             self.seen = self.seen[idx]
-            self.pos = self.pos[idx]
-            self.live = [self.live[i] for i in keep]
+        self.pos = self.pos[idx]
+        self.live = [self.live[i] for i in keep]
+        return idx
 
 
 class BlockRule:
@@ -145,6 +156,10 @@ class BlockRule:
     aligned: bool = True  # BlockGrid.lay
     store_late: bool = False  # store after the ended rows left, and only when a next block reads it
     fill: int | None = None  # the id of an undecided position (the mask id), None: the rule fills the block itself
+    compile: bool = False  # forwards through the compiled path (Meter(compile=...); the rule's caches: new_cache)
+    kv: bool = True  # the loop keeps the decided blocks' KV (``store``, ``seen``); False: the rule keeps a canvas
+    stop_at_eos: bool = True  # a row ends after the block in which an EOS appears in its response
+    prune_rows: bool = True  # ended rows leave the batch at once; False: every row stays until none goes on
     size: int = 0  # tokens per block
     gen_length: int = 0
 
@@ -165,6 +180,9 @@ class BlockRule:
         """Write the decided block's KV into the cache."""
         raise NotImplementedError
 
+    def prune(self, run: BlockRun, idx: torch.Tensor) -> None:
+        """The rule's own per-row state keeps only the rows ``idx`` [k] (indices into the batch before)."""
+
     def stats(self, run: BlockRun) -> dict:
         """Extra stats of the call."""
         return {}
@@ -177,23 +195,27 @@ def decode_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     device = input_ids.device
     pad = left_padding_mask(input_ids, attention_mask)
     grid = BlockGrid.lay(pad.sum(-1).tolist(), rule.size, rule.gen_length, rule.aligned)
-    meter = Meter(model, rule.phases)
+    meter = Meter(model, rule.phases, compile=rule.compile)
     length, steps = rule.budget(grid)
     meter.track(input_ids.shape[0], length, device, steps=steps)
     run = BlockRun(model, meter, grid, eos, device)
     rule.start(run, input_ids, pad)
     for j in range(max(grid.blocks)):
         run.begin(j)
-        opening = None if rule.fill is None else run.opening(j, input_ids, rule.fill)
+        opening = None if rule.fill is None or not rule.kv else run.opening(j, input_ids, rule.fill)
         block = rule.decide(run, j, opening)
-        if not rule.store_late:
+        if rule.kv and not rule.store_late:
             rule.store(run, block)
             run.extend_seen(block, rule.fill)
-        keep = run.collect(j, block)
+        keep = run.collect(j, block, rule.stop_at_eos)
         if not keep:
             break
-        run.prune(keep)
-        if rule.store_late:
+        if not rule.prune_rows:
+            keep = list(range(len(run.live)))
+        idx = run.prune(keep)
+        if idx is not None:
+            rule.prune(run, idx)
+        if rule.kv and rule.store_late:
             block = block[keep]
             run.extend_seen(block, rule.fill)
             rule.store(run, block)

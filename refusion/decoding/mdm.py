@@ -11,7 +11,9 @@ response's first token is predicted by the prompt's last position.
 Batches are left-padded; the padding mask travels as a 2-D mask, so the model's own
 bidirectional mask hides pads. Response region: gen_length mask tokens after the prompt.
 
-Public building blocks for variants (docs/extending.md writes a left-to-right LLaDA from them):
+``llada`` and ``fast_dllm`` are step rules (``LladaRule``, ``FastDllmRule``: ``CanvasRule``s) of the shared block
+loop (block_loop.py); a variant of them overrides a rule's ``step`` (docs/extending.md writes a left-to-right
+LLaDA so). Public building blocks for other variants:
 ``masked_start`` (the canvas), ``llada_propose`` / ``dream_propose`` (token and confidence per position),
 ``commit_topk`` / ``commit_sampled`` (unmask k positions of each row), ``finished`` / ``settled`` (when
 the answer can no longer change), ``top_p_filter`` / ``top_k_filter``, and the knob pieces
@@ -26,13 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .block_loop import BlockRule, BlockRun, decode_blocks
 from .cache import cache_keep, new_cache
 from .common import Meter, proposal
 from .knobs import Knobs, check_logits_chunk, compile_knob, gen_length, knob, logits_chunk_knob, seed, temperature
 from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob
 from .tokens import cut_after_eos, eos_ids, is_eos, mask_id, padding_mask, positions_from_mask
 
-__all__ = ["DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "LladaKnobs", "as_float32", "block_length_knob",
+__all__ = ["CanvasRule", "DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "FastDllmRule", "LladaKnobs", "LladaRule", "as_float32", "block_length_knob",
            "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "DREAM_FOLDER_KNOBS",
            "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "llada_propose", "settled", "settled_row",
            "steps_knob", "steps_of",
@@ -239,10 +242,11 @@ def top_open(conf: list[float], open_: list[int], n: int) -> list[int]:
     return sorted(open_, key=lambda j: -conf[j])[:n] if n < len(open_) else list(open_)
 
 
-def commit_chosen(x, x0, chosen: list[list[int]], meter: Meter, offset: int) -> None:
+def commit_chosen(x, x0, chosen: list[list[int]], meter: Meter, offset: int, live: list[int] | None = None) -> None:
     """Write x0 into x [B, n] at the host lists of positions ``chosen`` (per row) and mark them committed by
-    the forward just made (``Meter.commit``; response column = ``offset`` + position). Two kernels and one
-    small host-to-device copy for the whole batch, instead of per-position indexing."""
+    the forward just made (``Meter.commit``; response column = ``offset`` + position; ``live``: each row's index
+    in the call's batch, when rows have left it). Two kernels and one small host-to-device copy for the whole
+    batch, instead of per-position indexing."""
     rows = [b for b, c in enumerate(chosen) for _ in c]
     cols = [j for c in chosen for j in c]
     if not cols:
@@ -253,7 +257,7 @@ def commit_chosen(x, x0, chosen: list[list[int]], meter: Meter, offset: int) -> 
     f, kind = meter.calls - 1, meter.phase_log[-1]
     for b, cs in enumerate(chosen):
         if cs:
-            meter.commit(b, [offset + j for j in cs], [f] * len(cs), [kind] * len(cs))
+            meter.commit(b if live is None else live[b], [offset + j for j in cs], [f] * len(cs), [kind] * len(cs))
 
 
 def llada_propose(logits, temperature, gen, mask):
@@ -334,6 +338,71 @@ def finished(x, prompt_len, end, eos) -> bool:
     return bool(is_eos(x[:, prompt_len:end], eos).any(-1).all())
 
 
+class CanvasRule(BlockRule):
+    """The step rule of a semi-autoregressive masked-diffusion decoder (``llada``, ``fast_dllm``) for the shared
+    block loop (block_loop.decode_blocks): the rule keeps the canvas (``masked_start``: the left-padded prompt,
+    then gen_length masks; each forward reads the whole of it), and block j of the loop is the canvas's response
+    columns [j * block_length, (j + 1) * block_length), decoded by the rule's ``steps`` until no position of it
+    is masked. Every row stays in the batch until every row has ended (``prune_rows`` false: the rows share one
+    generator, whose draws a smaller batch would change), as the authors' loops run a batch."""
+    kv = False
+    aligned = False
+    prune_rows = False
+
+    def __init__(self, k, mask: int, gen: torch.Generator | None):
+        self.k, self.mask, self.gen = k, mask, gen
+        self.size, self.gen_length, self.compile, self.stop_at_eos = (k.block_length, k.gen_length, k.compile,
+                                                                      k.stop_at_eos)
+
+    def start(self, run: BlockRun, input_ids: torch.Tensor, pad: torch.Tensor) -> None:
+        self.x, self.attn, self.pos = masked_start(run.model, input_ids, pad, self.gen_length, self.mask)
+        self.p0 = input_ids.shape[1]
+
+    def decide(self, run: BlockRun, j: int, _opening: torch.Tensor | None) -> torch.Tensor:
+        lo = self.p0 + j * self.size
+        hi = lo + self.size
+        self.begin_block(run, lo, hi)
+        # Host bookkeeping, once per step (docs/design.md §6): the block's open (masked) positions per row. A block
+        # starts all masked: nothing writes ahead of the current block.
+        open_ = [list(range(self.size)) for _ in run.live]
+        s = 0
+        while any(open_):
+            x0, chosen = self.step(run, lo, hi, s, open_)
+            commit_chosen(self.x[:, lo:hi], x0, chosen, run.meter, lo - self.p0, run.live)
+            open_ = [[j for j in op if j not in set(c)] for op, c in zip(open_, chosen)]
+            s += 1
+        return self.x[:, lo:hi]
+
+    def begin_block(self, run: BlockRun, lo: int, hi: int) -> None:
+        """Before the first step of the block at canvas columns [lo, hi)."""
+
+    def step(self, run: BlockRun, lo: int, hi: int, s: int, open_: list[list[int]]):
+        """Step s of the block [lo, hi): one forward; returns (proposed tokens [b, size], per row the block
+        positions it commits, a host list; its logits are gone already)."""
+        raise NotImplementedError
+
+
+class LladaRule(CanvasRule):
+    """``llada``'s step: a full forward of the canvas, the block's proposal (``llada_propose``), and the
+    schedule's count of the most confident (or random) open positions per row."""
+    phases = ("step",)
+
+    def __init__(self, k: LladaKnobs, mask: int, gen: torch.Generator | None):
+        super().__init__(k, mask, gen)
+        self.schedule = block_schedule(k)[1]  # tokens unmasked at each step of a block
+
+    def step(self, run: BlockRun, lo: int, hi: int, s: int, open_: list[list[int]]):
+        k = self.k
+        # token and confidence at the block only [b, block]; its logits are gone before the next forward
+        x0, prob = proposal(run.model, run.meter, "step", self.x, slice(lo, hi), k.logits_chunk,
+                            lambda lg: llada_propose(lg, k.temperature, self.gen, self.mask), position_ids=self.pos,
+                            attention_mask=self.attn)
+        if k.remasking == "random":
+            prob = torch.rand(prob.shape, generator=self.gen, device=prob.device)
+        # commit_topk on the host: the schedule's count of most confident open positions per row, ties leftmost.
+        return x0, [top_open(c, op, self.schedule[s]) for c, op in zip(prob.tolist(), open_)]
+
+
 @torch.no_grad()
 def llada(
     model,
@@ -355,32 +424,9 @@ def llada(
     earlier ones, so the response is the same; only the cost drops).
     """
     k = LladaKnobs.of(knobs, overrides, "llada")
-    gen_length, block_length, remasking, temperature = k.gen_length, k.block_length, k.remasking, k.temperature
-    n_blocks, schedule = block_schedule(k)  # tokens unmasked at each step of a block
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
-    gen = make_generator(input_ids.device, k.seed)
-    meter = Meter(model, ("step",), compile=k.compile)
-    x, attn, pos = masked_start(model, input_ids, attention_mask, gen_length, mask)
-    p0 = input_ids.shape[1]
-    meter.track(x.shape[0], gen_length, x.device)
-    for b in range(n_blocks):
-        lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
-        open_ = [list(range(block_length)) for _ in range(x.shape[0])]  # host: the block's masked positions
-        for n_unmask in schedule:
-            # token and confidence at the block only [B, block]; its logits are gone before the next forward
-            x0, prob = proposal(model, meter, "step", x, slice(lo, hi), k.logits_chunk,
-                                lambda lg: llada_propose(lg, temperature, gen, mask), position_ids=pos,
-                                attention_mask=attn)
-            if remasking == "random":
-                prob = torch.rand(prob.shape, generator=gen, device=prob.device)
-            # commit_topk on the host: the n_unmask most confident open positions per row, ties to the leftmost.
-            chosen = [top_open(c, op, n_unmask) for c, op in zip(prob.tolist(), open_)]
-            commit_chosen(x[:, lo:hi], x0, chosen, meter, lo - p0)
-            open_ = [[j for j in op if j not in set(c)] for op, c in zip(open_, chosen)]
-        if k.stop_at_eos and finished(x, p0, hi, eos):
-            break
-    responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
-    return responses, meter.finish(responses)
+    rule = LladaRule(k, mask, make_generator(input_ids.device, k.seed))
+    return decode_blocks(model, input_ids, attention_mask, rule, eos)
 
 
 @torch.no_grad()
@@ -420,48 +466,48 @@ def fast_dllm(
     Phases: full (whole-sequence forwards) and cached (steps reusing the block cache).
     """
     k = FastDllmKnobs.of(knobs, overrides, "fast_dllm")
-    gen_length, block_length, threshold = k.gen_length, k.block_length, k.threshold
-    cache_mode, shift, dream_loop = k.cache, int(k.shift), k.dream_loop
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
-    gen = make_generator(input_ids.device, k.seed)
-    meter = Meter(model, ("full", "cached"), compile=k.compile)
-    x, attn, pos = masked_start(model, input_ids, attention_mask, gen_length, mask)
-    p0, total = input_ids.shape[1], x.shape[1]
-    meter.track(x.shape[0], gen_length, x.device)
-    rows, thr, step = x.shape[0], as_float32(threshold), _fast_dllm_propose(k, gen, mask)
-    for b in range(gen_length // block_length):
-        lo, hi = p0 + b * block_length, p0 + (b + 1) * block_length
-        a, window_idx, order = _cached_window(attn, lo, hi, shift, dream_loop, cache_mode == "dual")
-        # Host bookkeeping, once per step (docs/design.md §6): the block's open (masked) positions per row.
-        # A block starts all masked: nothing writes ahead of the current block.
-        open_ = [list(range(block_length)) for _ in range(rows)]
-        kv, first = None, True
-        while any(open_):
-            if first or cache_mode == "none":
-                if first:
-                    kv = None if cache_mode == "none" else new_cache(model, meter)
-                x0, prob = proposal(model, meter, "full", x, slice(lo - shift, hi - shift), k.logits_chunk, step,
-                                    position_ids=pos, attention_mask=attn, cache=kv)  # [B, block] each
-                if first and cache_mode == "prefix":
-                    cache_keep(kv, a)  # keep positions < a (x is in position order)
-                elif first and cache_mode == "dual":
-                    cache_keep(kv, a, torch.arange(hi - a, total - a, device=x.device))  # prefix + suffix
-            elif cache_mode == "prefix":
-                x0, prob = proposal(model, meter, "cached", x[:, a:], window_idx, k.logits_chunk, step,
-                                    position_ids=pos[:, a:], attention_mask=attn, cache=kv)
-                cache_keep(kv, a)
-            else:  # dual
-                x0, prob = proposal(model, meter, "cached", x[:, a:hi], window_idx, k.logits_chunk, step,
-                                    position_ids=pos[:, a:hi], attention_mask=order, cache=kv)
-                cache_keep(kv, a + total - hi)
-            chosen = _threshold_choice(prob, k, open_, first, thr)  # the step's logits are gone already
-            commit_chosen(x[:, lo:hi], x0, chosen, meter, lo - p0)
-            open_ = [[j for j in op if j not in set(c)] for op, c in zip(open_, chosen)]
-            first = False
-        if k.stop_at_eos and finished(x, p0, hi, eos):
-            break
-    responses = [cut_after_eos(row, eos) for row in x[:, p0:]]
-    return responses, meter.finish(responses)
+    rule = FastDllmRule(k, mask, make_generator(input_ids.device, k.seed))
+    return decode_blocks(model, input_ids, attention_mask, rule, eos)
+
+
+class FastDllmRule(CanvasRule):
+    """``fast_dllm``'s step (its docstring): the block's first step a full forward (whose KV the prefix or dual
+    cache keeps), later ones full again (cache none) or the cached window; per row every open position whose
+    confidence passes the threshold, at least one (``_threshold_choice``)."""
+    phases = ("full", "cached")
+
+    def __init__(self, k: FastDllmKnobs, mask: int, gen: torch.Generator | None):
+        super().__init__(k, mask, gen)
+        self.shift, self.thr, self.propose = int(k.shift), as_float32(k.threshold), _fast_dllm_propose(k, gen, mask)
+        self.cache = None
+
+    def begin_block(self, run: BlockRun, lo: int, hi: int) -> None:
+        self.window = _cached_window(self.attn, lo, hi, self.shift, self.k.dream_loop, self.k.cache == "dual")
+        self.cache = None  # the last block's is dropped before this block's first forward
+
+    def step(self, run: BlockRun, lo: int, hi: int, s: int, open_: list[list[int]]):
+        k, x, pos, shift, total = self.k, self.x, self.pos, self.shift, self.x.shape[1]
+        model, meter, (a, window_idx, order), mode = run.model, run.meter, self.window, k.cache
+        if s == 0 or mode == "none":
+            if s == 0:
+                self.cache = None if mode == "none" else new_cache(model, meter)
+            kv = self.cache
+            x0, prob = proposal(model, meter, "full", x, slice(lo - shift, hi - shift), k.logits_chunk, self.propose,
+                                position_ids=pos, attention_mask=self.attn, cache=kv)  # [b, block] each
+            if s == 0 and mode == "prefix":
+                cache_keep(kv, a)  # keep positions < a (x is in position order)
+            elif s == 0 and mode == "dual":
+                cache_keep(kv, a, torch.arange(hi - a, total - a, device=x.device))  # prefix + suffix
+        elif mode == "prefix":
+            x0, prob = proposal(model, meter, "cached", x[:, a:], window_idx, k.logits_chunk, self.propose,
+                                position_ids=pos[:, a:], attention_mask=self.attn, cache=self.cache)
+            cache_keep(self.cache, a)
+        else:  # dual
+            x0, prob = proposal(model, meter, "cached", x[:, a:hi], window_idx, k.logits_chunk, self.propose,
+                                position_ids=pos[:, a:hi], attention_mask=order, cache=self.cache)
+            cache_keep(self.cache, a + total - hi)
+        return x0, _threshold_choice(prob, k, open_, s == 0, self.thr)  # the step's logits are gone already
 
 
 def _cached_window(attn: torch.Tensor, lo: int, hi: int, shift: int, dream_loop: bool,

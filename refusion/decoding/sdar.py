@@ -61,7 +61,7 @@ import torch
 
 from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks, prefill_blocks
 from .cache import new_cache
-from .knobs import Knobs, gen_length, knob, seed
+from .knobs import Knobs, compile_knob, gen_length, knob, seed
 from .proposals import make_generator
 from .tokens import eos_ids, mask_id
 
@@ -90,6 +90,7 @@ class SdarKnobs(Knobs):
     top_k: int = knob(0, "keep the top_k logits before drawing; 0 = off", low=0)
     top_p: float = knob(1.0, "nucleus filter before drawing; 1 = off", low=0.0, high=1.0)
     seed: int = seed()
+    compile: bool = compile_knob()
     # Blocks sit on absolute positions: the trace (harness/report/trace.py) draws the first one shorter.
     blocks_from_prompt_start: ClassVar[bool] = True
 
@@ -171,6 +172,7 @@ class SdarRule(BlockRule):
 
     def __init__(self, k: SdarKnobs, mask: int):
         self.k, self.fill, self.size, self.gen_length = k, mask, k.block_length, k.gen_length
+        self.compile = k.compile
         self.schedule = quotas(k.block_length, k.denoising_steps)
         self.gens: list[torch.Generator | None] = []
         self.denoise_steps = 0
