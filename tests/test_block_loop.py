@@ -1,6 +1,7 @@
-"""The block decoders share one loop (refusion/decoding/block_loop.py): ``sdar``, ``llada2`` and
-``diffusion_gemma`` are step rules (``BlockRule``) with no loop of their own, decoded by ``decode_blocks``, which
-lays every row on its own block grid and drops the rows that ended. And no function of refusion/decoding is longer
+"""The block decoders share one loop (refusion/decoding/block_loop.py): the block-diffusion decoders and the
+semi-autoregressive masked-diffusion ones (``BLOCK_DECODERS`` below) are step rules (``BlockRule``) with no loop of
+their own, decoded by ``decode_blocks``, which lays every row on its own block grid and drops the rows that ended
+(the masked-diffusion rules keep every row until none goes on). And no function of refusion/decoding is longer
 than a page (80 lines, as test_layering.py asks of harness)."""
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / "tests" / "fixtures" / "released"
 MAX_FUNCTION_LINES = 80
 # decoder -> its release-layout fixture folder
-BLOCK_DECODERS = {"sdar": "sdar", "llada2": "llada2", "diffusion_gemma": "diffusiongemma"}
+BLOCK_DECODERS = {"sdar": "sdar", "llada2": "llada2", "diffusion_gemma": "diffusiongemma", "llada": "llada",
+                  "fast_dllm": "llada"}
 
 
 def test_the_grid_lays_blocks_on_absolute_positions_or_after_the_prompt():
@@ -35,9 +37,13 @@ def test_the_grid_lays_blocks_on_absolute_positions_or_after_the_prompt():
 @pytest.mark.parametrize("decoder", sorted(BLOCK_DECODERS))
 def test_the_decoder_is_a_step_rule_of_the_shared_loop(decoder):
     module = inspect.getmodule(DECODERS[decoder].fn)
-    rules = [c for c in vars(module).values() if inspect.isclass(c) and issubclass(c, BlockRule) and c is not BlockRule]
-    assert len(rules) == 1, rules
-    assert "decode_blocks(" in inspect.getsource(DECODERS[decoder].fn)
+    rules = [c for c in vars(module).values() if inspect.isclass(c) and issubclass(c, BlockRule) and c is not BlockRule
+             and c.__module__ == module.__name__]
+    assert rules, f"{module.__name__} defines no step rule"
+    source = inspect.getsource(DECODERS[decoder].fn)
+    assert "decode_blocks(" in source and any(f"{r.__name__}(" in source for r in rules)
+    for r in rules:  # a rule has no loop over blocks of its own: decide() is one block
+        assert "for j in range" not in inspect.getsource(r)
 
 
 @pytest.mark.parametrize("decoder", sorted(BLOCK_DECODERS))
@@ -48,14 +54,15 @@ def test_each_block_decoder_goes_through_the_shared_loop(decoder, left_pad, monk
     begun: list[tuple[int, list[int]]] = []
     real = BlockRun.begin
 
-    def spy(self, j):
+    def spy(self, j, positions=True):
         begun.append((j, list(self.live)))
-        return real(self, j)
+        return real(self, j, positions)
 
     monkeypatch.setattr(BlockRun, "begin", spy)
     rows = [torch.tensor(m.tokenizer.encode(text)) for text in ("Hello there, how are you?", "Two plus two")]
     ids, mask = left_pad(rows, m.tokenizer.pad_token_id or 0)
-    tokens, stats = DECODERS[decoder](m.model, ids, mask, {"gen_length": 8})
+    knobs = {"gen_length": 8, **({"block_length": 4} if DECODERS[decoder].masked_diffusion else {})}  # divides 8
+    tokens, stats = DECODERS[decoder](m.model, ids, mask, knobs)
     assert len(tokens) == 2 and stats["nfe"] > 0
     assert begun and begun[0] == (0, [0, 1])  # every row starts in the loop's first block
     assert [j for j, _ in begun] == list(range(len(begun)))  # one block after the other

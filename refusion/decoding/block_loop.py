@@ -70,11 +70,13 @@ class BlockRun:
         self.prefix = 0
         self._visible: torch.Tensor | None = None
 
-    def begin(self, j: int) -> None:
-        """Block j of every live row: its positions, the cache length it reads."""
+    def begin(self, j: int, positions: bool = True) -> None:
+        """Block j of every live row: its positions (unless ``positions`` is false: a canvas rule has its own,
+        and every position of its blocks is a response's), the cache length it reads."""
         g = self.grid
-        self.pos = torch.tensor([g.starts[b] + j * g.size for b in self.live], device=self.device)[:, None] \
-            + torch.arange(g.size, device=self.device)
+        if positions:
+            self.pos = torch.tensor([g.starts[b] + j * g.size for b in self.live], device=self.device)[:, None] \
+                + torch.arange(g.size, device=self.device)
         self.prefix = cache_len(self.cache)
         self._visible = None
         self.row_blocks += len(self.live)
@@ -123,8 +125,10 @@ class BlockRun:
         ``live`` of the rows that go on: blocks left and, with ``stop_at_eos``, no EOS among their response
         tokens yet (in this block or an earlier one: a row kept in the batch after its EOS stays ended)."""
         g = self.grid
-        answer = self.pos >= torch.tensor([g.lengths[b] for b in self.live], device=self.device)[:, None]
-        ended = (is_eos(block, self.eos) & answer).any(-1).tolist()
+        hit = is_eos(block, self.eos)
+        if self.pos.numel():  # the prompt's tail in a block is no response
+            hit &= self.pos >= torch.tensor([g.lengths[b] for b in self.live], device=self.device)[:, None]
+        ended = hit.any(-1).tolist()
         keep = []
         for i, b in enumerate(self.live):
             first = max(0, g.lengths[b] - (g.starts[b] + j * g.size))  # the prompt's tail is no response
@@ -144,7 +148,8 @@ class BlockRun:
         if self.cache is not None:
             self.cache.batch_select_indices(idx)
             self.seen = self.seen[idx]
-        self.pos = self.pos[idx]
+        if self.pos.numel():
+            self.pos = self.pos[idx]
         self.live = [self.live[i] for i in keep]
         return idx
 
@@ -200,8 +205,9 @@ def decode_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     meter.track(input_ids.shape[0], length, device, steps=steps)
     run = BlockRun(model, meter, grid, eos, device)
     rule.start(run, input_ids, pad)
+    del pad  # [B, P]: not alive through the decode
     for j in range(max(grid.blocks)):
-        run.begin(j)
+        run.begin(j, positions=rule.kv)
         opening = None if rule.fill is None or not rule.kv else run.opening(j, input_ids, rule.fill)
         block = rule.decide(run, j, opening)
         if rule.kv and not rule.store_late:
