@@ -23,7 +23,7 @@ ROOT = REPO / "tests" / "fixtures" / "released"
 MAX_FUNCTION_LINES = 80
 # decoder -> its release-layout fixture folder
 BLOCK_DECODERS = {"sdar": "sdar", "llada2": "llada2", "diffusion_gemma": "diffusiongemma", "llada": "llada",
-                  "fast_dllm": "llada"}
+                  "fast_dllm": "llada", "dream": "dream_base"}
 
 
 def test_the_grid_lays_blocks_on_absolute_positions_or_after_the_prompt():
@@ -61,7 +61,8 @@ def test_each_block_decoder_goes_through_the_shared_loop(decoder, left_pad, monk
     monkeypatch.setattr(BlockRun, "begin", spy)
     rows = [torch.tensor(m.tokenizer.encode(text)) for text in ("Hello there, how are you?", "Two plus two")]
     ids, mask = left_pad(rows, m.tokenizer.pad_token_id or 0)
-    knobs = {"gen_length": 8, **({"block_length": 4} if DECODERS[decoder].masked_diffusion else {})}  # divides 8
+    knobs = {"gen_length": 8, **({"block_length": 4} if "block_length" in DECODERS[decoder].knobs.names()
+                                 and DECODERS[decoder].masked_diffusion else {})}  # divides 8
     tokens, stats = DECODERS[decoder](m.model, ids, mask, knobs)
     assert len(tokens) == 2 and stats["nfe"] > 0
     assert begun and begun[0] == (0, [0, 1])  # every row starts in the loop's first block

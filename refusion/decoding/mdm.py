@@ -11,8 +11,8 @@ response's first token is predicted by the prompt's last position.
 Batches are left-padded; the padding mask travels as a 2-D mask, so the model's own
 bidirectional mask hides pads. Response region: gen_length mask tokens after the prompt.
 
-``llada`` and ``fast_dllm`` are step rules (``LladaRule``, ``FastDllmRule``: ``CanvasRule``s) of the shared block
-loop (block_loop.py); a variant of them overrides a rule's ``step`` (docs/extending.md writes a left-to-right
+``llada``, ``fast_dllm`` and ``dream`` are step rules (``LladaRule``, ``FastDllmRule``, ``DreamRule``:
+``CanvasRule``s) of the shared block loop (block_loop.py); a variant of them overrides a rule's ``step`` (docs/extending.md writes a left-to-right
 LLaDA so). Public building blocks for other variants:
 ``masked_start`` (the canvas), ``llada_propose`` / ``dream_propose`` (token and confidence per position),
 ``commit_topk`` / ``commit_sampled`` (unmask k positions of each row), ``finished`` / ``settled`` (when
@@ -28,14 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_loop import BlockRule, BlockRun, decode_blocks
+from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks
 from .cache import cache_keep, new_cache
 from .common import Meter, proposal
 from .knobs import Knobs, check_logits_chunk, compile_knob, gen_length, knob, logits_chunk_knob, seed, temperature
 from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob
 from .tokens import cut_after_eos, eos_ids, is_eos, mask_id, padding_mask, positions_from_mask
 
-__all__ = ["CanvasRule", "DREAM_ALGS", "DreamKnobs", "FastDllmKnobs", "FastDllmRule", "LladaKnobs", "LladaRule", "as_float32", "block_length_knob",
+__all__ = ["CanvasRule", "DREAM_ALGS", "DreamKnobs", "DreamRule", "FastDllmKnobs", "FastDllmRule", "LladaKnobs", "LladaRule", "as_float32", "block_length_knob",
            "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "DREAM_FOLDER_KNOBS",
            "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "llada_propose", "settled", "settled_row",
            "steps_knob", "steps_of",
@@ -339,11 +339,11 @@ def finished(x, prompt_len, end, eos) -> bool:
 
 
 class CanvasRule(BlockRule):
-    """The step rule of a semi-autoregressive masked-diffusion decoder (``llada``, ``fast_dllm``) for the shared
-    block loop (block_loop.decode_blocks): the rule keeps the canvas (``masked_start``: the left-padded prompt,
-    then gen_length masks; each forward reads the whole of it), and block j of the loop is the canvas's response
-    columns [j * block_length, (j + 1) * block_length), decoded by the rule's ``steps`` until no position of it
-    is masked. Every row stays in the batch until every row has ended (``prune_rows`` false: the rows share one
+    """The step rule of a masked-diffusion decoder on a canvas (``llada``, ``fast_dllm``; ``dream``, whose one
+    block is the whole response) for the shared block loop (block_loop.decode_blocks): the rule keeps the canvas
+    (``masked_start``: the left-padded prompt, then gen_length masks; each forward reads the whole of it), and block
+    j of the loop is the canvas's response columns [j * block_length, (j + 1) * block_length), decoded by the
+    rule's ``steps`` until no position of it is masked. Every row stays in the batch until every row has ended (``prune_rows`` false: the rows share one
     generator, whose draws a smaller batch would change), as the authors' loops run a batch."""
     kv = False
     aligned = False
@@ -640,19 +640,41 @@ def dream(
     reference runs all steps; the returned tokens are the same). Phase: step.
     """
     k = DreamKnobs.of(knobs, overrides, "dream")
-    steps = steps_of(k)
     mask, eos = mask_id(model, mask_token_id), eos_ids(model, eos_token_id)
-    gen = make_generator(input_ids.device, k.seed)
-    meter = Meter(model, ("step",), compile=k.compile)
-    x, attn, pos = masked_start(model, input_ids, attention_mask, k.gen_length, mask)
-    p0 = input_ids.shape[1]
-    resp = x[:, p0:]  # [B, G] view: writes land in x
-    meter.track(x.shape[0], k.gen_length, x.device, steps=steps)  # steps may exceed gen_length (Dream)
-    # Dream's times, float32 on the decoding device as in the reference (the rounding of int() depends on it).
-    times = torch.linspace(1, k.eps, steps + 1, dtype=torch.float32, device=x.device)
-    if k.temperature == 0 and k.alg != "origin" and k.alg_temp == 0:
-        _dream_greedy(model, meter, k, x, attn, pos, p0, times, mask, eos)
-        steps = 0  # done: the loop below is the general path (sampling, origin, alg_temp)
+    rule = DreamRule(k, mask, make_generator(input_ids.device, k.seed))
+    return decode_blocks(model, input_ids, attention_mask, rule, eos)
+
+
+class DreamRule(CanvasRule):
+    """``dream``'s rule for the shared block loop: the whole response is one block (Dream's one masked window),
+    decided by its steps: ``_dream_greedy`` for greedy top-k unmasking, else ``_dream_steps`` (sampling,
+    ``origin``, ``alg_temp``)."""
+    phases = ("step",)
+
+    def __init__(self, k: DreamKnobs, mask: int, gen: torch.Generator | None):
+        self.k, self.mask, self.gen = k, mask, gen
+        self.size = self.gen_length = k.gen_length
+        self.compile, self.stop_at_eos, self.steps = k.compile, k.stop_at_eos, steps_of(k)
+
+    def budget(self, grid: BlockGrid) -> tuple[int, int | None]:
+        return self.gen_length, self.steps  # steps may exceed gen_length (Dream)
+
+    def decide(self, run: BlockRun, j: int, _opening: torch.Tensor | None) -> torch.Tensor:
+        k, x = self.k, self.x
+        # Dream's times, float32 on the decoding device as in the reference (the rounding of int() depends on it).
+        times = torch.linspace(1, k.eps, self.steps + 1, dtype=torch.float32, device=x.device)
+        args = (run.model, run.meter, k, x, self.attn, self.pos, self.p0, times, self.mask, run.eos)
+        if k.temperature == 0 and k.alg != "origin" and k.alg_temp == 0:
+            _dream_greedy(*args)
+        else:
+            _dream_steps(*args, self.gen)
+        return x[:, self.p0:]
+
+
+def _dream_steps(model, meter, k, x, attn, pos, p0, times, mask, eos, gen) -> None:
+    """``dream``'s general loop (sampling, ``origin``, ``alg_temp``): each step a full forward, the shifted
+    proposal of every position, and the schedule's share of the masked ones unmasked; writes x in place."""
+    resp, steps = x[:, p0:], times.numel() - 1  # [B, G] view: writes land in x
     for i in range(steps):
         masked = resp == mask  # [B, G]
         if not bool(masked.any()):
@@ -683,5 +705,3 @@ def dream(
         meter.settle(resp, mask)
         if k.stop_at_eos and settled(resp, mask, eos):
             break
-    responses = [cut_after_eos(row, eos) for row in resp]
-    return responses, meter.finish(responses)
