@@ -14,8 +14,8 @@ The loop owns what every block decoder does the same way (docs/design.md ยง4b, ย
             leave, or, with ``store_late`` (an encoder that writes a block only when a next one reads it), after;
             a canvas rule (``kv`` false) keeps its canvas itself and stores nothing;
   stop      a row ends after the block in which an EOS appears among its response tokens (``stop_at_eos``), or
-            after its last block; rows that ended leave the batch (their cache rows and visibility dropped, the
-            rule's own rows through ``BlockRule.prune``) at once, or, with ``prune_rows`` false, once none goes on;
+            after its last block; rows that ended leave the batch (their cache rows and visibility dropped) at
+            once, or, with ``prune_rows`` false (a canvas rule), every row stays until none goes on;
   counting  one ``Meter`` per call (NFE per phase, KV peak, decode and forward time, the forward budget); the
             row blocks decoded; responses cut after the first EOS and to ``gen_length``.
 
@@ -139,19 +139,14 @@ class BlockRun:
                 keep.append(i)
         return keep
 
-    def prune(self, keep: list[int]) -> torch.Tensor | None:
-        """Only the live rows ``keep`` (indices into ``live``) go on: the others leave the cache and the batch.
-        Returns their indices [k] (None when every row goes on)."""
-        if len(keep) == len(self.live):
-            return None
-        idx = torch.tensor(keep, device=self.device)
-        if self.cache is not None:
+    def prune(self, keep: list[int]) -> None:
+        """Only the live rows ``keep`` (indices into ``live``) go on: the others leave the cache and the batch."""
+        if len(keep) < len(self.live):
+            idx = torch.tensor(keep, device=self.device)
             self.cache.batch_select_indices(idx)
             self.seen = self.seen[idx]
-        if self.pos.numel():
             self.pos = self.pos[idx]
-        self.live = [self.live[i] for i in keep]
-        return idx
+            self.live = [self.live[i] for i in keep]
 
 
 class BlockRule:
@@ -164,7 +159,7 @@ class BlockRule:
     compile: bool = False  # forwards through the compiled path (Meter(compile=...); the rule's caches: new_cache)
     kv: bool = True  # the loop keeps the decided blocks' KV (``store``, ``seen``); False: the rule keeps a canvas
     stop_at_eos: bool = True  # a row ends after the block in which an EOS appears in its response
-    prune_rows: bool = True  # ended rows leave the batch at once; False: every row stays until none goes on
+    prune_rows: bool = True  # ended rows leave the batch at once (the cache rule's); False: all stay until none goes on
     size: int = 0  # tokens per block
     gen_length: int = 0
 
@@ -184,9 +179,6 @@ class BlockRule:
     def store(self, run: BlockRun, block: torch.Tensor) -> None:
         """Write the decided block's KV into the cache."""
         raise NotImplementedError
-
-    def prune(self, run: BlockRun, idx: torch.Tensor) -> None:
-        """The rule's own per-row state keeps only the rows ``idx`` [k] (indices into the batch before)."""
 
     def stats(self, run: BlockRun) -> dict:
         """Extra stats of the call."""
@@ -208,7 +200,7 @@ def decode_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     del pad  # [B, P]: not alive through the decode
     for j in range(max(grid.blocks)):
         run.begin(j, positions=rule.kv)
-        opening = None if rule.fill is None or not rule.kv else run.opening(j, input_ids, rule.fill)
+        opening = None if rule.fill is None else run.opening(j, input_ids, rule.fill)
         block = rule.decide(run, j, opening)
         if rule.kv and not rule.store_late:
             rule.store(run, block)
@@ -216,11 +208,8 @@ def decode_blocks(model, input_ids: torch.Tensor, attention_mask: torch.Tensor |
         keep = run.collect(j, block, rule.stop_at_eos)
         if not keep:
             break
-        if not rule.prune_rows:
-            keep = list(range(len(run.live)))
-        idx = run.prune(keep)
-        if idx is not None:
-            rule.prune(run, idx)
+        if rule.prune_rows:
+            run.prune(keep)
         if rule.kv and rule.store_late:
             block = block[keep]
             run.extend_seen(block, rule.fill)

@@ -15,8 +15,8 @@ bidirectional mask hides pads. Response region: gen_length mask tokens after the
 ``CanvasRule``s) of the shared block loop (block_loop.py); a variant of them overrides a rule's ``step`` (docs/extending.md writes a left-to-right
 LLaDA so). Public building blocks for other variants:
 ``masked_start`` (the canvas), ``llada_propose`` / ``dream_propose`` (token and confidence per position),
-``commit_topk`` / ``commit_sampled`` (unmask k positions of each row), ``finished`` / ``settled`` (when
-the answer can no longer change), ``top_p_filter`` / ``top_k_filter``, and the knob pieces
+``commit_topk`` / ``commit_sampled`` (unmask k positions of each row), ``settled`` (when the answer can
+no longer change), ``top_p_filter`` / ``top_k_filter``, and the knob pieces
 ``block_length_knob`` / ``steps_knob`` / ``tokens_per_step_knob`` / ``stop_at_eos_knob`` / ``check_blocks`` /
 ``check_steps``, and ``block_schedule`` (LLaDA's tokens per step) / ``steps_of`` (the steps a decode takes). With ``common.Meter``, ``common.forward``
 (the only counted way to call the model) and ``common.cut_after_eos`` they make a whole decoder.
@@ -33,11 +33,11 @@ from .cache import cache_keep, new_cache
 from .common import Meter, proposal
 from .knobs import Knobs, check_logits_chunk, compile_knob, gen_length, knob, logits_chunk_knob, seed, temperature
 from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob
-from .tokens import cut_after_eos, eos_ids, is_eos, mask_id, padding_mask, positions_from_mask
+from .tokens import eos_ids, is_eos, mask_id, padding_mask, positions_from_mask
 
 __all__ = ["CanvasRule", "DREAM_ALGS", "DreamKnobs", "DreamRule", "FastDllmKnobs", "FastDllmRule", "LladaKnobs", "LladaRule", "as_float32", "block_length_knob",
            "block_schedule", "check_blocks", "check_steps", "commit_chosen", "commit_sampled", "commit_topk", "dream", "DREAM_FOLDER_KNOBS",
-           "dream_propose", "fast_dllm", "finished", "llada", "masked_start", "llada_propose", "settled", "settled_row",
+           "dream_propose", "fast_dllm", "llada", "masked_start", "llada_propose", "settled", "settled_row",
            "steps_knob", "steps_of",
            "stop_at_eos_knob", "tokens_per_step_knob", "top_k_filter", "top_open", "top_p_filter"]
 
@@ -49,7 +49,7 @@ def block_length_knob() -> int:
 
 
 def stop_at_eos_knob() -> bool:
-    """The ``stop_at_eos`` knob field (default true) of the block-wise decoders (see ``finished``)."""
+    """The ``stop_at_eos`` knob field (default true) of the block-wise decoders (the block loop's stop)."""
     return knob(True, "stop after the first block at which every row holds an EOS (same tokens, fewer forwards)")
 
 
@@ -332,12 +332,6 @@ def settled(resp, mask, eos) -> bool:
     return bool(hit.any(-1).all()) and not bool(((resp == mask) & before).any())
 
 
-def finished(x, prompt_len, end, eos) -> bool:
-    """True when every row has an EOS in its decoded response x[:, prompt_len:end] (all of it decoded): a
-    block-wise decoder may stop after block ``end`` (``stop_at_eos``) -- later blocks cannot change the answer."""
-    return bool(is_eos(x[:, prompt_len:end], eos).any(-1).all())
-
-
 class CanvasRule(BlockRule):
     """The step rule of a masked-diffusion decoder on a canvas (``llada``, ``fast_dllm``; ``dream``, whose one
     block is the whole response) for the shared block loop (block_loop.decode_blocks): the rule keeps the canvas
@@ -349,10 +343,9 @@ class CanvasRule(BlockRule):
     aligned = False
     prune_rows = False
 
-    def __init__(self, k, mask: int, gen: torch.Generator | None):
-        self.k, self.mask, self.gen = k, mask, gen
-        self.size, self.gen_length, self.compile, self.stop_at_eos = (k.block_length, k.gen_length, k.compile,
-                                                                      k.stop_at_eos)
+    def __init__(self, k, mask: int, gen: torch.Generator | None, size: int):
+        self.k, self.mask, self.gen, self.size = k, mask, gen, size
+        self.gen_length, self.compile, self.stop_at_eos = k.gen_length, k.compile, k.stop_at_eos
 
     def start(self, run: BlockRun, input_ids: torch.Tensor, pad: torch.Tensor) -> None:
         self.x, self.attn, self.pos = masked_start(run.model, input_ids, pad, self.gen_length, self.mask)
@@ -369,7 +362,7 @@ class CanvasRule(BlockRule):
         while any(open_):
             x0, chosen = self.step(run, lo, hi, s, open_)
             commit_chosen(self.x[:, lo:hi], x0, chosen, run.meter, lo - self.p0, run.live)
-            open_ = [[j for j in op if j not in set(c)] for op, c in zip(open_, chosen)]
+            open_ = [[j for j in op if j not in cs] for op, cs in zip(open_, map(set, chosen))]
             s += 1
         return self.x[:, lo:hi]
 
@@ -388,7 +381,7 @@ class LladaRule(CanvasRule):
     phases = ("step",)
 
     def __init__(self, k: LladaKnobs, mask: int, gen: torch.Generator | None):
-        super().__init__(k, mask, gen)
+        super().__init__(k, mask, gen, k.block_length)
         self.schedule = block_schedule(k)[1]  # tokens unmasked at each step of a block
 
     def step(self, run: BlockRun, lo: int, hi: int, s: int, open_: list[list[int]]):
@@ -478,7 +471,7 @@ class FastDllmRule(CanvasRule):
     phases = ("full", "cached")
 
     def __init__(self, k: FastDllmKnobs, mask: int, gen: torch.Generator | None):
-        super().__init__(k, mask, gen)
+        super().__init__(k, mask, gen, k.block_length)
         self.shift, self.thr, self.propose = int(k.shift), as_float32(k.threshold), _fast_dllm_propose(k, gen, mask)
         self.cache = None
 
@@ -652,9 +645,8 @@ class DreamRule(CanvasRule):
     phases = ("step",)
 
     def __init__(self, k: DreamKnobs, mask: int, gen: torch.Generator | None):
-        self.k, self.mask, self.gen = k, mask, gen
-        self.size = self.gen_length = k.gen_length
-        self.compile, self.stop_at_eos, self.steps = k.compile, k.stop_at_eos, steps_of(k)
+        super().__init__(k, mask, gen, k.gen_length)
+        self.steps = steps_of(k)
 
     def budget(self, grid: BlockGrid) -> tuple[int, int | None]:
         return self.gen_length, self.steps  # steps may exceed gen_length (Dream)
