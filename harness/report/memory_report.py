@@ -65,7 +65,7 @@ def released_table(path: Path = RELEASED) -> list[str]:
              f"`{path.relative_to(REPO) if path.is_relative_to(REPO) else path}`): prompt {s.get('prompt')}, "
              f"{s.get('gen')} new tokens. GiB, weights excluded; beside each, the peak over the decoder's floor (its "
              f"KV cache, the activations of its largest forward and one chunk of logits); a decoder with the knob "
-             f"logits_chunk also streamed (logits_chunk {s.get('streamed_logits_chunk')}).", "",
+             f"logits_chunk (default {s.get('logits_chunk')}) also with it none (the LM head over every position).", "",
              "| model | decoder | weights GiB | " + " | ".join(f"batch {b}" for b in batches) + " |",
              "|---|---|---|" + "---|" * len(batches)]
     peak: dict[str, dict[str, int]] = {}
@@ -73,9 +73,10 @@ def released_table(path: Path = RELEASED) -> list[str]:
         for dec, per in (v.get("decoders") or {}).items():
             cells = [_cell(per.get(b) or {}) for b in batches]
             lines.append(f"| {model} | {dec} | {_gib(v.get('weights_bytes'))} | " + " | ".join(cells) + " |")
-            if all("streamed" in (per.get(b) or {}) for b in batches):
-                cells = [_cell(per[b]["streamed"]) for b in batches]
-                lines.append(f"| {model} | {dec}, streamed | {_gib(v.get('weights_bytes'))} | " + " | ".join(cells) + " |")
+            if all("full" in (per.get(b) or {}) for b in batches):
+                cells = [_cell(per[b]["full"]) for b in batches]
+                lines.append(f"| {model} | {dec}, logits_chunk none | {_gib(v.get('weights_bytes'))} | "
+                             + " | ".join(cells) + " |")
             if dec == "refusion" or dec in MDM_DECODERS:
                 peak[dec] = {b: (per.get(b) or {}).get("peak_bytes") for b in batches}
     if "refusion" in peak:

@@ -14,8 +14,9 @@ previous step's logits where the decoder still holds them -- *inside* the tracke
 forward and the decoder's work on its logits (common.forward's finiteness reduction in the model's dtype and
 float32 copy of the positions the step reads, the softmax / max of a greedy pick, Dream's entropy, a cache
 commit). So a phase's peak is live KV at that phase plus that forward's peak of new storages. Each step's logits
-are dropped before the next forward, as the decoders drop them. With ``Shape.chunk`` (the knob logits_chunk)
-the streamed decoders' phases run the backbone and the LM head ``chunk`` decided positions at a time instead.
+are dropped before the next forward, as the decoders drop them. ``Shape.chunk`` is the knob logits_chunk of
+llada, fast_dllm and dream (default LOGITS_CHUNK): their phases make the logits of ``chunk`` decided positions at
+a time (common.streamed_proposal); with None, the model's own forward over every position.
 Phases (B batch, P prompt, G gen, L slot size, K block length):
 
 - ``ar``: prefill (P tokens, logits [B, P, V], float32 of the last); step (two one-token steps ending with the
@@ -39,7 +40,7 @@ Phases (B batch, P prompt, G gen, L slot size, K block length):
 **The floor** (``floor``): the KV cache the algorithm holds at its largest (FLOOR_KV), the tracker's peak of the
 backbone alone over its largest forward (embeddings, residual stream, one layer's transients) and one chunk of
 logits (B x 32 positions; AR 1, SDAR its block) in the model's dtype and float32. ``decoder_entry`` gives each
-estimate with its floor, the ratio, and for the decoders with logits_chunk the streamed estimate.
+estimate with its floor, the ratio, and for the decoders with logits_chunk the estimate with it none.
 
 **What it leaves out**: everything the tracker leaves out (harness/run/memory.py: allocator caching and
 rounding, kernels' scratch, the interpreter), the weights (``weights_bytes`` beside), data-dependent work the
@@ -77,6 +78,7 @@ from harness.models.families import FAMILIES
 from harness.run.memory import LEAVES_OUT, DecodeMemory, weights_bytes
 from harness.run.store import atomic_write_json
 from refusion.decoding.common import additive_mask, cache_append, cache_from, cache_keep, floated, positions_from_mask
+from refusion.decoding.knobs import LOGITS_CHUNK
 from refusion.decoding.mdm import FastDllmKnobs
 from refusion.decoding.refusion import PLAN_CHUNK, RefusionKnobs
 
@@ -90,7 +92,7 @@ class Shape:
     gen: int
     slot_size: int = RefusionKnobs.slot_size
     block_length: int = FastDllmKnobs.block_length
-    chunk: int | None = None  # the knob logits_chunk of llada, fast_dllm and dream (None: the model's own forward)
+    chunk: int | None = LOGITS_CHUNK  # the knob logits_chunk of llada, fast_dllm and dream (None: the model's own forward)
 
 
 @dataclass(frozen=True)
@@ -176,17 +178,25 @@ def _forward(model, ids, pos, *, mask=None, visible=None, cache=None, keep=None)
 
 
 def _proposal(model, ids, pos, keep, s: Shape, step, *, cache=None) -> None:
-    """common.proposal's tensors: with ``s.chunk`` None ``_forward`` then ``step`` on its kept logits; else the
-    backbone's hidden states [B, q, H] and, ``s.chunk`` kept positions at a time, the LM head's logits [B, n, V],
-    their float32 copy, check_finite's reduction and ``step``."""
+    """common.proposal's tensors: with ``s.chunk`` None ``_forward`` then ``step`` on its kept logits; else
+    common.streamed_proposal's: the model's forward with the first ``s.chunk`` kept positions' logits (the
+    backbone's hidden states [B, q, H] kept), then the LM head's logits [B, n, V] of each further chunk, each
+    chunk's float32 copy, check_finite's reduction and ``step``."""
     if s.chunk is None:
         step(_forward(model, ids, pos, cache=cache, keep=keep))
         return
-    hidden = model.get_decoder()(input_ids=ids, position_ids=pos, cache=cache, use_cache=cache is not None)
-    hidden = hidden.last_hidden_state
-    keep = torch.arange(hidden.shape[1])[keep] if isinstance(keep, slice) else keep
+    keep = torch.arange(ids.shape[1])[keep] if isinstance(keep, slice) else keep
+    hidden = []
+    hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: hidden.append(out.last_hidden_state))
+    try:
+        logits = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=cache is not None,
+                       logits_to_keep=keep[:s.chunk]).logits
+    finally:
+        hook.remove()
     for i in range(0, keep.numel(), s.chunk):
-        logits = model.get_output_embeddings()(hidden[:, keep[i:i + s.chunk]]).float()
+        if i:
+            logits = model.get_output_embeddings()(hidden[0][:, keep[i:i + s.chunk]])
+        logits = logits.float()
         logits.amax(-1)
         step(logits)
         del logits
@@ -418,9 +428,9 @@ PHASES: dict[str, dict[str, Callable]] = {
     "d2f": {"first": d2f_first, "late": d2f_late},
     "sdar": {"prefill": sdar_prefill, "denoise": sdar_denoise},
 }
-# The decoders with the knob logits_chunk, and the value their streamed estimate uses (LLaDA's block length).
+# The decoders with the knob logits_chunk (default LOGITS_CHUNK; their "full" estimate is logits_chunk none).
 STREAMED = ("llada", "dream", "fast_dllm", "fast_dllm (prefix)")
-STREAM_CHUNK = 32
+STREAM_CHUNK = LOGITS_CHUNK
 
 
 # ---------------------------------------------------------------- estimates
@@ -484,15 +494,17 @@ def floor(model, decoder: str, s: Shape, mode: FakeTensorMode | None = None) -> 
 
 
 def decoder_entry(model, decoder: str, s: Shape, mode: FakeTensorMode | None = None) -> dict:
-    """``estimate`` at the decoder's default knobs, its ``floor`` and the ratio ``over_floor``; for the STREAMED
-    decoders also ``streamed``, the estimate with logits_chunk = STREAM_CHUNK, and its ratio."""
+    """``estimate`` at the decoder's default knobs (``s``), its ``floor`` and the ratio ``over_floor``; for the
+    STREAMED decoders also ``full``, the estimate with logits_chunk none (the model's own forward), and its
+    ratio."""
     entry = estimate(model, decoder, s, mode)
     entry["floor"] = floor(model, decoder, s, mode)
     entry["over_floor"] = round(entry["peak_bytes"] / entry["floor"]["bytes"], 3)
     if decoder in STREAMED:
-        streamed = estimate(model, decoder, replace(s, chunk=STREAM_CHUNK), mode)
-        streamed["over_floor"] = round(streamed["peak_bytes"] / entry["floor"]["bytes"], 3)
-        entry["streamed"] = {"logits_chunk": STREAM_CHUNK, **streamed}
+        entry["logits_chunk"] = s.chunk
+        full = estimate(model, decoder, replace(s, chunk=None), mode)
+        full["over_floor"] = round(full["peak_bytes"] / entry["floor"]["bytes"], 3)
+        entry["full"] = {"logits_chunk": None, **full}
     return entry
 
 
@@ -511,7 +523,7 @@ def released_table(batches=(1, 8), prompt: int = 256, gen: int = 512, models=Non
     knobs = Shape(1, prompt, gen)
     settings = {"batches": list(batches), "prompt": prompt, "gen": gen, "dtype": str(dtype).removeprefix("torch."),
                 "slot_size": knobs.slot_size, "block_length": knobs.block_length, "sdar_block": SDAR_BLOCK,
-                "streamed_logits_chunk": STREAM_CHUNK}
+                "logits_chunk": STREAM_CHUNK}
     return {"models": table, "settings": settings,
             "method": "fake tensors at released size through the dispatch tracker; peak = max over phases of live "
                       "KV + the phase forward's new storages; weights excluded; floor = KV cache at its largest + "
@@ -539,8 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model}: weights {_gib(entry['weights_bytes'])}")
         for dec, per_batch in entry["decoders"].items():
             cells = ", ".join(f"batch {b}: {_gib(e['peak_bytes'])} ({e['phase']}) = {e['over_floor']:.2f} x floor "
-                              f"{_gib(e['floor']['bytes'])}" + (f", streamed {_gib(e['streamed']['peak_bytes'])} = "
-                                                                 f"{e['streamed']['over_floor']:.2f} x" if "streamed" in e else "")
+                              f"{_gib(e['floor']['bytes'])}" + (f", logits_chunk none {_gib(e['full']['peak_bytes'])} = "
+                                                                 f"{e['full']['over_floor']:.2f} x" if "full" in e else "")
                               for b, e in per_batch.items())
             print(f"  {dec}: {cells}")
     print(f"wrote {args.out} in {time.perf_counter() - t0:.1f} s")

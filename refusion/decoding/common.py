@@ -407,37 +407,50 @@ def counted_call(meter: Meter, phase: str, call, check: bool = False):
 # ---------------------------------------------------------------- streamed proposals (the knob logits_chunk)
 
 
-def forward_hidden(model, meter: Meter, phase: str, input_ids: torch.Tensor, *,
-                   position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                   cache: DynamicCache | None = None) -> torch.Tensor:
-    """One counted, timed call of the model's backbone (``model.get_decoder()``): its last hidden states
-    [B, q, H], after the final norm, and no logits; the LM head is then applied only where the step decides
-    (``streamed_proposal``). Counted and metered as ``forward`` (a 2-D padding mask only; never compiled)."""
+def forward_streamed(model, meter: Meter, phase: str, input_ids: torch.Tensor, first: torch.Tensor, *,
+                     position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                     cache: DynamicCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One counted, timed call of the model with ``logits_to_keep=first`` (query positions [n]): the LM head runs
+    on those positions only. Returns (their logits [B, n, V] in the model's dtype, the backbone's last hidden
+    states [B, q, H] after its final norm, taken by a hook on ``model.get_decoder()``), from which
+    ``streamed_proposal`` computes the other positions' logits. The model's own forward runs, so what hooks on
+    the model see (tests' forward counts, FAULTS_ENV's poisoned logits) is as in ``forward``. Counted and
+    metered as ``forward`` (a 2-D padding mask only; never compiled)."""
+    hidden: list[torch.Tensor] = []
+    hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: hidden.append(out.last_hidden_state))
     meter.count(phase)
     meter._sync()
     t0 = time.perf_counter()
-    out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                              cache=cache, use_cache=cache is not None)
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                    use_cache=cache is not None, logits_to_keep=first)
+    finally:
+        hook.remove()
     meter._sync()
     meter.forward_s += time.perf_counter() - t0
     if cache is not None:
         meter.kv(cache)
-    return out.last_hidden_state
+    return out.logits, hidden[-1]
 
 
-def streamed_proposal(model, meter: Meter, hidden: torch.Tensor, keep: torch.Tensor, chunk: int,
-                      step) -> tuple[torch.Tensor, torch.Tensor]:
-    """``step`` (float32 logits [B, n, V] -> (token [B, n], confidence [B, n]), each position on its own) over
-    the query positions ``keep`` [k] of hidden [B, q, H], ``chunk`` positions at a time: the LM head runs on
-    [B, chunk, H] rows only, so at most one chunk's logits [B, chunk, V] (and its float32 copy) is alive.
-    Returns (token [B, k], confidence [B, k]). Each chunk is refused when not finite (``check_finite``).
+def streamed_proposal(model, meter: Meter, phase: str, input_ids: torch.Tensor, keep: torch.Tensor, chunk: int,
+                      step, **call) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward and ``step``'s (token [B, k], confidence [B, k]) at the query positions ``keep`` [k], their
+    logits made ``chunk`` positions at a time: the model's forward makes the first chunk's (``forward_streamed``),
+    the LM head then runs on the next chunks' hidden states [B, chunk, H], so at most one chunk's logits
+    [B, chunk, V] (and its float32 copy) is alive. ``step``: float32 logits [B, n, V] -> (token [B, n],
+    confidence [B, n]), each position on its own. Each chunk is refused when not finite (``check_finite``).
+    Only for models that apply nothing after their LM head (the Llama / Qwen2 / Qwen3 classes the streamed
+    decoders load).
 
-    The head's matmul has B x chunk rows instead of B x q: where a BLAS picks its kernel by the row count
-    (MKL's float32 sgemm on few rows), the logits can differ in the last bit from the full product's, so the
-    tokens are today's only where both row counts take the same kernel (docs/design.md §6)."""
+    The head's matmul has B x chunk rows instead of B x q: a BLAS picks its kernel by the row count, so a logit
+    can differ in its last bit from the full product's (docs/design.md §6)."""
+    logits, hidden = forward_streamed(model, meter, phase, input_ids, keep[:chunk], **call)
     head, toks, confs = model.get_output_embeddings(), [], []
     for i in range(0, keep.numel(), chunk):
-        logits = head(hidden[:, keep[i:i + chunk]]).float()  # [B, n, V]
+        if i:
+            logits = head(hidden[:, keep[i:i + chunk]])  # [B, n, V]
+        logits = logits.float()
         check_finite(logits, None, meter.calls)
         tok, conf = step(logits)
         del logits  # one chunk alive at a time
@@ -449,13 +462,13 @@ def streamed_proposal(model, meter: Meter, hidden: torch.Tensor, keep: torch.Ten
 def proposal(model, meter: Meter, phase: str, input_ids: torch.Tensor, keep: slice | torch.Tensor,
              chunk: int | None, step, **call) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward and ``step``'s (token [B, k], confidence [B, k]) at its query positions ``keep`` (a slice, or
-    an index tensor [k]); ``call``: ``forward``'s keywords (position_ids, attention_mask, cache). ``chunk`` None:
-    the model's own forward (logits of every position, float32 copy of the kept ones: today's bits); else
-    ``streamed_proposal``, ``chunk`` positions at a time. The logits are gone when this returns, so none is
-    alive during the next forward."""
-    if chunk is None or meter.compiled:
+    an index tensor [k]); ``call``: ``forward``'s keywords (position_ids, attention_mask, cache). ``chunk`` None,
+    every compiled forward, and a model without transformers' ``get_decoder`` / ``get_output_embeddings`` (a
+    test's scripted stand-in): the model's own forward (logits of every position, float32 copy of the kept
+    ones); else ``streamed_proposal``, ``chunk`` positions at a time. The logits are gone when this returns, so
+    none is alive during the next forward."""
+    if chunk is None or meter.compiled or not hasattr(model, "get_decoder"):
         return step(forward(model, meter, phase, input_ids, keep=keep, **call))
-    hidden = forward_hidden(model, meter, phase, input_ids, **call)
     if isinstance(keep, slice):
-        keep = torch.arange(hidden.shape[1], device=hidden.device)[keep]
-    return streamed_proposal(model, meter, hidden, keep, chunk, step)
+        keep = torch.arange(input_ids.shape[1], device=input_ids.device)[keep]
+    return streamed_proposal(model, meter, phase, input_ids, keep, chunk, step, **call)

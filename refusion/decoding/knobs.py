@@ -160,22 +160,27 @@ def compile_knob() -> Any:
                        "preallocated KV cache; same tokens); off = the paper's eager setting")
 
 
+# The default of ``logits_chunk``: positions whose logits one chunk holds (LLaDA's and Fast-dLLM's block length).
+LOGITS_CHUNK = 32
+
+
 def logits_chunk_knob() -> Any:
-    """The ``logits_chunk`` knob (default none) of the decoders whose steps propose through ``common.proposal``;
-    pair it with ``check_logits_chunk`` in ``check()``."""
-    return knob(None, "logits computed only at the positions a step decides, this many positions at a time (at "
-                      "most one chunk of [batch, chunk, vocabulary] logits alive; greedy, eager); none = the LM "
-                      "head over every forwarded position as the model's forward runs it (float32 copy of the "
-                      "decided ones only). A chunk can change a float32 logit's last bit where the matmul's kernel "
-                      "depends on its row count (docs/design.md section 6)", low=1, optional=True)
+    """The ``logits_chunk`` knob of the decoders whose steps propose through ``common.proposal``; they pass
+    ``stream_chunk(knobs)`` to it."""
+    return knob(LOGITS_CHUNK, "a greedy step's logits computed only at the positions it decides, this many "
+                              "positions at a time: at most one chunk of [batch, chunk, vocabulary] logits alive; "
+                              "none = the model's own forward (the LM head over every forwarded position, float32 "
+                              "copy of the decided ones only). Sampled steps (temperature > 0) and compiled "
+                              "forwards always run the model's own forward. The head's matmul over fewer rows can "
+                              "round a logit's last bit differently (docs/design.md section 6)",
+                low=1, optional=True)
 
 
-def check_logits_chunk(k) -> None:
-    """ValueError when ``k.logits_chunk`` is set with sampling or compiled forwards (its streamed path is greedy and
-    eager: a sampled draw's order over a chunked batch would differ)."""
-    if k.logits_chunk is not None and (k.temperature > 0 or k.compile):
-        raise ValueError("logits_chunk streams greedy, eager steps only: temperature 0 and compile false, or "
-                         "logits_chunk none")
+def stream_chunk(k) -> int | None:
+    """The chunk ``common.proposal`` streams with under knobs ``k``: ``k.logits_chunk`` for a greedy step, None
+    (the model's own forward) for a sampled one, whose draws over [B, positions, V] at once would come in
+    another order from a chunked batch. Compiled forwards ignore it (``common.proposal``)."""
+    return None if k.temperature > 0 else k.logits_chunk
 
 
 def folder_knobs(folder, knobs: type[Knobs], sources: dict[str, dict[str, str]]) -> dict[str, Any]:

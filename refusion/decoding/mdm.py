@@ -31,7 +31,7 @@ import torch
 from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks
 from .cache import cache_keep, new_cache
 from .common import Meter, proposal
-from .knobs import Knobs, check_logits_chunk, compile_knob, gen_length, knob, logits_chunk_knob, seed, temperature
+from .knobs import Knobs, compile_knob, gen_length, knob, logits_chunk_knob, seed, stream_chunk, temperature
 from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob
 from .tokens import eos_ids, is_eos, mask_id, padding_mask, positions_from_mask
 
@@ -123,7 +123,6 @@ class LladaKnobs(Knobs):
 
     def check(self) -> None:
         check_steps(self)
-        check_logits_chunk(self)
 
 
 @dataclass(frozen=True)
@@ -153,7 +152,6 @@ class FastDllmKnobs(Knobs):
     logits_chunk: int = logits_chunk_knob()
 
     def check(self) -> None:
-        check_logits_chunk(self)
         if self.commit_first and not self.shift:
             raise ValueError("commit_first is the Fast-dLLM authors' rule for Dream (shift=true); got shift=false")
         if (self.top_p is not None or self.top_k is not None) and not self.dream_loop:
@@ -199,7 +197,6 @@ class DreamKnobs(Knobs):
     logits_chunk: int = logits_chunk_knob()
 
     def check(self) -> None:
-        check_logits_chunk(self)
         if not self.eps < 1:
             raise ValueError(f"eps must be in [0, 1), got {self.eps}")
 
@@ -387,7 +384,7 @@ class LladaRule(CanvasRule):
     def step(self, run: BlockRun, lo: int, hi: int, s: int, open_: list[list[int]]):
         k = self.k
         # token and confidence at the block only [b, block]; its logits are gone before the next forward
-        x0, prob = proposal(run.model, run.meter, "step", self.x, slice(lo, hi), k.logits_chunk,
+        x0, prob = proposal(run.model, run.meter, "step", self.x, slice(lo, hi), stream_chunk(k),
                             lambda lg: llada_propose(lg, k.temperature, self.gen, self.mask), position_ids=self.pos,
                             attention_mask=self.attn)
         if k.remasking == "random":
@@ -486,18 +483,18 @@ class FastDllmRule(CanvasRule):
             if s == 0:
                 self.cache = None if mode == "none" else new_cache(model, meter)
             kv = self.cache
-            x0, prob = proposal(model, meter, "full", x, slice(lo - shift, hi - shift), k.logits_chunk, self.propose,
+            x0, prob = proposal(model, meter, "full", x, slice(lo - shift, hi - shift), stream_chunk(k), self.propose,
                                 position_ids=pos, attention_mask=self.attn, cache=kv)  # [b, block] each
             if s == 0 and mode == "prefix":
                 cache_keep(kv, a)  # keep positions < a (x is in position order)
             elif s == 0 and mode == "dual":
                 cache_keep(kv, a, torch.arange(hi - a, total - a, device=x.device))  # prefix + suffix
         elif mode == "prefix":
-            x0, prob = proposal(model, meter, "cached", x[:, a:], window_idx, k.logits_chunk, self.propose,
+            x0, prob = proposal(model, meter, "cached", x[:, a:], window_idx, stream_chunk(k), self.propose,
                                 position_ids=pos[:, a:], attention_mask=self.attn, cache=self.cache)
             cache_keep(self.cache, a)
         else:  # dual
-            x0, prob = proposal(model, meter, "cached", x[:, a:hi], window_idx, k.logits_chunk, self.propose,
+            x0, prob = proposal(model, meter, "cached", x[:, a:hi], window_idx, stream_chunk(k), self.propose,
                                 position_ids=pos[:, a:hi], attention_mask=order, cache=self.cache)
             cache_keep(self.cache, a + total - hi)
         return x0, _threshold_choice(prob, k, open_, s == 0, self.thr)  # the step's logits are gone already
@@ -559,7 +556,7 @@ def _dream_greedy(model, meter, k, x, attn, pos, p0, times, mask, eos) -> None:
         where = {j: t for t, j in enumerate(cols)}
         # Shift: position p0 - 1 + j predicts response token j; the float32 copy of the open columns only.
         keep = slice(p0 - 1, -1) if len(cols) == gen_length else torch.tensor(cols, device=x.device) + (p0 - 1)
-        x0, conf = proposal(model, meter, "step", x, keep, k.logits_chunk,  # [B, m] each; no logits left after
+        x0, conf = proposal(model, meter, "step", x, keep, stream_chunk(k),  # [B, m] each; no logits left after
                             lambda lg: dream_propose(lg, k.alg, k.temperature, k.top_p, k.top_k, None, mask),
                             position_ids=pos, attention_mask=attn)
         last, left = i == steps - 1, steps - i
@@ -672,7 +669,7 @@ def _dream_steps(model, meter, k, x, attn, pos, p0, times, mask, eos, gen) -> No
         if not bool(masked.any()):
             break  # origin can finish early; the remaining steps would change nothing
         # Shift: position p0 - 1 + j predicts response token j. [B, G, V]
-        x0, conf = proposal(model, meter, "step", x, slice(p0 - 1, -1), k.logits_chunk,  # [B, G] each
+        x0, conf = proposal(model, meter, "step", x, slice(p0 - 1, -1), stream_chunk(k),  # [B, G] each
                             lambda lg: dream_propose(lg, k.alg, k.temperature, k.top_p, k.top_k, gen, mask),
                             position_ids=pos, attention_mask=attn)
         last, left = i == steps - 1, steps - i
