@@ -346,7 +346,8 @@ def _main(ns: argparse.Namespace, server) -> int:
     except Stopped as e:
         for sig in STOP_SIGNALS:  # a second signal (Slurm sends one to every process) changes nothing now
             signal.signal(sig, signal.SIG_IGN)
-        print(f"stopped by {signal.Signals(e.signum).name}; rerun with --run-id {run_dir.name} to resume",
+        # on a line of its own: a worker's progress bar may have been redrawn without a newline as it stopped
+        print(f"\nstopped by {signal.Signals(e.signum).name}; rerun with --run-id {run_dir.name} to resume",
               file=sys.stderr)
         return 128 + e.signum
     finally:
