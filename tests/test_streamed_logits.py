@@ -30,6 +30,9 @@ CASES = {  # checkpoint -> (decoder, knobs)
             ("fast_dllm", dict(block_length=16, cache="prefix")), ("fast_dllm", dict(block_length=16, cache="none"))],
     "dream": [("dream", {}), ("fast_dllm", dict(block_length=16, shift=True))],
 }
+# refusion's answers carry their logits as heads.Heads, made on demand (greedy_at, prob_at)
+REFUSION_CASES = [{}, dict(kv_layout="replicated"), dict(no_cache=True), dict(slot_threshold=0.5, token_threshold=0.2),
+                  dict(serial_num_blocks=2, slot_size=4)]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def loaded(tiny_checkpoint, left_pad):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = {}
-    for name in CASES:
+    for name in (*CASES, "refusion"):
         tok = AutoTokenizer.from_pretrained(str(tiny_checkpoint(name)))
         model = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint(name))).eval()
         rows = [torch.tensor(encode_chat(tok, q)) for q in QUERIES]
@@ -109,3 +112,25 @@ def test_streamed_logits_give_the_tokens_of_the_full_forward(monkeypatch, loaded
         warnings.warn(f"float tie: {decoder} {knobs} {str(dtype).removeprefix('torch.')}, batch {x.shape[0]}, "
                       f"logits_chunk {chunk}: other tokens after step {steps.index(False) + 1} of {len(steps)}, whose "
                       "token or confidence differ on logits within rounding of the full forward's")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("knobs", REFUSION_CASES, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "default")
+def test_refusion_streamed_logits_give_the_tokens_of_the_full_forward(loaded, knobs, dtype):
+    """refusion with logits_chunk (the default and 1) against none: the same tokens, forwards and commit log, for a
+    left-padded batch and one row (asserted: no float tie met here; the step-by-step proof above is for the
+    decoders whose steps go through common.streamed_proposal)."""
+    model, rows, (ids, mask) = loaded["refusion"]
+    model = copy.deepcopy(model).to(dtype)
+    if dtype == torch.bfloat16:
+        model.set_attn_implementation("eager")  # as above: SDPA's bfloat16 kernel under the capped ATen
+
+    def run(x, m, chunk):
+        return DECODERS["refusion"](model, x, attention_mask=m, gen_length=32, logits_chunk=chunk, **knobs)
+
+    for x, m in ((ids, mask), (rows[0][None], None)):
+        want, want_stats = run(x, m, None)
+        for chunk in (LOGITS_CHUNK, 1):
+            got, stats = run(x, m, chunk)
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), (chunk, want, got)
+            assert (stats["nfe"], stats["commit_forward"]) == (want_stats["nfe"], want_stats["commit_forward"])

@@ -17,7 +17,8 @@ real run meet a fault at a chosen place, however fast the machine is. Keys:
 - ``"oom": {"min_batch": N}``: every decoder call of at least N rows raises out of memory;
   ``"oom": {"docs": ["task:doc_id", ...]}``: every call holding one of those documents does;
 - ``"nan": {"docs": [...], "forward": K}``: forward K (1-based) of every call holding one of those
-  documents returns NaN logits (a forward hook on the model: the decoder's own check must catch it);
+  documents returns NaN logits (a forward hook on the LM head, else on the model: the decoder's own check
+  must catch it);
   ``"nan": {"first_calls": N}``: the first N decoder calls of every process (the decoding pass's worker, the
   timed rounds, the memory pass) do, whatever they hold: a fault that meets each process once;
 - ``"stall": {"docs": [...], "forwards": N}``: every call holding one of those documents meets a model whose
@@ -143,19 +144,30 @@ def injected_decode_faults(model, items: list[dict], decoder: str | None = None)
     from refusion.decoding import common
 
     seen, hit = [0], []  # forwards so far, the encoder half's of an encoder-decoder model (DiffusionGemma) too
+    # The faults meet the LM head's output where the model has one: every logit a decoder reads passes through it,
+    # also those a streamed step makes from hidden states after the forward (the knob logits_chunk).
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def count(*_):
+        seen[0] += 1
 
     def poison(_module, _args, out):
-        seen[0] += 1
+        logits = out if head is not None else out.logits
         if poisoned and not hit and seen[0] >= int(nan.get("forward", 1)):  # the first logits at or after it
             hit.append(seen[0])
-            out.logits = out.logits.float().fill_(float("nan"))
+            logits = logits.float().fill_(float("nan"))
         elif stalled:
-            out.logits = torch.zeros_like(out.logits)  # every confidence 1/V: no threshold is ever passed
+            logits = torch.zeros_like(logits)  # every confidence 1/V: no threshold is ever passed
         if leaking:
-            kept.append(out.logits)
+            kept.append(logits)
+        if head is not None:
+            return logits
+        out.logits = logits
         return out
 
-    handles = [model.register_forward_hook(poison)]
+    handles = [model.register_forward_pre_hook(count)]
+    if poisoned or stalled or leaking:
+        handles.append((head or model).register_forward_hook(poison))
     if slowed:
         import time
 

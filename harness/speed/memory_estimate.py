@@ -15,16 +15,18 @@ forward and the decoder's work on its logits (common.forward's finiteness reduct
 float32 copy of the positions the step reads, the softmax / max of a greedy pick, Dream's entropy, a cache
 commit). So a phase's peak is live KV at that phase plus that forward's peak of new storages. Each step's logits
 are dropped before the next forward, as the decoders drop them. ``Shape.chunk`` is the knob logits_chunk of
-llada, fast_dllm and dream (default LOGITS_CHUNK): their phases make the logits of ``chunk`` decided positions at
-a time (common.streamed_proposal); with None, the model's own forward over every position.
+the STREAMED decoders (default LOGITS_CHUNK): their phases make the logits of ``chunk`` decided positions at a
+time from the backbone's hidden states (common.streamed_proposal, heads.Heads); with None, the model's own
+forward over every position.
 Phases (B batch, P prompt, G gen, L slot size, K block length):
 
 - ``ar``: prefill (P tokens, logits [B, P, V], float32 of the last); step (two one-token steps ending with the
   cache at P+G-1).
-- ``refusion``: plan (the first round: prompt + every slot as masks, [B, P+G] in one stacked call, logits
-  [B, P+G, V], float32 of the slots' G positions; each row's prompt KV committed; worst case every slot picked:
-  the drafts' logits gathered and softmaxed 8 slots at a time); verify (the first global verify: rows' caches at P, the stacked call's padded copy
-  of them, the drafts [B, G]; every draft accepted and committed); late (rows' caches at P+G-L: plan and
+- ``refusion``: plan (the first round: prompt + every slot as masks, [B, P+G] in one stacked call; each row's
+  prompt KV committed; the slots' first tokens, then, worst case every slot picked, the drafts of all G
+  positions, ``chunk`` positions at a time -- with None the logits [B, P+G, V], float32 of the G slot positions,
+  the drafts 8 slots at a time); verify (the first global verify: rows' caches at P, the stacked call's padded
+  copy of them, the drafts [B, G]; every draft accepted and committed); late (rows' caches at P+G-L: plan and
   verify of the last slot, stacked copy included). A batch of one runs on its own cache (no stacked copy).
 - ``llada`` / ``dream``: two full forwards over [B, P+G] with no cache; LLaDA softmaxes a block [B, K, V],
   Dream the open columns [B, G, V] (the second step's G-1 columns gathered) and computes their entropy.
@@ -78,6 +80,7 @@ from harness.models.families import FAMILIES
 from harness.run.memory import LEAVES_OUT, DecodeMemory, weights_bytes
 from harness.run.store import atomic_write_json
 from refusion.decoding.common import additive_mask, cache_append, cache_from, cache_keep, floated, positions_from_mask
+from refusion.decoding.heads import Heads, greedy_at, prob_at
 from refusion.decoding.knobs import LOGITS_CHUNK
 from refusion.decoding.mdm import FastDllmKnobs
 from refusion.decoding.refusion import PLAN_CHUNK, RefusionKnobs
@@ -202,13 +205,6 @@ def _proposal(model, ids, pos, keep, s: Shape, step, *, cache=None) -> None:
         del logits
 
 
-def _token_prob(logits: torch.Tensor) -> None:
-    """proposals.token_prob's tensors over logits [n, ..., V]: softmax and gather, about 64 positions at a time."""
-    step = max(1, 64 // max(1, logits[:1, ..., 0].numel()))
-    for i in range(0, logits.shape[0], step):
-        torch.softmax(logits[i:i + step] / 1.0, -1).max(-1)
-
-
 def _pick(logits: torch.Tensor) -> torch.Tensor:
     """A greedy pick's tensors: softmax [..., V], then its max -> tokens [...]."""
     return torch.softmax(logits, -1).max(-1)[1]
@@ -259,65 +255,88 @@ def ar_step(model, s: Shape) -> None:
     _pick(logits)
 
 
-def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int, skip: int = 0) -> list[torch.Tensor]:
+def _heads(model, ids, pos, visible, cache, skip: int, chunk: int | None) -> Heads:
+    """common.forward_heads' tensors for a visibility-masked call: with ``chunk`` None ``_forward``'s float32
+    logits of the positions from ``skip``; else the model's forward with the logits of position ``skip`` only
+    (its finiteness reduction), the backbone's hidden states kept for ``Heads.at``."""
+    if chunk is None:
+        return Heads(dense=_forward(model, ids, pos, visible=visible, cache=cache, keep=slice(skip, None)))
+    sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
+    mask = visible[:, None] if sdpa else additive_mask(visible, model.dtype)
+    hidden = []
+    hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: hidden.append(out.last_hidden_state))
+    try:
+        model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None,
+              logits_to_keep=torch.tensor([skip])).logits.amax(-1)
+    finally:
+        hook.remove()
+    return Heads(hidden=hidden[0][:, skip:], head=model.get_output_embeddings(), check=lambda lg: lg.amax(-1))
+
+
+def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int, skip: int = 0,
+             chunk: int | None = None) -> list[Heads]:
     """refusion.stacked_call's tensors for every row asking q tokens after its cache (the rows' caches are
     equally long): one row runs on its own cache, cropped straight back; several run on a padded copy of all
     their caches. Then each row commits the KV of its first ``commit`` query tokens (``cache_append``: a copy).
-    Returns per row its logits [1, q - skip, V] (a single row's float32 copy made of those only, as stacked_call's).
+    Returns per row the logits of its q - skip read positions (``Heads``: ``_heads`` with ``chunk``).
     """
     t = rows[0].get_seq_length()
     ids = torch.full((s.batch, q), 4, dtype=torch.long)
     pos = torch.arange(pos_from, pos_from + q).expand(s.batch, -1)
     if s.batch == 1:
-        logits = _forward(model, ids, pos, visible=_visible(1, t, q), cache=rows[0], keep=slice(skip, None))
-        answers = [(logits, [(lay.keys[:, :, -q:], lay.values[:, :, -q:]) for lay in rows[0].layers])]
+        heads = _heads(model, ids, pos, _visible(1, t, q), rows[0], skip, chunk)
+        answers = [(heads, [(lay.keys[:, :, -q:], lay.values[:, :, -q:]) for lay in rows[0].layers])]
         rows[0].crop(-q)
     else:
         vis = torch.zeros(s.batch, q, t + q, dtype=torch.bool)
         vis[:] = _visible(s.batch, t, q)
         parts = None
         if t:
-            layers, heads, d = _dims(model)
-            parts = [tuple(torch.zeros(s.batch, heads, t, d, dtype=model.dtype) for _ in "kv") for _ in range(layers)]
+            layers, heads_n, d = _dims(model)
+            parts = [tuple(torch.zeros(s.batch, heads_n, t, d, dtype=model.dtype) for _ in "kv")
+                     for _ in range(layers)]
             for b, row in enumerate(rows):
                 for (k, v), lay in zip(parts, row.layers):
                     k[b], v[b] = lay.keys[0], lay.values[0]
         stacked = cache_from(model, parts)
-        logits = _forward(model, ids, pos, visible=vis, cache=stacked, keep=slice(skip, None))  # every row skips as much
-        answers = [(logits[b:b + 1], [(lay.keys[b:b + 1, :, t:], lay.values[b:b + 1, :, t:]) for lay in stacked.layers])
+        heads = _heads(model, ids, pos, vis, stacked, skip, chunk)  # every row skips as much
+        answers = [(heads.part(slice(b, b + 1), slice(None)),
+                    [(lay.keys[b:b + 1, :, t:], lay.values[b:b + 1, :, t:]) for lay in stacked.layers])
                    for b in range(s.batch)]
     if commit:
         for row, (_, kv) in zip(rows, answers):
             cache_append(row, [[(k[:, :, :commit], v[:, :, :commit]) for k, v in kv]])
-    return [lg for lg, _ in answers]
+    return [h for h, _ in answers]
 
 
 def refusion_plan(model, s: Shape) -> None:
     rows = [DynamicCache(config=model.config) for _ in range(s.batch)]
     m = -(-s.gen // s.slot_size)  # slots, all masked
     # the prompt's KV committed; its logits not read (skip)
-    for logits in _stacked(model, s, rows, s.prompt + m * s.slot_size, 0, s.prompt, skip=s.prompt):
-        lg = logits[0].view(m, s.slot_size, -1)  # [m, L, V]
-        _pick(lg[:, 0])  # the slots' first tokens
-        for i in range(0, m, PLAN_CHUNK):  # worst case: every slot picked, its drafts gathered PLAN_CHUNK at a time
-            _pick(lg[torch.arange(i, min(i + PLAN_CHUNK, m))])
+    for heads in _stacked(model, s, rows, s.prompt + m * s.slot_size, 0, s.prompt, skip=s.prompt, chunk=s.chunk):
+        greedy_at(heads, torch.arange(m) * s.slot_size, s.chunk)  # the slots' first tokens
+        # worst case: every slot picked, its drafts s.chunk positions (or PLAN_CHUNK slots) at a time
+        greedy_at(heads, torch.arange(m * s.slot_size), s.chunk or PLAN_CHUNK * s.slot_size)
 
 
 def refusion_verify(model, s: Shape) -> None:
     rows = [_cache(model, 1, s.prompt) for _ in range(s.batch)]
     q = -(-s.gen // s.slot_size) * s.slot_size  # every slot drafted
-    for logits in _stacked(model, s, rows, q, s.prompt, q):  # worst case: every draft accepted and committed
-        _token_prob(logits[0, :-1])
+    tokens = torch.full((q - 1,), 4, dtype=torch.long)
+    for heads in _stacked(model, s, rows, q, s.prompt, q, chunk=s.chunk):  # worst case: every draft accepted
+        prob_at(heads, slice(0, q - 1), tokens, 0.0, s.chunk)
 
 
 def refusion_late(model, s: Shape) -> None:
     t = s.prompt + -(-s.gen // s.slot_size) * s.slot_size - s.slot_size
     rows = [_cache(model, 1, t) for _ in range(s.batch)]
-    for logits in _stacked(model, s, rows, s.slot_size, t, 0):  # plan of the last slot
-        _pick(logits[0])
-    del logits  # drive_rows drops each answer once its row has read it
-    for logits in _stacked(model, s, rows, s.slot_size, t, s.slot_size):  # its verify and commit
-        _token_prob(logits[0, :-1])
+    L = s.slot_size
+    for heads in _stacked(model, s, rows, L, t, 0, chunk=s.chunk):  # plan of the last slot
+        greedy_at(heads, torch.arange(1), s.chunk)
+        greedy_at(heads, torch.arange(L), s.chunk or PLAN_CHUNK * L)
+    del heads  # drive_rows drops each answer once its row has read it
+    for heads in _stacked(model, s, rows, L, t, L, chunk=s.chunk):  # its verify and commit
+        prob_at(heads, slice(0, L - 1), torch.full((L - 1,), 4, dtype=torch.long), 0.0, s.chunk)
 
 
 def llada_step(model, s: Shape) -> None:
@@ -376,8 +395,8 @@ def d2f_first(model, s: Shape) -> None:
     """d2f's first step: prompt + the first block [B, P + K] in one stacked call, every position's float32 logits
     (the step reads the active blocks'), the prompt's KV kept; the block's proposal."""
     rows = [DynamicCache(config=model.config) for _ in range(s.batch)]
-    for logits in _stacked(model, s, rows, s.prompt + s.block_length, 0, s.prompt):
-        _pick(logits[0, s.prompt:])
+    for heads in _stacked(model, s, rows, s.prompt + s.block_length, 0, s.prompt):
+        _pick(heads.all()[0, s.prompt:])
 
 
 def d2f_late(model, s: Shape) -> None:
@@ -385,8 +404,8 @@ def d2f_late(model, s: Shape) -> None:
     kept."""
     t = s.prompt + s.gen - 2 * s.block_length
     rows = [_cache(model, 1, t) for _ in range(s.batch)]
-    for logits in _stacked(model, s, rows, 2 * s.block_length, t, s.block_length):
-        _pick(logits[0])
+    for heads in _stacked(model, s, rows, 2 * s.block_length, t, s.block_length):
+        _pick(heads.all()[0])
 
 
 def _block_visible(batch: int, n: int, size: int) -> torch.Tensor:
@@ -429,7 +448,7 @@ PHASES: dict[str, dict[str, Callable]] = {
     "sdar": {"prefill": sdar_prefill, "denoise": sdar_denoise},
 }
 # The decoders with the knob logits_chunk (default LOGITS_CHUNK; their "full" estimate is logits_chunk none).
-STREAMED = ("llada", "dream", "fast_dllm", "fast_dllm (prefix)")
+STREAMED = ("refusion", "llada", "dream", "fast_dllm", "fast_dllm (prefix)")
 STREAM_CHUNK = LOGITS_CHUNK
 
 

@@ -45,6 +45,7 @@ from .cache import (  # noqa: F401
     new_cache,
 )
 from .compiled import compiled_call
+from .heads import Heads
 from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob  # noqa: F401
 from .tokens import (  # noqa: F401
     cut_after_eos,
@@ -295,6 +296,17 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.unsqueeze(1)
 
 
+def model_mask(model, attention_mask: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask a model call takes: ``attention_mask`` (a 2-D padding mask [B, kv]) as it is, or the visibility
+    ``visible`` (bool [B, q, kv] / [q, kv]) as a 4-D mask: the bool pattern itself for SDPA (True = attend, no
+    float mask to build per call), the additive float form for eager attention, which adds it."""
+    if visible is None:
+        return attention_mask
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        return (visible if visible.dim() == 3 else visible[None])[:, None]
+    return additive_mask(visible, model.dtype)
+
+
 def forward(
     model,
     meter: Meter,
@@ -349,12 +361,7 @@ def forward(
             meter.kv(cache, extra=kv_extra)
         check_finite(logits, real_queries(input_ids.shape[1], attention_mask, visible), meter.calls)
         return floated(logits, keep)
-    if visible is not None:
-        if getattr(model.config, "_attn_implementation", None) == "sdpa":
-            # SDPA takes the bool pattern as is (True = attend): no float mask to build per call.
-            attention_mask = (visible if visible.dim() == 3 else visible[None])[:, None]
-        else:  # eager adds the mask: it must be the additive float form
-            attention_mask = additive_mask(visible, model.dtype)
+    attention_mask = model_mask(model, attention_mask, visible)
     extra = {} if slots is None else {"slot_layout": slots}
     meter.count(phase)
     meter._sync()
@@ -409,28 +416,47 @@ def counted_call(meter: Meter, phase: str, call, check: bool = False):
 
 def forward_streamed(model, meter: Meter, phase: str, input_ids: torch.Tensor, first: torch.Tensor, *,
                      position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                     cache: DynamicCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     visible: torch.Tensor | None = None, slots=None, cache: DynamicCache | None = None,
+                     kv_extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One counted, timed call of the model with ``logits_to_keep=first`` (query positions [n]): the LM head runs
     on those positions only. Returns (their logits [B, n, V] in the model's dtype, the backbone's last hidden
-    states [B, q, H] after its final norm, taken by a hook on ``model.get_decoder()``), from which
-    ``streamed_proposal`` computes the other positions' logits. The model's own forward runs, so what hooks on
-    the model see (tests' forward counts, FAULTS_ENV's poisoned logits) is as in ``forward``. Counted and
-    metered as ``forward`` (a 2-D padding mask only; never compiled)."""
+    states [B, q, H] after its final norm, taken by a hook on ``model.get_decoder()``), from which the other
+    positions' logits are made (``streamed_proposal``, ``heads.Heads``). The model's own forward runs, so what
+    hooks on the model see (tests' forward counts, FAULTS_ENV's faults) is as in ``forward``. Masks, slot layout,
+    counting and metering as ``forward`` (never compiled)."""
     hidden: list[torch.Tensor] = []
     hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: hidden.append(out.last_hidden_state))
+    extra = {} if slots is None else {"slot_layout": slots}
     meter.count(phase)
     meter._sync()
     t0 = time.perf_counter()
     try:
-        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
-                    use_cache=cache is not None, logits_to_keep=first)
+        out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=cache is not None,
+                    attention_mask=model_mask(model, attention_mask, visible), logits_to_keep=first, **extra)
     finally:
         hook.remove()
     meter._sync()
     meter.forward_s += time.perf_counter() - t0
     if cache is not None:
-        meter.kv(cache)
+        meter.kv(cache, extra=kv_extra)
     return out.logits, hidden[-1]
+
+
+def forward_heads(model, meter: Meter, phase: str, input_ids: torch.Tensor, *, stream: bool,
+                  keep: slice | None = None, **call) -> Heads:
+    """One counted, timed forward whose logits of the query positions ``keep`` (a slice; None = all) come as
+    ``heads.Heads``: with ``stream`` (and eager, and a transformers model) made on demand from the hidden states
+    (``forward_streamed``; the model's forward makes the first kept position's, refused when not finite), else
+    ``forward``'s float32 logits. ``call``: ``forward``'s keywords."""
+    if not stream or meter.compiled or not hasattr(model, "get_decoder"):
+        return Heads(dense=forward(model, meter, phase, input_ids, keep=keep, **call))
+    keep = keep or slice(None)
+    first = torch.arange(input_ids.shape[1], device=input_ids.device)[keep][:1]
+    logits, hidden = forward_streamed(model, meter, phase, input_ids, first, **call)
+    calls = meter.calls
+    check_finite(logits, None, calls)
+    return Heads(hidden=hidden[:, keep], head=model.get_output_embeddings(),
+                 check=lambda lg: check_finite(lg, None, calls))
 
 
 def streamed_proposal(model, meter: Meter, phase: str, input_ids: torch.Tensor, keep: torch.Tensor, chunk: int,

@@ -197,7 +197,7 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
         end = row.span(new[-1])[1] if new else cached
         keep = end - cached if cache is not None else 0
         logits, kv = yield Req("step", cache, ids[None, start:length], positions[None, start:length], vis, keep=keep)
-        logits = logits[0]  # [q, V]; row j is position start + j
+        logits = logits.all()[0]  # [q, V]; row j is position start + j (the model's own logits: d2f streams none)
         if k.shift:  # the prediction for position p is the logit at p - 1; `last` serves p = start
             head = logits[:1] if last is None else last[None]
             pred = torch.cat([head, logits[:-1]])

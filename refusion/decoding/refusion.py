@@ -66,9 +66,10 @@ from ..kernels import BACKENDS as ATTN_BACKENDS
 from ..kernels import SlotLayout, attention_backend, require
 from ..slot_attention import slot_visibility
 from .cache import cache_append, cache_from, cache_len, kv_parts_bytes, new_cache
-from .common import Meter, forward
-from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
-from .proposals import as_float32, make_generator, propose, token_prob
+from .common import Meter, forward_heads
+from .heads import Heads, greedy_at, prob_at
+from .knobs import Knobs, compile_knob, gen_length, knob, logits_chunk_knob, seed, stream_chunk, temperature
+from .proposals import as_float32, make_generator, propose
 from .tokens import eos_ids, is_eos, left_padding_mask, mask_id
 
 PHASES = ("plan", "verify", "draft", "infill", "recompute")
@@ -137,6 +138,7 @@ class RefusionKnobs(Knobs):
                      "triton; same tokens)", choices=ATTN_BACKENDS)
     seed: int = seed()
     compile: bool = compile_knob()
+    logits_chunk: int = logits_chunk_knob()
 
     @property
     def n_slots(self) -> int:
@@ -167,6 +169,7 @@ class _Run:
     infill_seed: str
     kv_layout: str
     attn: str
+    chunk: int | None  # positions per chunk of logits (stream_chunk), None: the model's own forward
     mask: int
     eos: tuple[int, ...]
     on_commit: Callable[[dict], None] | None
@@ -201,7 +204,7 @@ def _vis(r: Req) -> torch.Tensor:
     return slot_visibility(r.layout.prefix_len, r.layout.slot_lens, r.ids.device)
 
 
-Answer = tuple[torch.Tensor, KV | None]  # logits [U, q, V] and the query's KV (None without cache)
+Answer = tuple[Heads, KV | None]  # the logits of [U, q] read positions (made on demand) and the query's KV
 Steps = Generator[Req, Answer, object]
 
 
@@ -268,8 +271,9 @@ class _State:
 # ---------------------------------------------------------------- model calls
 
 
-def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa") -> list[Answer]:
-    """One model call for every pending request; returns (logits [U, q - skip, V], KV of the query) each.
+def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa", stream: bool = False) -> list[Answer]:
+    """One model call for every pending request; returns (the logits of [U, q - skip] positions as
+    ``heads.Heads``, made on demand with ``stream``; the KV of the query) each.
 
     A single request runs on its own cache, which is cropped straight back to the
     committed tokens (the one place the cache is trimmed; keeping KV is the commit's
@@ -290,11 +294,12 @@ def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa") -> li
         q = r.ids.shape[1]
         keep = slice(r.skip, None) if r.skip else None  # float32 logits of the positions read only
         if attn != "sdpa" and r.layout is not None:  # the fused slot-attention kernels
-            logits = forward(model, meter, phases, r.ids, position_ids=r.pos, slots=r.layout, cache=cache,
-                             kv_extra=r.extra, keep=keep)
+            logits = forward_heads(model, meter, phases, r.ids, stream=stream, position_ids=r.pos, slots=r.layout,
+                                   cache=cache, kv_extra=r.extra, keep=keep)
         else:
-            logits = forward(model, meter, phases, r.ids, position_ids=r.pos,
-                             visible=_vis(r).expand(r.ids.shape[0], -1, -1), cache=cache, kv_extra=r.extra, keep=keep)
+            logits = forward_heads(model, meter, phases, r.ids, stream=stream, position_ids=r.pos,
+                                   visible=_vis(r).expand(r.ids.shape[0], -1, -1), cache=cache, kv_extra=r.extra,
+                                   keep=keep)
         if cache is None:
             return [(logits, None)]
         kv = [(lay.keys[:, :, -q:], lay.values[:, :, -q:]) for lay in cache.layers]
@@ -331,20 +336,21 @@ def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa") -> li
         u0 += u
     cache = None if reqs[0].cache is None else cache_from(model, parts)
     low = min(r.skip for r in reqs)  # float32 logits of the positions some request reads only
-    logits = forward(model, meter, phases, ids, position_ids=pos, visible=vis, cache=cache,
-                     kv_extra=sum(r.extra for r in reqs), keep=slice(low, None))
+    logits = forward_heads(model, meter, phases, ids, stream=stream, position_ids=pos, visible=vis, cache=cache,
+                           kv_extra=sum(r.extra for r in reqs), keep=slice(low, None))
     out, u0 = [], 0
     for r, q, u in zip(reqs, qs, us):
         kv = None if cache is None else [(lay.keys[u0:u0 + u, :, tm:tm + q], lay.values[u0:u0 + u, :, tm:tm + q])
                                          for lay in cache.layers]
         if r.keep and kv is not None:
             cache_append(r.cache, [[(k[:, :, :r.keep], v[:, :, :r.keep]) for k, v in kv]])
-        out.append((logits[u0:u0 + u, r.skip - low:q - low], kv))  # the trimmed logits start at `low`
+        out.append((logits.part(slice(u0, u0 + u), slice(r.skip - low, q - low)), kv))  # they start at `low`
         u0 += u
     return out
 
 
-def drive_rows(model, meter: Meter, rows: list[Generator], attn: str = "sdpa") -> list[torch.Tensor]:
+def drive_rows(model, meter: Meter, rows: list[Generator], attn: str = "sdpa",
+               stream: bool = False) -> list[torch.Tensor]:
     """Run per-row decoding generators to completion, answering every pending row's next request
     with one model call (``stacked_call``); returns each generator's return value (its response)."""
     responses: list[torch.Tensor | None] = [None] * len(rows)
@@ -356,7 +362,7 @@ def drive_rows(model, meter: Meter, rows: list[Generator], attn: str = "sdpa") -
             responses[b] = stop.value
     while pending:
         order = list(pending)
-        answers = stacked_call(model, meter, [pending[b] for b in order], attn)
+        answers = stacked_call(model, meter, [pending[b] for b in order], attn, stream)
         answers.reverse()  # popped in row order, so each answer is held by its row's generator only
         for b in order:
             ans = answers.pop()
@@ -417,15 +423,14 @@ def _plan(st: _State, kn: _Run) -> Steps:
     """Mask tokens for every masked slot of the block; pick slots and their drafts."""
     L, m = kn.slot_size, len(st.masked)
     pos = st.positions[st.masked].flatten()  # [m * L]
-    logits, _ = yield from _ask(st, "plan", torch.full_like(pos, kn.mask)[None], pos[None], [m * L])
-    logits = logits[0].view(m, L, -1)  # [m, L, V]
+    heads, _ = yield from _ask(st, "plan", torch.full_like(pos, kn.mask)[None], pos[None], [m * L])  # [1, m * L]
     if kn.temperature > 0:  # sampling draws every position, in order (the generator's stream)
-        tok, conf = propose(logits, kn.temperature, st.gen)  # [m, L] each
+        tok, conf = propose(heads.all()[0].view(m, L, -1), kn.temperature, st.gen)  # [m, L] each
         first = conf[:, 0].tolist()
     elif not kn.left_to_right:
         # Greedy: each position's pick is its own row's softmax, so only what is used is computed -- the
         # slots' first tokens to choose the slots, then the chosen slots' drafts.
-        first = propose(logits[:, 0], 0.0, None)[1].tolist()
+        first = greedy_at(heads, torch.arange(m, device=pos.device) * L, kn.chunk)[1].tolist()
     if kn.left_to_right:
         picked = [0]
     else:  # the slots whose first token passes, else the most confident one (first on ties); host values
@@ -434,10 +439,10 @@ def _plan(st: _State, kn: _Run) -> Steps:
     if kn.temperature > 0:
         st.drafts = tok[picked].clone()  # [k, L]
     else:
-        # PLAN_CHUNK picked slots at a time: each position's softmax is its own, so the drafts are those of one
-        # call over all of them, with at most [PLAN_CHUNK, L, V] gathered (and its softmax) alive
-        st.drafts = torch.cat([propose(logits[torch.tensor(picked[i:i + PLAN_CHUNK], device=logits.device)], 0.0,
-                                       None)[0] for i in range(0, len(picked), PLAN_CHUNK)])  # [k, L]
+        # the picked slots' positions, logits_chunk at a time (PLAN_CHUNK slots with the model's own logits):
+        # each position's softmax is its own, so the drafts are those of one call over all of them
+        at = (torch.tensor(picked, device=pos.device)[:, None] * L + torch.arange(L, device=pos.device)).flatten()
+        st.drafts = greedy_at(heads, at, kn.chunk or PLAN_CHUNK * L)[0].view(len(picked), L)  # [k, L]
     st.fixed = [[(st.now(), "plan")] for _ in picked]  # a picked slot's first token is always accepted
 
 
@@ -461,10 +466,10 @@ def _global_verify(st: _State, kn: _Run) -> Steps:
     """The drafts as one causal stream; commit accepted whole slots (or up to an EOS) -> True."""
     L, k = kn.slot_size, len(st.slots)
     stream, spos = st.drafts.flatten(), st.positions[st.slots].flatten()  # [k * L]
-    logits, kv = yield from _ask(st, "verify", stream[None], spos[None], [k * L])
+    heads, kv = yield from _ask(st, "verify", stream[None], spos[None], [k * L])  # [1, k * L]
     # Host bookkeeping once per step: the probabilities and the stream are read once. Token i > 0 is predicted
     # from position i - 1; a slot's first token is always accepted; the accepted run is the leading one.
-    probs = [1.0] + token_prob(logits[0, :-1], stream[1:], kn.temperature).tolist()  # [k * L]
+    probs = [1.0] + prob_at(heads, slice(0, k * L - 1), stream[1:], kn.temperature, kn.chunk).tolist()  # [k * L]
     n_acc = next((i for i in range(1, k * L) if i % L and not probs[i] > kn.token_threshold), k * L)
     tokens = stream.tolist()
     hit = next((i for i in range(n_acc) if tokens[i] in kn.eos), None)
@@ -487,8 +492,9 @@ def _global_verify(st: _State, kn: _Run) -> Steps:
 def _infill_ask(st: _State, kn: _Run, phase: str, which: list[int], ids: torch.Tensor) -> Steps:
     """Forward picked slots `which` with tokens `ids` [n, L], each after the committed row only.
 
-    Returns logits [n, L, V] and a function (r, length) -> the first `length` tokens' KV of
-    the r-th slot, copied ([1, h, length, d] per layer; None without cache).
+    Returns the logits of the n x L positions (``heads.Heads``, flat index r * L + j in either layout) and a
+    function (r, length) -> the first `length` tokens' KV of the r-th slot, copied ([1, h, length, d] per
+    layer; None without cache).
     """
     L, n = kn.slot_size, len(which)
     pos = st.positions[[st.slots[i] for i in which]]  # [n, L]
@@ -501,7 +507,6 @@ def _infill_ask(st: _State, kn: _Run, phase: str, which: list[int], ids: torch.T
             return [(k[r:r + 1, :, :length].clone(), v[r:r + 1, :, :length].clone()) for k, v in kv]
     else:  # packed: one run, slots invisible to each other
         logits, kv = yield from _ask(st, phase, ids.reshape(1, -1), pos.reshape(1, -1), [L] * n, extra=extra)
-        logits = logits.view(n, L, -1)
 
         def part(r: int, length: int) -> KV:
             return [(k[:, :, r * L:r * L + length].clone(), v[:, :, r * L:r * L + length].clone()) for k, v in kv]
@@ -514,8 +519,12 @@ def _infill_draft(st: _State, kn: _Run, todo: list[int]) -> Steps:
     ids = st.drafts[todo].clone()  # [n, L]
     for r, i in enumerate(todo):
         ids[r, st.accepted[i]:] = kn.mask
-    logits, _ = yield from _infill_ask(st, kn, "draft", todo, ids)
-    new, _ = propose(logits, kn.temperature, st.gen)  # [n, L]
+    heads, _ = yield from _infill_ask(st, kn, "draft", todo, ids)
+    n, L = ids.shape
+    if kn.temperature > 0:  # a sample of every position, in order (the generator's stream)
+        new, _ = propose(heads.all().reshape(n, L, -1), kn.temperature, st.gen)  # [n, L]
+    else:
+        new = greedy_at(heads, slice(0, n * L), kn.chunk)[0].view(n, L)
     for r, i in enumerate(todo):
         st.drafts[i, st.accepted[i]:] = new[r, st.accepted[i]:]
 
@@ -524,8 +533,11 @@ def _infill_verify(st: _State, kn: _Run) -> Steps:
     """Each alive slot causal inside itself; accept its longest confident prefix (>= one more token)."""
     L, alive = kn.slot_size, st.alive
     drafts = st.drafts[alive]  # [n, L]
-    logits, part = yield from _infill_ask(st, kn, "infill", alive, drafts)
-    good = (token_prob(logits[:, :-1], drafts[:, 1:], kn.temperature) > kn.token_threshold).tolist()  # [n][L-1]
+    heads, part = yield from _infill_ask(st, kn, "infill", alive, drafts)
+    n = len(alive)
+    at = (torch.arange(n, device=drafts.device)[:, None] * L + torch.arange(L - 1, device=drafts.device)).flatten()
+    good = (prob_at(heads, at, drafts[:, 1:].flatten(), kn.temperature, kn.chunk) > kn.token_threshold).view(
+        n, L - 1).tolist()  # [n][L-1]: token j + 1 from position j
     eos = is_eos(drafts, kn.eos).tolist()  # [n][L]
     stop_after: int | None = None
     for r, i in enumerate(alive):
@@ -666,7 +678,7 @@ def refusion(
         slot_threshold=as_float32(k.slot_threshold), token_threshold=as_float32(k.token_threshold),
         temperature=k.temperature,
         left_to_right=k.left_to_right, recompute_kv=k.recompute_kv, no_cache=k.no_cache,
-        infill_seed=k.infill_seed, kv_layout=k.kv_layout, attn=k.attn,
+        infill_seed=k.infill_seed, kv_layout=k.kv_layout, attn=k.attn, chunk=stream_chunk(k),
         mask=mask_id(model, mask_token_id), eos=eos_ids(model, eos_token_id), on_commit=on_commit,
     )
     pad = left_padding_mask(input_ids, attention_mask)
@@ -689,6 +701,6 @@ def refusion(
         rows.append(_decode_row(st, kn))
 
     with attention_backend(model, kn.attn):
-        responses = drive_rows(model, meter, rows, kn.attn)
+        responses = drive_rows(model, meter, rows, kn.attn, kn.chunk is not None)
     counts["slots_parallel_mean"] = counts["infill_slots"] / counts["infill_commits"] if counts["infill_commits"] else 0.0
     return responses, meter.finish(responses, **counts)
