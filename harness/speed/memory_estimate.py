@@ -180,26 +180,34 @@ def _forward(model, ids, pos, *, mask=None, visible=None, cache=None, keep=None)
     return floated(logits, keep)
 
 
-def _proposal(model, ids, pos, keep, s: Shape, step, *, cache=None) -> None:
-    """common.proposal's tensors: with ``s.chunk`` None ``_forward`` then ``step`` on its kept logits; else
-    common.streamed_proposal's: the model's forward with the first ``s.chunk`` kept positions' logits (the
-    backbone's hidden states [B, q, H] kept), then the LM head's logits [B, n, V] of each further chunk, each
-    chunk's float32 copy, check_finite's reduction and ``step``."""
-    if s.chunk is None:
-        step(_forward(model, ids, pos, cache=cache, keep=keep))
-        return
-    keep = torch.arange(ids.shape[1])[keep] if isinstance(keep, slice) else keep
+def _streamed_hidden(model, ids, pos, *, mask=None, cache=None) -> torch.Tensor:
+    """common.forward_streamed's tensors: the model's forward with the last position's logits only (their
+    finiteness reduction); returns the backbone's hidden states [B, q, H]."""
     hidden = []
     hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: hidden.append(out.last_hidden_state))
     try:
-        logits = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=cache is not None,
-                       logits_to_keep=keep[:s.chunk]).logits
+        model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None,
+              logits_to_keep=1).logits.amax(-1)
     finally:
         hook.remove()
-    for i in range(0, keep.numel(), s.chunk):
-        if i:
-            logits = model.get_output_embeddings()(hidden[0][:, keep[i:i + s.chunk]])
-        logits = logits.float()
+    return hidden[0]
+
+
+def _proposal(model, ids, pos, keep, s: Shape, step, *, cache=None) -> None:
+    """common.proposal's tensors: with ``s.chunk`` None ``_forward`` then ``step`` on its kept logits; else
+    common.streamed_proposal's: ``_streamed_hidden``, then, ``s.chunk`` kept positions at a time, the LM head's
+    logits [B, n, V], their float32 copy, check_finite's reduction and ``step``."""
+    if s.chunk is None:
+        step(_forward(model, ids, pos, cache=cache, keep=keep))
+        return
+    hidden = _streamed_hidden(model, ids, pos, cache=cache)
+    if isinstance(keep, slice):
+        start, stop, _ = keep.indices(hidden.shape[1])
+        parts = [slice(i, min(i + s.chunk, stop)) for i in range(start, stop, s.chunk)]
+    else:
+        parts = [keep[i:i + s.chunk] for i in range(0, keep.numel(), s.chunk)]
+    for part in parts:
+        logits = model.get_output_embeddings()(hidden[:, part]).float()
         logits.amax(-1)
         step(logits)
         del logits
@@ -257,20 +265,13 @@ def ar_step(model, s: Shape) -> None:
 
 def _heads(model, ids, pos, visible, cache, skip: int, chunk: int | None) -> Heads:
     """common.forward_heads' tensors for a visibility-masked call: with ``chunk`` None ``_forward``'s float32
-    logits of the positions from ``skip``; else the model's forward with the logits of position ``skip`` only
-    (its finiteness reduction), the backbone's hidden states kept for ``Heads.at``."""
+    logits of the positions from ``skip``; else ``_streamed_hidden``, kept for ``Heads.at``."""
     if chunk is None:
         return Heads(dense=_forward(model, ids, pos, visible=visible, cache=cache, keep=slice(skip, None)))
     sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
     mask = visible[:, None] if sdpa else additive_mask(visible, model.dtype)
-    hidden = []
-    hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: hidden.append(out.last_hidden_state))
-    try:
-        model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=cache is not None,
-              logits_to_keep=torch.tensor([skip])).logits.amax(-1)
-    finally:
-        hook.remove()
-    return Heads(hidden=hidden[0][:, skip:], head=model.get_output_embeddings(), check=lambda lg: lg.amax(-1))
+    hidden = _streamed_hidden(model, ids, pos, mask=mask, cache=cache)
+    return Heads(hidden=hidden[:, skip:], head=model.get_output_embeddings(), check=lambda lg: lg.amax(-1))
 
 
 def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int, skip: int = 0,

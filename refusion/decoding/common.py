@@ -414,16 +414,17 @@ def counted_call(meter: Meter, phase: str, call, check: bool = False):
 # ---------------------------------------------------------------- streamed proposals (the knob logits_chunk)
 
 
-def forward_streamed(model, meter: Meter, phase: str, input_ids: torch.Tensor, first: torch.Tensor, *,
+def forward_streamed(model, meter: Meter, phase: str, input_ids: torch.Tensor, *,
                      position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                      visible: torch.Tensor | None = None, slots=None, cache: DynamicCache | None = None,
-                     kv_extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One counted, timed call of the model with ``logits_to_keep=first`` (query positions [n]): the LM head runs
-    on those positions only. Returns (their logits [B, n, V] in the model's dtype, the backbone's last hidden
-    states [B, q, H] after its final norm, taken by a hook on ``model.get_decoder()``), from which the other
-    positions' logits are made (``streamed_proposal``, ``heads.Heads``). The model's own forward runs, so what
-    hooks on the model see (tests' forward counts, FAULTS_ENV's faults) is as in ``forward``. Masks, slot layout,
-    counting and metering as ``forward`` (never compiled)."""
+                     kv_extra: int = 0) -> torch.Tensor:
+    """One counted, timed call of the model with ``logits_to_keep=1``: the LM head runs on the last query position
+    only, whose logits are refused when not finite (the last position is a real token, or a padded query that
+    sees itself). Returns the backbone's last hidden states [B, q, H] after its final norm, taken by a hook on
+    ``model.get_decoder()``, from which the positions a step reads get their logits (``streamed_proposal``,
+    ``heads.Heads``). The model's own forward runs, so what hooks on the model see (tests' forward counts,
+    FAULTS_ENV's faults on its LM head) is as in ``forward``. Masks, slot layout, counting and metering as
+    ``forward`` (never compiled)."""
     hidden: list[torch.Tensor] = []
     hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: hidden.append(out.last_hidden_state))
     extra = {} if slots is None else {"slot_layout": slots}
@@ -432,51 +433,51 @@ def forward_streamed(model, meter: Meter, phase: str, input_ids: torch.Tensor, f
     t0 = time.perf_counter()
     try:
         out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=cache is not None,
-                    attention_mask=model_mask(model, attention_mask, visible), logits_to_keep=first, **extra)
+                    attention_mask=model_mask(model, attention_mask, visible), logits_to_keep=1, **extra)
     finally:
         hook.remove()
     meter._sync()
     meter.forward_s += time.perf_counter() - t0
     if cache is not None:
         meter.kv(cache, extra=kv_extra)
-    return out.logits, hidden[-1]
+    check_finite(out.logits, None, meter.calls)
+    return hidden[-1]
 
 
 def forward_heads(model, meter: Meter, phase: str, input_ids: torch.Tensor, *, stream: bool,
                   keep: slice | None = None, **call) -> Heads:
     """One counted, timed forward whose logits of the query positions ``keep`` (a slice; None = all) come as
     ``heads.Heads``: with ``stream`` (and eager, and a transformers model) made on demand from the hidden states
-    (``forward_streamed``; the model's forward makes the first kept position's, refused when not finite), else
-    ``forward``'s float32 logits. ``call``: ``forward``'s keywords."""
+    (``forward_streamed``), else ``forward``'s float32 logits. ``call``: ``forward``'s keywords."""
     if not stream or meter.compiled or not hasattr(model, "get_decoder"):
         return Heads(dense=forward(model, meter, phase, input_ids, keep=keep, **call))
-    keep = keep or slice(None)
-    first = torch.arange(input_ids.shape[1], device=input_ids.device)[keep][:1]
-    logits, hidden = forward_streamed(model, meter, phase, input_ids, first, **call)
+    hidden = forward_streamed(model, meter, phase, input_ids, **call)
     calls = meter.calls
-    check_finite(logits, None, calls)
-    return Heads(hidden=hidden[:, keep], head=model.get_output_embeddings(),
+    return Heads(hidden=hidden[:, keep or slice(None)], head=model.get_output_embeddings(),
                  check=lambda lg: check_finite(lg, None, calls))
 
 
-def streamed_proposal(model, meter: Meter, phase: str, input_ids: torch.Tensor, keep: torch.Tensor, chunk: int,
-                      step, **call) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward and ``step``'s (token [B, k], confidence [B, k]) at the query positions ``keep`` [k], their
-    logits made ``chunk`` positions at a time: the model's forward makes the first chunk's (``forward_streamed``),
-    the LM head then runs on the next chunks' hidden states [B, chunk, H], so at most one chunk's logits
-    [B, chunk, V] (and its float32 copy) is alive. ``step``: float32 logits [B, n, V] -> (token [B, n],
-    confidence [B, n]), each position on its own. Each chunk is refused when not finite (``check_finite``).
-    Only for models that apply nothing after their LM head (the Llama / Qwen2 / Qwen3 classes the streamed
-    decoders load).
+def streamed_proposal(model, meter: Meter, phase: str, input_ids: torch.Tensor, keep: slice | torch.Tensor,
+                      chunk: int, step, **call) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward and ``step``'s (token [B, k], confidence [B, k]) at the query positions ``keep`` (a slice with
+    a stop, or an index tensor [k]), their logits made ``chunk`` positions at a time by the LM head on the
+    backbone's hidden states (``forward_streamed``), so at most one chunk's logits [B, chunk, V] (and its float32
+    copy) is alive, and no index tensor is made before the forward. ``step``: float32 logits [B, n, V] ->
+    (token [B, n], confidence [B, n]), each position on its own. Each chunk is refused when not finite
+    (``check_finite``). Only for models that apply nothing after their LM head (the Llama / Qwen2 / Qwen3 classes
+    the streamed decoders load).
 
     The head's matmul has B x chunk rows instead of B x q: a BLAS picks its kernel by the row count, so a logit
     can differ in its last bit from the full product's (docs/design.md §6)."""
-    logits, hidden = forward_streamed(model, meter, phase, input_ids, keep[:chunk], **call)
+    hidden = forward_streamed(model, meter, phase, input_ids, **call)
+    if isinstance(keep, slice):
+        start, stop, _ = keep.indices(hidden.shape[1])
+        parts = [slice(i, min(i + chunk, stop)) for i in range(start, stop, chunk)]
+    else:
+        parts = [keep[i:i + chunk] for i in range(0, keep.numel(), chunk)]
     head, toks, confs = model.get_output_embeddings(), [], []
-    for i in range(0, keep.numel(), chunk):
-        if i:
-            logits = head(hidden[:, keep[i:i + chunk]])  # [B, n, V]
-        logits = logits.float()
+    for part in parts:
+        logits = head(hidden[:, part]).float()  # [B, n, V]
         check_finite(logits, None, meter.calls)
         tok, conf = step(logits)
         del logits  # one chunk alive at a time
@@ -495,6 +496,4 @@ def proposal(model, meter: Meter, phase: str, input_ids: torch.Tensor, keep: sli
     none is alive during the next forward."""
     if chunk is None or meter.compiled or not hasattr(model, "get_decoder"):
         return step(forward(model, meter, phase, input_ids, keep=keep, **call))
-    if isinstance(keep, slice):
-        keep = torch.arange(input_ids.shape[1], device=input_ids.device)[keep]
     return streamed_proposal(model, meter, phase, input_ids, keep, chunk, step, **call)
