@@ -315,9 +315,20 @@ class LLaDA2MoeModelLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, cache=None, use_cache: bool = False,
-                **_: object) -> LLaDA2Output:
-        """Logits [B, T, V] (float32) of input_ids [B, T] at ``position_ids`` [B, T] (default: after the cache)."""
+                logits_to_keep: int | torch.Tensor = 0, **_: object) -> LLaDA2Output:
+        """Logits [B, T, V] (float32) of input_ids [B, T] at ``position_ids`` [B, T] (default: after the cache);
+        ``logits_to_keep`` as transformers takes it: the last n positions (0 = all), or those of an index tensor."""
         del use_cache  # the cache is written whenever one is given
+        hidden = self.backbone(input_ids, position_ids, attention_mask, cache)
+        if isinstance(logits_to_keep, torch.Tensor):
+            hidden = hidden[:, logits_to_keep]
+        elif logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return LLaDA2Output(logits=self.lm_head(hidden).float())
+
+    def backbone(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """The last hidden states [B, T, hidden] after the final norm (``forward`` without the LM head)."""
         b, t = input_ids.shape
         if position_ids is None:
             start = 0 if cache is None else cache.get_seq_length()
@@ -327,4 +338,4 @@ class LLaDA2MoeModelLM(PreTrainedModel, GenerationMixin):
         mask = _attention_mask(attention_mask, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, cache)
-        return LLaDA2Output(logits=self.lm_head(self.model.norm(x)).float())
+        return self.model.norm(x)

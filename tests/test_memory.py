@@ -189,20 +189,21 @@ def test_compiled_decoding_is_refused(models, prompt):
 # ---------------------------------------------------------------- the released-size estimate
 
 
-# every phase on a committed tiny checkpoint (SDAR on its released-layout fixture), the streamed decoders also with
-# logits_chunk 16
-TINY_CASES = [(ckpt, dec, chunk) for ckpt, decs in {**est.TINY_DECODERS, "sdar": ("sdar",)}.items() for dec in decs
-              for chunk in ((None, 16) if dec in est.STREAMED else (None,))]
+# every phase on a committed tiny checkpoint (SDAR and LLaDA2 on their released-layout fixtures; LLaDA2's phases
+# take the worst-case routing on both sides), the streamed decoders also with logits_chunk 16
+FIXTURES = {"sdar": SDAR_FIXTURE, "llada2": SDAR_FIXTURE.parent / "llada2"}
+TINY_CASES = [(ckpt, dec, chunk) for ckpt, decs in {**est.TINY_DECODERS, "sdar": ("sdar",), "llada2": ("llada2",)}.items()
+              for dec in decs for chunk in ((None, 16) if dec in est.STREAMED else (None,))]
 
 
 @pytest.mark.parametrize("ckpt,decoder,chunk", TINY_CASES)
 def test_fake_phases_count_what_real_phases_count(models, tiny_checkpoint, ckpt, decoder, chunk):
     """Each phase on fake tensors (the estimator's path) against the same phase on the real tiny model."""
-    folder = SDAR_FIXTURE if ckpt == "sdar" else tiny_checkpoint(ckpt)
-    real = load_model(folder).model if ckpt == "sdar" else models(ckpt)
+    folder = FIXTURES[ckpt] if ckpt in FIXTURES else tiny_checkpoint(ckpt)
+    real = load_model(folder).model if ckpt in FIXTURES else models(ckpt)
     mode = est.FakeTensorMode()
-    fake = est.fake_tiny(folder, mode) if ckpt != "sdar" else est.fake_model(  # loaded in float32, as the real one
-        "sdar", json.loads((folder / "config.json").read_text()), real.dtype, mode)
+    fake = est.fake_tiny(folder, mode) if ckpt not in FIXTURES else est.fake_model(  # in the real one's dtype
+        ckpt, json.loads((folder / "config.json").read_text()), real.dtype, mode)
     assert weights_bytes(fake) == weights_bytes(real)
     shape = est.Shape(BATCH, PROMPT, 64, chunk=chunk)
     got = est.phase_peaks(fake, decoder, shape, mode)
@@ -212,6 +213,25 @@ def test_fake_phases_count_what_real_phases_count(models, tiny_checkpoint, ckpt,
         assert abs(got[phase]["peak_bytes"] - want[phase]["peak_bytes"]) <= 0.05 * want[phase]["peak_bytes"], phase
     top = max(want.values(), key=lambda v: v["peak_bytes"])["peak_bytes"]
     assert abs(est.estimate(fake, decoder, shape, mode)["peak_bytes"] - top) <= 0.05 * top
+
+
+def test_worst_case_routing_is_the_models_expert_loop_when_every_token_picks_the_same_experts():
+    """The estimator's LLaDA2 expert loop (``_routing_worst_case``) against the model's own, on a routing that is
+    that worst case: every token's k choices are experts 0..k-1. The same output, bit for bit."""
+    model = load_model(FIXTURES["llada2"]).model
+    experts = next(m for m in model.modules() if type(m).__name__ == "Experts")
+    n, k = 5, model.config.num_experts_per_tok
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, model.config.hidden_size, generator=g)
+    ids = torch.arange(k).expand(n, k)
+    weights = torch.rand(n, k, generator=g)
+    own = type(experts).forward
+    with torch.no_grad():
+        want = experts(x, ids, weights)
+        with est._routing_worst_case():
+            assert type(experts).forward is not own  # the estimator's loop runs here
+            got = experts(x, ids, weights)
+    assert type(experts).forward is own and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("decoder", sorted(CHECKPOINT))

@@ -36,8 +36,10 @@ Phases (B batch, P prompt, G gen, L slot size, K block length):
   suffix [B, G] against the prompt's KV).
 - ``d2f``: first (prompt + first block [B, P+K] in one stacked call, every position's float32 logits, the
   prompt's KV kept); late (two active blocks [B, 2K] after caches at P+G-2K, the first one kept).
-- ``sdar``: prefill (the prompt's blocks, block-causal, no float32 logits); denoise (two steps and the store
+- ``sdar``: prefill (the prompt's blocks, block-causal, no logits: KV only); denoise (two steps and the store
   forward of the last block [B, 4] after the cache at P+G-4).
+- ``llada2``: the same two phases with its block of 32, its model's float32 logits; its routed experts at their
+  worst case (``_routing_worst_case``: every token choosing the same k experts).
 
 **The floor** (``floor``): the KV cache the algorithm holds at its largest (FLOOR_KV), the tracker's peak of the
 backbone alone over its largest forward (embeddings, residual stream, one layer's transients) and one chunk of
@@ -126,6 +128,15 @@ RELEASED = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
         max_position_embeddings=32768, block_size=4), ("sdar",),
         "JetLM/SDAR-8B-Chat: Qwen3-8B shape, Qwen3's vocabulary 151936, block 4, as Qwen3ForCausalLM"),
+    "llada2-mini": Released("llada2", dict(
+        model_type="llada2_moe", vocab_size=157184, hidden_size=2048, intermediate_size=5120, num_hidden_layers=20,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=256, num_experts_per_tok=8,
+        num_shared_experts=1, n_group=8, topk_group=4, moe_intermediate_size=512, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, partial_rotary_factor=0.5, rope_theta=600000.0, use_qk_norm=True,
+        use_qkv_bias=False, use_bias=False, tie_word_embeddings=False, max_position_embeddings=32768,
+        pad_token_id=156892), ("llada2",),
+        "inclusionAI/LLaDA2.0-mini config.json fields (as a public loader test quotes them: 20 layers, 256 routed "
+        "experts, 8 a token, 1 shared), as refusion/llada2_moe.py"),
 }
 # The decoders each committed tiny checkpoint runs (checkpoints/tiny/<name>), for the fake-vs-real check.
 TINY_DECODERS = {"ar": ("ar",), "refusion": ("refusion", "ar"), "mdm": ("llada", "fast_dllm", "fast_dllm (prefix)"),
@@ -174,9 +185,12 @@ def _forward(model, ids, pos, *, mask=None, visible=None, cache=None, keep=None)
     if visible is not None:
         sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
         mask = visible[:, None] if sdpa else additive_mask(visible, model.dtype)
+    kv_only = isinstance(keep, slice) and keep.start == keep.stop == 0  # the LM head on no position at all
+    extra = {"logits_to_keep": torch.zeros(0, dtype=torch.long)} if kv_only else {}
     logits = model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
-                   use_cache=cache is not None).logits
-    logits.amax(-1)  # [B, q]
+                   use_cache=cache is not None, **extra).logits
+    if not kv_only:
+        logits.amax(-1)  # [B, q]
     return floated(logits, keep)
 
 
@@ -437,7 +451,66 @@ def sdar_denoise(model, s: Shape) -> None:
         del logits
 
 
+def llada2_prefill(model, s: Shape) -> None:
+    """Llada2Rule.start's prefill: the prompt's whole blocks [B, P] block-causal into the cache; the model makes
+    float32 logits of every position (its forward's own), none of them read."""
+    ids, _, pos = _tokens(s.batch, s.prompt)
+    with _routing_worst_case():
+        _forward(model, ids, pos, visible=_block_visible(s.batch, s.prompt, LLADA2_BLOCK),
+                 cache=DynamicCache(config=model.config), keep=slice(0, 0))
+
+
+def llada2_denoise(model, s: Shape) -> None:
+    """The last block: two denoise forwards of [B, K] after the cache at P + G - K (cut back before each), each
+    step's float32 logits [B, K, V] read by llada2_propose (argmax, softmax, gather) and gone before the next;
+    then the store forward (KV only)."""
+    t = s.prompt + s.gen - LLADA2_BLOCK
+    cache = _cache(model, s.batch, t)
+    ids = torch.full((s.batch, LLADA2_BLOCK), 4, dtype=torch.long)
+    pos = torch.arange(t, t + LLADA2_BLOCK).expand(s.batch, -1)
+    vis = torch.ones(s.batch, LLADA2_BLOCK, t + LLADA2_BLOCK, dtype=torch.bool)
+    with _routing_worst_case():
+        for keep in (None, None, slice(0, 0)):
+            cache_keep(cache, t)
+            logits = _forward(model, ids, pos, visible=vis, cache=cache, keep=keep)
+            guess = logits.argmax(-1)
+            torch.softmax(logits.float(), dim=-1).gather(-1, guess[..., None])
+            del logits, guess
+
+
+@contextlib.contextmanager
+def _routing_worst_case():
+    """LLaDA2's routed experts run the experts some token chose only, by a host read of their token counts
+    (refusion/llada2_moe.py: ``.tolist()``), which fake tensors cannot give. The phases take the worst case
+    instead: every token's k choices are the same k experts, so each of those runs all N tokens (the largest
+    per-expert transient [N, 2I]); the stacked rows [N * k, H] and their outputs are as in any routing. The
+    expert loop below is the model's with those counts (kept in step with it by tests/test_memory.py)."""
+    from refusion import llada2_moe
+
+    def worst_case(self, x, ids, weights):
+        n, k = ids.shape
+        inner = self.down_proj.shape[-1]
+        order = ids.reshape(-1).argsort()
+        rows = x[order // k]  # [N*k, hidden]
+        outs = []
+        for e in range(k):  # k experts of N tokens each
+            gate_up = torch.nn.functional.linear(rows[e * n:(e + 1) * n], self.gate_up_proj[e])  # [N, 2I]
+            outs.append(torch.nn.functional.linear(torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:],
+                                                   self.down_proj[e]))
+        placed = torch.empty_like(rows)
+        placed[order] = torch.cat(outs)
+        return (placed.view(n, k, -1).float() * weights[:, :, None]).sum(dim=1).to(x.dtype)
+
+    saved = llada2_moe.Experts.forward
+    llada2_moe.Experts.forward = worst_case
+    try:
+        yield
+    finally:
+        llada2_moe.Experts.forward = saved
+
+
 SDAR_BLOCK = 4  # SDAR's generate.py block_length (its folders' block_size)
+LLADA2_BLOCK = 32  # Llada2Knobs.block_length's default (dInfer's LLaDA2 setup)
 PHASES: dict[str, dict[str, Callable]] = {
     "ar": {"prefill": ar_prefill, "step": ar_step},
     "refusion": {"plan": refusion_plan, "verify": refusion_verify, "late": refusion_late},
@@ -447,6 +520,7 @@ PHASES: dict[str, dict[str, Callable]] = {
     "fast_dllm (prefix)": {"full": fast_dllm_prefix_full, "cached": fast_dllm_prefix_cached},
     "d2f": {"first": d2f_first, "late": d2f_late},
     "sdar": {"prefill": sdar_prefill, "denoise": sdar_denoise},
+    "llada2": {"prefill": llada2_prefill, "denoise": llada2_denoise},
 }
 # The decoders with the knob logits_chunk (default LOGITS_CHUNK; their "full" estimate is logits_chunk none).
 STREAMED = ("refusion", "llada", "dream", "fast_dllm", "fast_dllm (prefix)")
@@ -486,9 +560,11 @@ def estimate(model, decoder: str, s: Shape, mode: FakeTensorMode | None = None) 
 FLOOR_KV = {"ar": lambda s: s.prompt + s.gen - 1, "refusion": lambda s: s.prompt + s.gen, "llada": lambda s: 0,
             "dream": lambda s: 0, "fast_dllm": lambda s: s.prompt + s.gen - s.block_length,
             "fast_dllm (prefix)": lambda s: s.prompt + s.gen - s.block_length,
-            "d2f": lambda s: s.prompt + s.gen - s.block_length, "sdar": lambda s: s.prompt + s.gen - SDAR_BLOCK}
-FLOOR_QUERY = {"ar": lambda s: s.prompt, "d2f": lambda s: s.prompt + s.block_length, "sdar": lambda s: s.prompt}
-FLOOR_CHUNK = {"ar": 1, "sdar": SDAR_BLOCK}
+            "d2f": lambda s: s.prompt + s.gen - s.block_length, "sdar": lambda s: s.prompt + s.gen - SDAR_BLOCK,
+            "llada2": lambda s: s.prompt + s.gen - LLADA2_BLOCK}
+FLOOR_QUERY = {"ar": lambda s: s.prompt, "d2f": lambda s: s.prompt + s.block_length, "sdar": lambda s: s.prompt,
+               "llada2": lambda s: s.prompt}
+FLOOR_CHUNK = {"ar": 1, "sdar": SDAR_BLOCK, "llada2": LLADA2_BLOCK}
 
 
 def _kv_bytes(model, batch: int, tokens: int) -> int:
@@ -504,9 +580,13 @@ def floor(model, decoder: str, s: Shape, mode: FakeTensorMode | None = None) -> 
     chunk of B x FLOOR_CHUNK (default STREAM_CHUNK) positions' logits in the model's dtype and float32,
     "bytes": their sum}."""
     q = FLOOR_QUERY.get(decoder, lambda s: s.prompt + s.gen)(s)
-    with mode if mode is not None else contextlib.nullcontext(), torch.no_grad(), DecodeMemory(model) as mem:
+    with mode if mode is not None else contextlib.nullcontext(), torch.no_grad(), DecodeMemory(model) as mem, \
+            _routing_worst_case():
         ids, _, pos = _tokens(s.batch, q)
-        model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False)
+        if hasattr(model, "backbone"):  # refusion/llada2_moe.py: its forward without the LM head
+            model.backbone(ids, pos)
+        else:
+            model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False)
     out = {"kv_cache": _kv_bytes(model, s.batch, FLOOR_KV[decoder](s)), "activations": mem.result()["peak_bytes"],
            "logits": s.batch * FLOOR_CHUNK.get(decoder, STREAM_CHUNK) * model.config.vocab_size
            * (model.dtype.itemsize + 4)}

@@ -363,6 +363,9 @@ def forward(
         return floated(logits, keep)
     attention_mask = model_mask(model, attention_mask, visible)
     extra = {} if slots is None else {"slot_layout": slots}
+    kv_only = isinstance(keep, slice) and keep.start == keep.stop == 0
+    if kv_only:  # a call made for its KV only (keep no position): the LM head runs on no position at all
+        extra["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=input_ids.device)
     meter.count(phase)
     meter._sync()
     t0 = time.perf_counter()
@@ -378,9 +381,10 @@ def forward(
     meter.forward_s += time.perf_counter() - t0
     if cache is not None:
         meter.kv(cache, extra=kv_extra)
-    logits = out.logits  # [B, q, V] in the model's dtype; the rest of ``out`` is dropped with this frame
-    check_finite(logits, real_queries(input_ids.shape[1], attention_mask if visible is None else None, visible),
-                 meter.calls)
+    logits = out.logits  # [B, q, V] in the model's dtype ([B, 0, V] for KV only); ``out`` dies with this frame
+    if not kv_only:
+        check_finite(logits, real_queries(input_ids.shape[1], attention_mask if visible is None else None, visible),
+                     meter.calls)
     return floated(logits, keep)
 
 
