@@ -37,11 +37,12 @@ class Heads:
         return Heads(hidden=self.hidden[rows, cols], head=self.head, check=self.check)
 
     def at(self, idx: torch.Tensor | slice) -> torch.Tensor:
-        """float32 logits [k, V] of the flat positions ``idx`` (an index tensor [k] or a slice: a view of dense
-        logits, as the decoders sliced them before)."""
+        """float32 logits [k, V] of the flat positions ``idx`` (an index tensor [k] or a slice with a stop). Rows
+        and positions are picked apart (``_pick``), so a part of a stacked call is never copied whole; a slice
+        of one row's dense logits is a view, as the decoders sliced them before."""
         if self.dense is not None:
-            return self.dense.reshape(-1, self.dense.shape[-1])[idx]
-        logits = self.head(self.hidden.reshape(-1, self.hidden.shape[-1])[idx]).float()  # [k, V]
+            return _pick(self.dense, idx)
+        logits = self.head(_pick(self.hidden, idx)).float()  # [k, V]
         self.check(logits[None])
         return logits
 
@@ -51,6 +52,16 @@ class Heads:
             return self.dense
         u, n = self.shape
         return self.at(torch.arange(u * n, device=self.hidden.device)).view(u, n, -1)
+
+
+def _pick(t: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:
+    """Rows [k, D] of t [U, n, D] at the flat positions ``idx`` (row-major into U x n)."""
+    n = t.shape[1]
+    if isinstance(idx, slice):
+        if t.shape[0] == 1:
+            return t[0, idx]
+        idx = torch.arange(idx.start or 0, idx.stop, device=t.device)
+    return t[idx // n, idx % n]
 
 
 def _chunks(idx: torch.Tensor | slice, chunk: int | None) -> list:
