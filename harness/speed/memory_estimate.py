@@ -82,7 +82,7 @@ from harness.models.families import FAMILIES
 from harness.run.memory import LEAVES_OUT, DecodeMemory, weights_bytes
 from harness.run.store import atomic_write_json
 from refusion.decoding.common import additive_mask, cache_append, cache_from, cache_keep, floated, positions_from_mask
-from refusion.decoding.heads import Heads, greedy_at, prob_at
+from refusion.decoding.heads import Heads, chunks, greedy_at, prob_at
 from refusion.decoding.knobs import LOGITS_CHUNK
 from refusion.decoding.mdm import FastDllmKnobs
 from refusion.decoding.refusion import PLAN_CHUNK, RefusionKnobs
@@ -216,11 +216,8 @@ def _proposal(model, ids, pos, keep, s: Shape, step, *, cache=None) -> None:
         return
     hidden = _streamed_hidden(model, ids, pos, cache=cache)
     if isinstance(keep, slice):
-        start, stop, _ = keep.indices(hidden.shape[1])
-        parts = [slice(i, min(i + s.chunk, stop)) for i in range(start, stop, s.chunk)]
-    else:
-        parts = [keep[i:i + s.chunk] for i in range(0, keep.numel(), s.chunk)]
-    for part in parts:
+        keep = slice(*keep.indices(hidden.shape[1])[:2])
+    for part in chunks(keep, s.chunk):
         logits = model.get_output_embeddings()(hidden[:, part]).float()
         logits.amax(-1)
         step(logits)

@@ -45,7 +45,7 @@ from .cache import (  # noqa: F401
     new_cache,
 )
 from .compiled import compiled_call
-from .heads import Heads
+from .heads import Heads, chunks
 from .proposals import as_float32, make_generator, propose, propose_from_probs, token_prob  # noqa: F401
 from .tokens import (  # noqa: F401
     cut_after_eos,
@@ -475,12 +475,9 @@ def streamed_proposal(model, meter: Meter, phase: str, input_ids: torch.Tensor, 
     can differ in its last bit from the full product's (docs/design.md §6)."""
     hidden = forward_streamed(model, meter, phase, input_ids, **call)
     if isinstance(keep, slice):
-        start, stop, _ = keep.indices(hidden.shape[1])
-        parts = [slice(i, min(i + chunk, stop)) for i in range(start, stop, chunk)]
-    else:
-        parts = [keep[i:i + chunk] for i in range(0, keep.numel(), chunk)]
+        keep = slice(*keep.indices(hidden.shape[1])[:2])  # a negative stop made absolute
     head, toks, confs = model.get_output_embeddings(), [], []
-    for part in parts:
+    for part in chunks(keep, chunk):
         logits = head(hidden[:, part]).float()  # [B, n, V]
         check_finite(logits, None, meter.calls)
         tok, conf = step(logits)

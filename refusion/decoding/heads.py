@@ -64,7 +64,7 @@ def _pick(t: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:
     return t[idx // n, idx % n]
 
 
-def _chunks(idx: torch.Tensor | slice, chunk: int | None) -> list:
+def chunks(idx: torch.Tensor | slice, chunk: int | None) -> list:
     """``idx`` (an index tensor, or a slice with a stop) cut into pieces of ``chunk`` positions (None: one)."""
     if isinstance(idx, slice):
         start, stop = idx.start or 0, idx.stop
@@ -82,7 +82,7 @@ def greedy_at(heads: Heads, idx: torch.Tensor | slice, chunk: int | None) -> tup
     """(token [k], probability [k]) of the greedy pick at the flat positions ``idx`` (``propose`` at temperature
     0: each position's softmax is its own, so chunks give the values of one call), ``chunk`` positions at a time
     (None: all at once)."""
-    picks = [propose(heads.at(part), 0.0, None) for part in _chunks(idx, chunk)]
+    picks = [propose(heads.at(part), 0.0, None) for part in chunks(idx, chunk)]
     if not picks:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0)
     return torch.cat([t for t, _ in picks]), torch.cat([p for _, p in picks])
@@ -93,7 +93,7 @@ def prob_at(heads: Heads, idx: torch.Tensor | slice, tokens: torch.Tensor, tempe
     """Probability [k] of ``tokens`` [k] at the flat positions ``idx`` (``token_prob``: tempered when sampling),
     ``chunk`` positions at a time (None: all at once)."""
     out, i = [], 0
-    for part in _chunks(idx, chunk):
+    for part in chunks(idx, chunk):
         n = _count(part)
         out.append(token_prob(heads.at(part), tokens[i:i + n], temperature))
         i += n
