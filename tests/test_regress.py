@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -357,3 +358,46 @@ def test_a_bias_of_one_worker_process_is_not_confirmed_by_fresh_ones(tmp_path, m
     speed = json.loads(report.with_suffix(".json").read_text())["speed"]
     confirmed = [r for r in speed["rows"] if "confirm" in r]
     assert confirmed and all(r["preset"] == "llada" and r["ok"] and r["ratio"] < 0.8 for r in confirmed)
+
+
+def test_a_confirmation_waits_for_the_evaluation_beside_the_first_measurement(tmp_path, monkeypatch):
+    """The first measurement runs beside the evaluation (a screen); a figure it flags is measured again only once
+    the evaluation has returned, with twice the rounds, so the verdict is not taken beside that neighbour."""
+    monkeypatch.setattr(regress, "TREND", tmp_path / "trend.png")
+    base_path, report = tmp_path / "embedded.json", tmp_path / "regress.md"
+    run = fake_run(tmp_path / "r", BASE_TPS)
+    fake_workers(monkeypatch, MACHINE_A)
+    assert regress.main_update(["--baseline", str(base_path), "--run", str(run), "--reason", "on A"]) == 0
+    events: list[str] = []
+    first_closed = threading.Event()
+    machine_a = ab.Worker
+
+    class Screened(machine_a):
+        def __init__(self, tree, threads, label):
+            super().__init__(tree, threads, label)
+            self.generation = 1 + sum(e.startswith("born") for e in events) // 2
+            events.append(f"born {self.generation}")
+
+        def decode(self, it):
+            ans = super().decode(it)
+            bias = 1.3 if self.generation == 1 and self.side == "current" and it.preset == "llada" else 1.0
+            return {**ans, "seconds": ans["seconds"] * bias, "wall_seconds": ans["wall_seconds"] * bias}
+
+        def close(self):
+            if self.generation == 1:
+                first_closed.set()
+
+    def slow_eval(cfg, out, run_id):  # ends only after the first measurement has flagged and closed its workers
+        assert first_closed.wait(60)
+        events.append("evaluation ended")
+        return run
+
+    monkeypatch.setattr(ab, "Worker", Screened)
+    monkeypatch.setattr(regress, "run_eval", slow_eval)
+    assert _main("--baseline", str(base_path), "--report", str(report), "--out", str(tmp_path / "runs")) == 0
+    assert events == ["born 1", "born 1", "evaluation ended", "born 2", "born 2"]
+    rows = json.loads(report.with_suffix(".json").read_text())["speed"]["rows"]
+    confirmed = [r for r in rows if "confirm" in r]
+    assert confirmed and all(r["preset"] == "llada" and r["ok"] for r in confirmed)
+    assert all(r["confirm"]["rounds"] == ab.CONFIRM_ROUNDS * regress.ROUNDS for r in confirmed)
+    assert f"again ({ab.CONFIRM_ROUNDS * regress.ROUNDS} rounds)" in report.read_text()

@@ -24,8 +24,9 @@ workload with both code versions in one run:
 4. Per (preset, kind): the current/baseline ratio of tokens/s, the median over rounds of the per-round
    ratio (both sides measured moments apart), with a 95% bootstrap interval over rounds and items. A figure
    fails only when the ratio is below ``1 - tolerance`` *and* its whole interval lies below 1 (significantly
-   slower); such a figure is measured once more, in fresh worker processes with the order flipped, and
-   fails only if it fails again. A faster figure always passes. The busy-machine guard's view of the rounds goes into the report.
+   slower); such a figure is measured once more, in fresh worker processes with the order flipped and twice
+   the rounds, after the evaluation `make regress` runs beside the first measurement has ended, and fails only
+   if it fails again. A faster figure always passes. The busy-machine guard's view of the rounds goes into the report.
 
 Both versions' absolute tokens/s, the interval and the machine (CPU model and flags) go into the
 report; absolute figures are never compared with another run.
@@ -42,6 +43,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,7 @@ TOLERANCE = 0.10
 MIN_BLOCK_S = 0.1
 TARGET_BLOCK_S = 0.15  # items per (preset, kind): as many as fill this, at least one
 ROUNDS = timing.DEFAULT_ROUNDS
+CONFIRM_ROUNDS = 2  # a confirmation takes this many times the first measurement's rounds
 # CPU flags that decide how fast a kernel runs (vector and matrix units); the report lists these.
 KEY_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
              "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
@@ -289,10 +292,13 @@ def summarize(res: dict, tolerance: float = TOLERANCE) -> list[dict]:
 def run(models: tuple[str, ...], commit: str | None, limit: int = AB_LIMIT, threads: int = 1,
         tolerance: float = TOLERANCE, current: Path = REPO, progress: bool = True, confirm: bool = True,
         baseline_tree: Path | None = None, min_block_s: float = MIN_BLOCK_S, rounds: int = ROUNDS,
-        kinds: tuple[str, ...] = KINDS) -> dict:
+        kinds: tuple[str, ...] = KINDS, settle: Callable[[], None] | None = None) -> dict:
     """The whole A/B: ``{"rows": [...], "machine": {...}, "baseline_commit": ..., "guard": ..., "seconds": ...}``,
     or ``{..., "unavailable": "<one line>"}`` when the baseline code cannot be run. ``current`` is the tree of
-    the code under test (this checkout); ``baseline_tree`` replaces the commit's extracted code (tests)."""
+    the code under test (this checkout); ``baseline_tree`` replaces the commit's extracted code (tests).
+    ``settle``: called before a confirmation and waits for the work the caller runs beside the A/B (`make
+    regress`'s evaluation), so that a confirmation has the machine to itself: the first measurement is a screen
+    taken beside that work, the confirmation (``CONFIRM_ROUNDS`` x the rounds) the verdict."""
     t0 = time.time()
     info = {"machine": machine(), "baseline_commit": commit, "limit": limit, "threads": threads, "rounds": rounds,
             "tolerance": tolerance, "current_tree": str(current), "clock": "wall time; CPU time beside it"}
@@ -307,23 +313,35 @@ def run(models: tuple[str, ...], commit: str | None, limit: int = AB_LIMIT, thre
         first = measure(items, *workers, progress=progress, min_block_s=min_block_s, rounds=rounds, guard=guard)
         rows = summarize(first, tolerance)
         bad = [r for r in rows if not r["ok"]]
+        confirm_guard = None
         if bad and confirm:
             # A disturbance that hit one side more than the other must show twice to count. The second
             # measurement runs in fresh worker processes (pyperf's rule): a process that landed badly (its
-            # memory layout, its core) would otherwise carry the same bias into the confirmation.
+            # memory layout, its core) would otherwise carry the same bias into the confirmation. It waits for
+            # the work beside it to end (on 2 cores an evaluation's load comes and goes with its phases, which
+            # round-by-round pairing evens out only on average), and takes more rounds.
             for w in workers:
                 w.close()
+            if settle is not None:
+                if progress:
+                    print(f"speed A/B: {len(bad)} figure(s) to confirm, once the evaluation beside it has ended",
+                          file=sys.stderr, flush=True)
+                settle()
             workers = [Worker(current, threads, "current"), Worker(tree, threads, f"baseline ({str(commit)[:12]})")]
             again_items = [it for it in items if (it.preset, it.kind) in {(r["preset"], r["kind"]) for r in bad}]
-            again = {(r["preset"], r["kind"]): r for r in summarize(measure(again_items, *workers, progress=progress,
-                                                                            flip=True, min_block_s=min_block_s,
-                                                                            rounds=rounds), tolerance)}
+            pids = {w.proc.pid for w in workers if getattr(w, "proc", None) is not None}
+            confirm_guard = Guard(roots=pids) if pids else None
+            second = measure(again_items, *workers, progress=progress, flip=True, min_block_s=min_block_s,
+                             rounds=CONFIRM_ROUNDS * rounds, guard=confirm_guard)
+            again = {(r["preset"], r["kind"]): r for r in summarize(second, tolerance)}
             for r in rows:
                 if not r["ok"]:
                     a = again[(r["preset"], r["kind"])]
-                    r["confirm"] = {k: a[k] for k in ("ratio", "lo", "hi", "cpu_ratio", "current_tps", "baseline_tps")}
+                    r["confirm"] = {k: a[k] for k in ("ratio", "lo", "hi", "cpu_ratio", "current_tps", "baseline_tps",
+                                                      "rounds")}
                     r["ok"] = a["ok"]
         return {**info, "rows": rows, "records": first["records"], "guard": first.get("guard"),
+                "confirm_guard": second.get("guard") if confirm_guard is not None else None,
                 "seconds": round(time.time() - t0, 1)}
     except (ABUnavailable, timing.TimingMismatch) as e:
         return {**info, "unavailable": str(e), "seconds": round(time.time() - t0, 1)}

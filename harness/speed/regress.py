@@ -21,7 +21,9 @@ What is compared:
   current code in two persistent workers, in interleaved rounds (ABBA), and compares wall-time
   tokens/s as the median over rounds of the per-round ratio, with a bootstrap interval over
   rounds and items; CPU time is the second signal (wall slower, CPU not: a wait). A figure fails
-  when its ratio is below ``1 - --tolerance`` (0.90) *and* its whole interval lies below 1, twice.
+  when its ratio is below ``1 - --tolerance`` (0.90) *and* its whole interval lies below 1, twice:
+  the first time beside the evaluation (each on one of CI's two cores), the second in fresh
+  workers with twice the rounds once the evaluation has ended.
   Nothing recorded on another machine is ever compared, so a baseline recorded on one CPU type
   holds on any other. When the baseline commit is not in the clone (a shallow clone), the speed
   part says so in one line and the deterministic part still decides.
@@ -43,7 +45,7 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from harness.run.presets import PRESETS, REGRESS_MODELS
@@ -190,6 +192,11 @@ def render(rows: list[dict], run_dir: Path, baseline_path: Path, speed: dict | N
                        f"the CPU, steal {100 * g.get('steal_share', 0):.0f}%"
                        + (f" ({busy_text(g)}; the A/B's ratios pair the two sides round by round)" if g.get("busy")
                           else "") + ".\n")
+        cg = speed.get("confirm_guard") or {}
+        if cg.get("available"):
+            out.append(f"Machine load during the confirmation (after the evaluation beside the first rounds had ended): "
+                       f"other processes {100 * cg.get('others_cpu_share', 0):.0f}% of the CPU, steal "
+                       f"{100 * cg.get('steal_share', 0):.0f}%.\n")
         if recorded_on:
             out.append(f"The baseline was recorded on {_machine_text(recorded_on)}: for information only, as "
                        "both code versions were timed here.\n")
@@ -201,7 +208,8 @@ def render(rows: list[dict], run_dir: Path, baseline_path: Path, speed: dict | N
             out.append("|---|---|---|---|---|---|---|---|")
             for r in sorted(speed_rows, key=lambda r: r["ok"]):
                 conf = r.get("confirm")
-                again = (f"; again: {_fmt(conf['ratio'])} [{_fmt(conf['lo'])}, {_fmt(conf['hi'])}]" if conf else "")
+                again = (f"; again ({conf.get('rounds')} rounds): {_fmt(conf['ratio'])} [{_fmt(conf['lo'])}, "
+                         f"{_fmt(conf['hi'])}]" if conf else "")
                 what = f" ({r['slowdown']})" if r.get("slowdown") else ""
                 out.append(f"| {'ok' if r['ok'] else 'FAIL'} | {r['figure']} | {_fmt(r['baseline_tps'])} | "
                            f"{_fmt(r['current_tps'])} | {_fmt(r['ratio'])}{what} | [{_fmt(r['lo'])}, {_fmt(r['hi'])}]"
@@ -416,7 +424,8 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
             pending = pool.submit(run_eval, cfg, Path(ns.out), run_id)
         if run_speed:
             speed = ab.run(models, base.get("commit"), limit=ns.ab_limit, threads=THREADS, tolerance=ns.tolerance,
-                           confirm=ns.confirm, progress=ns.run is not None, rounds=ns.rounds)
+                           confirm=ns.confirm, progress=ns.run is not None, rounds=ns.rounds,
+                           settle=None if pending is None else lambda: wait([pending]))
             print("speed not checked: " + speed["unavailable"] if speed.get("unavailable") else
                   f"speed A/B done in {speed['seconds']} s", file=sys.stderr, flush=True)
         if pending is not None:
