@@ -223,19 +223,30 @@ def test_infill_seed_global_keeps_verified_prefixes_of_every_slot():
 
 
 @pytest.mark.parametrize("extra", [{}, {"kv_layout": "replicated"}], ids=["packed", "replicated"])
-def test_batch_rows_equal_one_by_one(model, left_pad, extra):
+def test_batch_rows_equal_one_by_one(model, left_pad, extra, assert_cache_matches_fresh_forward):
     """4 rows of different prompt lengths that stop at different times: every row's tokens equal
-    decoding it alone, with one model call per step for all rows (rows at different phases stacked)."""
+    decoding it alone, with one model call per step for all rows (rows at different phases stacked). After every
+    commit a row's cache equals a fresh forward of its committed tokens, also while it is a view of a stacked
+    call's cache (its KV moved there, its commits widening the view: refusion.stack_rows, cache.continues)."""
     g = torch.Generator().manual_seed(11)
     rows = [torch.randint(3, 47, (n,), generator=g) for n in (3, 5, 6, 8)]
     ids, mask = left_pad(rows)
     knobs = dict(MIXED, eos_token_id=[2, 34], **extra)
-    calls = []
-    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    calls, views, checking = [], [], []
+
+    def check(info):
+        checking.append(1)  # the fresh forward is no decoder call
+        assert_cache_matches_fresh_forward(model, info)
+        checking.pop()
+        keys = info["cache"].layers[0].keys
+        views.append(keys._base is not None and keys._base.shape[0] > keys.shape[0])  # part of a stacked call's
+
+    handle = model.register_forward_pre_hook(lambda *_: None if checking else calls.append(1))
     try:
-        batched, stats = DECODERS["refusion"](model, ids, attention_mask=mask, **knobs)
+        batched, stats = DECODERS["refusion"](model, ids, attention_mask=mask, on_commit=check, **knobs)
     finally:
         handle.remove()
+    assert any(views) and len(views) > 8
     single = [DECODERS["refusion"](model, r[None], **knobs) for r in rows]
     for got, (want, _) in zip(batched, single):
         assert torch.equal(got, want[0])

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 BATCH, PROMPT = 4, 32
 SDAR_FIXTURE = Path(__file__).parent / "fixtures" / "released" / "sdar"
-CHECKPOINT = {"ar": "ar", "refusion": "refusion", "llada": "mdm", "fast_dllm": "mdm"}
+CHECKPOINT = {"ar": "ar", "refusion": "refusion", "llada": "mdm", "fast_dllm": "mdm", "d2f": "d2f"}
 
 
 def knobs(decoder: str, gen: int) -> dict:
@@ -179,6 +179,34 @@ def test_breakdown_names_the_cache_and_the_logits(models, prompt):
     assert got["kv_cache"] == cache_bytes(cache) > 0
     assert got["logits"] == logits.nbytes + probs.nbytes
     assert got["other"] >= spike.nbytes + mask.nbytes
+
+
+def test_a_commit_of_the_forwards_own_kv_widens_the_cache_in_place(models, prompt):
+    """cache_append of the KV a crop just cut off (a forward's query, kept after the answer): the layer's view is
+    widened over the same storage, no copy, and equals the concatenation; KV from elsewhere is concatenated."""
+    from transformers import DynamicCache
+
+    from refusion.decoding.common import cache_append
+
+    model = models("ar")
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prompt[:, :-6], cache=cache, use_cache=True)
+        t = cache.get_seq_length()
+        model(input_ids=prompt[:, -6:], cache=cache, use_cache=True)  # the query's KV after the prompt's
+        kv = [(lay.keys[:, :, -6:], lay.values[:, :, -6:]) for lay in cache.layers]
+        want = [(lay.keys[:, :, :t + 4].clone(), lay.values[:, :, :t + 4].clone()) for lay in cache.layers]
+        storages = [lay.keys.untyped_storage().data_ptr() for lay in cache.layers]
+        cache.crop(-6)
+        cache_append(cache, [[(k[:, :, :4], v[:, :, :4]) for k, v in kv]])  # 4 of the 6 kept
+        assert cache.get_seq_length() == t + 4
+        for lay, (k, v), ptr in zip(cache.layers, want, storages):
+            assert torch.equal(lay.keys, k) and torch.equal(lay.values, v)
+            assert lay.keys.untyped_storage().data_ptr() == ptr  # no copy
+        other = [(k[:, :, 4:].clone(), v[:, :, 4:].clone()) for k, v in kv]  # the same values, another storage
+        cache_append(cache, [other])
+        for lay, (k, v), ptr in zip(cache.layers, kv, storages):
+            assert torch.equal(lay.keys[:, :, -6:], k) and lay.keys.untyped_storage().data_ptr() != ptr
 
 
 def test_compiled_decoding_is_refused(models, prompt):

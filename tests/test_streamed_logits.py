@@ -1,7 +1,7 @@
-"""The knob logits_chunk (common.streamed_proposal): llada, fast_dllm and dream make a greedy step's logits at the
-positions it decides only, ``chunk`` positions at a time, by default. Their LM head then multiplies fewer rows than
-the model's own forward, which a BLAS may round differently in a logit's last bit (docs/design.md §6,
-scripts/matmul_rows.py). So on the committed trained checkpoints (float32 and bfloat16, a left-padded batch and one
+"""The knob logits_chunk: llada, fast_dllm and dream (common.streamed_proposal), refusion and d2f (heads.Heads) make a
+greedy step's logits at the positions it decides only, ``chunk`` positions at a time, by default. Their LM head
+then multiplies fewer rows than the model's own forward, which a BLAS may round differently in a logit's last bit
+(docs/design.md §6, scripts/matmul_rows.py). So on the committed trained checkpoints (float32 and bfloat16, a left-padded batch and one
 row, chunks of the default and 1) each streamed step is checked against the model's own forward on the same hidden
 states: the logits must agree within rounding (the float32 error bound of a dot product in any order, plus one unit
 in the last place of their dtype). The decode must then give the tokens and forwards of the decode with logits_chunk
@@ -30,9 +30,12 @@ CASES = {  # checkpoint -> (decoder, knobs)
             ("fast_dllm", dict(block_length=16, cache="prefix")), ("fast_dllm", dict(block_length=16, cache="none"))],
     "dream": [("dream", {}), ("fast_dllm", dict(block_length=16, shift=True))],
 }
-# refusion's answers carry their logits as heads.Heads, made on demand (greedy_at, prob_at)
-REFUSION_CASES = [{}, dict(kv_layout="replicated"), dict(no_cache=True), dict(slot_threshold=0.5, token_threshold=0.2),
-                  dict(serial_num_blocks=2, slot_size=4)]
+# refusion's and d2f's answers carry their logits as heads.Heads, made on demand (greedy_at, prob_at)
+HEADS_CASES = [("refusion", {}), ("refusion", dict(kv_layout="replicated")), ("refusion", dict(no_cache=True)),
+               ("refusion", dict(slot_threshold=0.5, token_threshold=0.2)),
+               ("refusion", dict(serial_num_blocks=2, slot_size=4)),
+               ("d2f", dict(block_size=8)), ("d2f", dict(block_size=8, no_cache=True)),
+               ("d2f", dict(block_size=8, shift=True)), ("d2f", dict(block_size=4, skip_threshold=0.5))]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,7 @@ def loaded(tiny_checkpoint, left_pad):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = {}
-    for name in (*CASES, "refusion"):
+    for name in (*CASES, "refusion", "d2f"):
         tok = AutoTokenizer.from_pretrained(str(tiny_checkpoint(name)))
         model = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint(name))).eval()
         rows = [torch.tensor(encode_chat(tok, q)) for q in QUERIES]
@@ -115,18 +118,19 @@ def test_streamed_logits_give_the_tokens_of_the_full_forward(monkeypatch, loaded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("knobs", REFUSION_CASES, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "default")
-def test_refusion_streamed_logits_give_the_tokens_of_the_full_forward(loaded, knobs, dtype):
-    """refusion with logits_chunk (the default and 1) against none: the same tokens, forwards and commit log, for a
-    left-padded batch and one row (asserted: no float tie met here; the step-by-step proof above is for the
-    decoders whose steps go through common.streamed_proposal)."""
-    model, rows, (ids, mask) = loaded["refusion"]
+@pytest.mark.parametrize("decoder,knobs", HEADS_CASES,
+                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{a}={b}" for a, b in v.items()) or "default")
+def test_heads_streamed_logits_give_the_tokens_of_the_full_forward(loaded, decoder, knobs, dtype):
+    """refusion and d2f with logits_chunk (the default and 1) against none: the same tokens, forwards and commit
+    log, for a left-padded batch and one row (asserted: no float tie met here; the step-by-step proof above is for
+    the decoders whose steps go through common.streamed_proposal)."""
+    model, rows, (ids, mask) = loaded[decoder]
     model = copy.deepcopy(model).to(dtype)
     if dtype == torch.bfloat16:
         model.set_attn_implementation("eager")  # as above: SDPA's bfloat16 kernel under the capped ATen
 
     def run(x, m, chunk):
-        return DECODERS["refusion"](model, x, attention_mask=m, gen_length=32, logits_chunk=chunk, **knobs)
+        return DECODERS[decoder](model, x, attention_mask=m, gen_length=32, logits_chunk=chunk, **knobs)
 
     for x, m in ((ids, mask), (rows[0][None], None)):
         want, want_stats = run(x, m, None)

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             except OSError:  # a full disk takes the error file too: say it here (the runner adds nothing)
                 msg += f"; fix it and rerun with --run-id {Path(ns.run_dir).name} to resume"
-        print(f"error: {msg}", file=sys.stderr)
+        # on a line of its own: this worker's progress bar may have been drawn without a newline just before
+        print(f"\nerror: {msg}", file=sys.stderr)
         return 2
 
 

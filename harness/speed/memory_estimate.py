@@ -25,17 +25,19 @@ Phases (B batch, P prompt, G gen, L slot size, K block length):
 - ``refusion``: plan (the first round: prompt + every slot as masks, [B, P+G] in one stacked call; each row's
   prompt KV committed; the slots' first tokens, then, worst case every slot picked, the drafts of all G
   positions, ``chunk`` positions at a time -- with None the logits [B, P+G, V], float32 of the G slot positions,
-  the drafts 8 slots at a time); verify (the first global verify: rows' caches at P, the stacked call's padded
-  copy of them, the drafts [B, G]; every draft accepted and committed); late (rows' caches at P+G-L: plan and
-  verify of the last slot, stacked copy included). A batch of one runs on its own cache (no stacked copy).
+  the drafts 8 slots at a time); verify (the first global verify: rows' caches at P, moved into the stacked
+  call's padded copy layer by layer, the drafts [B, G]; every draft accepted and committed, each row's cache a
+  view of the stacked result that the commit widens); late (rows' caches at P+G-L: plan and verify of the last
+  slot, stacked the same way). A batch of one runs on its own cache (no stacked copy).
 - ``llada`` / ``dream``: two full forwards over [B, P+G] with no cache; LLaDA softmaxes a block [B, K, V],
   Dream the open columns [B, G, V] (the second step's G-1 columns gathered) and computes their entropy.
 - ``fast_dllm`` (dual cache): full (a block's first forward over [B, P+G] writing the cache, then the
   prefix + suffix kept: the first block's suffix is copied); cached (two block steps [B, K] against the
   cache at P+G-K). ``fast_dllm (prefix)``: full (the prefix kept); cached (the first block's steps, block and
   suffix [B, G] against the prompt's KV).
-- ``d2f``: first (prompt + first block [B, P+K] in one stacked call, every position's float32 logits, the
-  prompt's KV kept); late (two active blocks [B, 2K] after caches at P+G-2K, the first one kept).
+- ``d2f``: first (prompt + first block [B, P+K] in one stacked call, the block's ``chunk`` positions at a time
+  -- with None every position's float32 logits --, the prompt's KV kept); late (two active blocks [B, 2K]
+  after caches at P+G-2K, the first one kept).
 - ``sdar``: prefill (the prompt's blocks, block-causal, no logits: KV only); denoise (two steps and the store
   forward of the last block [B, 4] after the cache at P+G-4).
 - ``llada2``: the same two phases with its block of 32, its model's float32 logits; its routed experts at their
@@ -50,7 +52,8 @@ estimate with its floor, the ratio, and for the decoders with logits_chunk the e
 rounding, kernels' scratch, the interpreter), the weights (``weights_bytes`` beside), data-dependent work the
 phases do not replay (ReFusion's parallel infill with the slot KV kept aside -- smaller than the late phase's
 whole cache --, an argmax that lands on the mask id and is redone, EOS handling), the decoders' small host-side
-bookkeeping tensors ([B, G] token buffers), and Fast-dLLM's Dream shift (same shapes, one position over).
+bookkeeping tensors ([B, G] token buffers), Fast-dLLM's Dream shift (same shapes, one position over) and
+D2F's (a shifted copy of the forward's hidden states [B, q, H]; with logits_chunk none, of its float32 logits).
 Prompts are of one length (no padding): the decoders' 2-D padding masks are all ones, which transformers
 reads and drops (SDPA then runs with ``is_causal`` or no mask, and GQA without repeating the KV heads); fake
 tensors cannot be read, so the phases hand the model None, the same outcome. A left-padded batch would add
@@ -81,11 +84,12 @@ from harness.models.checkpoints import build_config, inspect_checkpoint, model_c
 from harness.models.families import FAMILIES
 from harness.run.memory import LEAVES_OUT, DecodeMemory, weights_bytes
 from harness.run.store import atomic_write_json
+from refusion.decoding import DECODERS
 from refusion.decoding.common import additive_mask, cache_append, cache_from, cache_keep, floated, positions_from_mask
 from refusion.decoding.heads import Heads, chunks, greedy_at, prob_at
 from refusion.decoding.knobs import LOGITS_CHUNK
 from refusion.decoding.mdm import FastDllmKnobs
-from refusion.decoding.refusion import PLAN_CHUNK, RefusionKnobs
+from refusion.decoding.refusion import PLAN_CHUNK, RefusionKnobs, Req, stack_rows
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ class Shape:
     gen: int
     slot_size: int = RefusionKnobs.slot_size
     block_length: int = FastDllmKnobs.block_length
-    chunk: int | None = LOGITS_CHUNK  # the knob logits_chunk of llada, fast_dllm and dream (None: the model's own forward)
+    chunk: int | None = LOGITS_CHUNK  # the knob logits_chunk of the STREAMED decoders (None: the model's own forward)
 
 
 @dataclass(frozen=True)
@@ -288,8 +292,9 @@ def _heads(model, ids, pos, visible, cache, skip: int, chunk: int | None) -> Hea
 def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int, skip: int = 0,
              chunk: int | None = None) -> list[Heads]:
     """refusion.stacked_call's tensors for every row asking q tokens after its cache (the rows' caches are
-    equally long): one row runs on its own cache, cropped straight back; several run on a padded copy of all
-    their caches. Then each row commits the KV of its first ``commit`` query tokens (``cache_append``: a copy).
+    equally long): one row runs on its own cache, cropped straight back; several on a padded copy of their caches,
+    which each row's cache moves into and is then a view of. Then each row commits the KV of its first ``commit``
+    query tokens (``cache_append``: the view widened, no copy).
     Returns per row the logits of its q - skip read positions (``Heads``: ``_heads`` with ``chunk``).
     """
     t = rows[0].get_seq_length()
@@ -302,19 +307,18 @@ def _stacked(model, s: Shape, rows: list, q: int, pos_from: int, commit: int, sk
     else:
         vis = torch.zeros(s.batch, q, t + q, dtype=torch.bool)
         vis[:] = _visible(s.batch, t, q)
-        parts = None
-        if t:
-            layers, heads_n, d = _dims(model)
-            parts = [tuple(torch.zeros(s.batch, heads_n, t, d, dtype=model.dtype) for _ in "kv")
-                     for _ in range(layers)]
-            for b, row in enumerate(rows):
-                for (k, v), lay in zip(parts, row.layers):
-                    k[b], v[b] = lay.keys[0], lay.values[0]
-        stacked = cache_from(model, parts)
+        # as stacked_call: each row's cache moved into the padded copy layer by layer (stack_rows), then made
+        # its part of the stacked result
+        reqs = [Req("phase", row, ids[b:b + 1], pos[b:b + 1], None) for b, row in enumerate(rows)]
+        stacked = cache_from(model, stack_rows(reqs, [t] * s.batch, [1] * s.batch, t, [t > 0] * s.batch))
         heads = _heads(model, ids, pos, vis, stacked, skip, chunk)  # every row skips as much
-        answers = [(heads.part(slice(b, b + 1), slice(None)),
-                    [(lay.keys[b:b + 1, :, t:], lay.values[b:b + 1, :, t:]) for lay in stacked.layers])
-                   for b in range(s.batch)]
+        answers = []
+        for b, row in enumerate(rows):
+            if t:
+                for mine, lay in zip(row.layers, stacked.layers):
+                    mine.keys, mine.values = lay.keys[b:b + 1, :, :t], lay.values[b:b + 1, :, :t]
+            answers.append((heads.part(slice(b, b + 1), slice(None)),
+                            [(lay.keys[b:b + 1, :, t:], lay.values[b:b + 1, :, t:]) for lay in stacked.layers]))
     if commit:
         for row, (_, kv) in zip(rows, answers):
             cache_append(row, [[(k[:, :, :commit], v[:, :, :commit]) for k, v in kv]])
@@ -404,11 +408,11 @@ def fast_dllm_prefix_cached(model, s: Shape) -> None:
 
 
 def d2f_first(model, s: Shape) -> None:
-    """d2f's first step: prompt + the first block [B, P + K] in one stacked call, every position's float32 logits
-    (the step reads the active blocks'), the prompt's KV kept; the block's proposal."""
+    """d2f's first step: prompt + the first block [B, P + K] in one stacked call (with ``chunk`` None every
+    position's float32 logits), the prompt's KV kept; the block's greedy pick."""
     rows = [DynamicCache(config=model.config) for _ in range(s.batch)]
-    for heads in _stacked(model, s, rows, s.prompt + s.block_length, 0, s.prompt):
-        _pick(heads.all()[0, s.prompt:])
+    for heads in _stacked(model, s, rows, s.prompt + s.block_length, 0, s.prompt, chunk=s.chunk):
+        greedy_at(heads, slice(s.prompt, s.prompt + s.block_length), s.chunk)
 
 
 def d2f_late(model, s: Shape) -> None:
@@ -416,8 +420,8 @@ def d2f_late(model, s: Shape) -> None:
     kept."""
     t = s.prompt + s.gen - 2 * s.block_length
     rows = [_cache(model, 1, t) for _ in range(s.batch)]
-    for heads in _stacked(model, s, rows, 2 * s.block_length, t, s.block_length):
-        _pick(heads.all()[0])
+    for heads in _stacked(model, s, rows, 2 * s.block_length, t, s.block_length, chunk=s.chunk):
+        greedy_at(heads, torch.arange(2 * s.block_length), s.chunk)  # both blocks' positions, as an index
 
 
 def _block_visible(batch: int, n: int, size: int) -> torch.Tensor:
@@ -520,7 +524,7 @@ PHASES: dict[str, dict[str, Callable]] = {
     "llada2": {"prefill": llada2_prefill, "denoise": llada2_denoise},
 }
 # The decoders with the knob logits_chunk (default LOGITS_CHUNK; their "full" estimate is logits_chunk none).
-STREAMED = ("refusion", "llada", "dream", "fast_dllm", "fast_dllm (prefix)")
+STREAMED = tuple(n for n in PHASES if "logits_chunk" in DECODERS[n.split(" (")[0]].knobs.names())
 STREAM_CHUNK = LOGITS_CHUNK
 
 

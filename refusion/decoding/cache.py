@@ -51,7 +51,7 @@ def cache_keep(cache: DynamicCache, start: int, keep: torch.Tensor | None = None
     the tail). Used to drop mask-token KV after a plan and to keep accepted tokens only.
     A static cache (compiled decoding) does it in place.
     """
-    if _static(cache):
+    if is_static(cache):
         cache.keep(start, keep)
         return
     for layer in cache.layers:
@@ -88,10 +88,12 @@ def cache_from(model, parts: list[tuple[torch.Tensor, torch.Tensor]] | None) -> 
 
 def cache_append(cache: DynamicCache, parts: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
     """Append several per-layer (keys, values) chunks to the cache, in list order (a static cache: copied
-    into its buffers after the live length)."""
+    into its buffers after the live length). One chunk that already lies right after the layer's keys and values
+    in their storage (a forward's KV that a crop cut off: ``continues``) is taken back by widening the view, with
+    no copy: a copy would hold the whole cache twice while the forward's tensors are still referenced."""
     if not parts:
         return
-    if _static(cache):
+    if is_static(cache):
         cache.append(parts)
         return
     for i, layer in enumerate(cache.layers):
@@ -99,10 +101,34 @@ def cache_append(cache: DynamicCache, parts: list[list[tuple[torch.Tensor, torch
         vs = [p[i][1] for p in parts]
         if not getattr(layer, "is_initialized", False) or layer.keys is None:
             layer.lazy_initialization(ks[0], vs[0])  # an empty cache: the chunks become its content
+        elif len(parts) == 1 and continues(layer.keys, ks[0]) and continues(layer.values, vs[0]):
+            layer.keys, layer.values = _widened(layer.keys, ks[0]), _widened(layer.values, vs[0])
+            continue
         else:
             ks, vs = [layer.keys] + ks, [layer.values] + vs
         layer.keys, layer.values = torch.cat(ks, 2), torch.cat(vs, 2)
 
 
-def _static(cache) -> bool:
+def continues(t: torch.Tensor, part: torch.Tensor) -> bool:
+    """Whether ``part`` [B, h, n, d] is the view of ``t``'s storage that comes right after ``t`` [B, h, T, d] along
+    the sequence (dim 2), with the same strides: then ``t`` widened by n positions is ``cat([t, part], 2)``."""
+    return (part.dim() == t.dim() == 4 and part.shape[:2] == t.shape[:2] and part.shape[3] == t.shape[3]
+            and part.stride() == t.stride() and part.dtype == t.dtype and part.device == t.device
+            and _root(part) is _root(t) and part.storage_offset() == t.storage_offset() + t.shape[2] * t.stride(2))
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (itself when it is no view): the same object for two views of one
+    storage, real or fake (a fake tensor has no data pointer to compare)."""
+    return t if t._base is None else t._base
+
+
+def _widened(t: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """``t`` and the ``part`` that ``continues`` it, as one view [B, h, T + n, d] of their storage."""
+    size = (t.shape[0], t.shape[1], t.shape[2] + part.shape[2], t.shape[3])
+    return t.as_strided(size, t.stride(), t.storage_offset())
+
+
+def is_static(cache) -> bool:
+    """Whether ``cache`` is a static one (compiled decoding), whose buffers are edited in place."""
     return isinstance(cache, StaticKV)

@@ -49,7 +49,8 @@ from transformers import DynamicCache
 
 from .cache import new_cache
 from .common import Meter
-from .knobs import Knobs, compile_knob, gen_length, knob, seed, temperature
+from .heads import greedy_at
+from .knobs import Knobs, compile_knob, gen_length, knob, logits_chunk_knob, seed, stream_chunk, temperature
 from .mdm import settled_row
 from .proposals import as_float32, make_generator, propose
 from .refusion import Req, Steps, drive_rows  # per-row generators answered by one stacked model call
@@ -80,6 +81,7 @@ class D2fKnobs(Knobs):
                              "fewer forwards)")
     seed: int = seed()
     compile: bool = compile_knob()
+    logits_chunk: int | None = logits_chunk_knob()
 
     def check(self) -> None:
         if self.block_size > self.gen_length or self.gen_length % self.block_size:
@@ -95,6 +97,7 @@ class _Run:
     eos: tuple[int, ...]
     on_cache: Callable[[dict], None] | None
     skip: float  # skip_threshold as float32: probabilities are float32, compared in float32 as torch does
+    chunk: int | None  # positions per chunk of logits (stream_chunk), None: the model's own forward
 
 
 class _Pipeline:
@@ -178,7 +181,7 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
     blk = torch.cat([prompt.new_zeros(n_prompt), torch.arange(1, kn.n_blocks + 1, device=device).repeat_interleave(size)])
     positions = torch.arange(total, device=device)
     cached = 0  # positions [0, cached) hold KV in the cache: prompt, then finished blocks in order
-    last = None  # shift: logit [V] at position cached - 1, which predicts position `cached`
+    last = None  # shift: Heads.raw [1, D] of position cached - 1 (its logits, or its hidden state when streamed)
     greedy = k.temperature == 0
     vis, vis_key = None, None
 
@@ -196,18 +199,16 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
         new = [j for j in range(len(row.state)) if row.state[j] == TO_CACHE]
         end = row.span(new[-1])[1] if new else cached
         keep = end - cached if cache is not None else 0
-        logits, kv = yield Req("step", cache, ids[None, start:length], positions[None, start:length], vis, keep=keep)
-        logits = logits.all()[0]  # [q, V]; row j is position start + j (the model's own logits: d2f streams none)
-        if k.shift:  # the prediction for position p is the logit at p - 1; `last` serves p = start
-            head = logits[:1] if last is None else last[None]
-            pred = torch.cat([head, logits[:-1]])
-        else:
-            pred = logits
+        # the answer's query KV is not kept (a name bound to it would hold the stacked call's cache alive)
+        heads = (yield Req("step", cache, ids[None, start:length], positions[None, start:length], vis, keep=keep))[0]
+        # heads: [1, q] positions, position j is start + j (heads.Heads: made on demand when streamed). With shift
+        # the prediction for position p is the logit at p - 1; `last` serves p = start.
+        pred = heads.shifted(heads.raw(0) if last is None else last) if k.shift else heads
 
         if new:  # finished blocks are contiguous from `cached` (module doc: retire)
             if cache is not None and kn.on_cache is not None:
                 kn.on_cache({"row": b, "ids": ids[:end].clone(), "cache": cache})
-            last = logits[end - start - 1].clone()  # [V], a copy: a view would hold this step's logits [q, V]
+            last = heads.raw(end - start - 1)  # a copy: a view would hold this step's tensor [q, D]
             cached = end
             for j in new:
                 row.state[j] = CACHED
@@ -222,18 +223,19 @@ def _decode_row(b: int, prompt: torch.Tensor, kn: _Run, cache: DynamicCache | No
             spans = [row.span(j) for j in work]
             if greedy and len(work) > 1:
                 rows = torch.cat([torch.arange(lo - start, hi - start, device=device) for lo, hi in spans])
-                tok, prob = propose(pred[rows], k.temperature, gen, exclude=mask)
+                tok, prob = greedy_at(pred, rows, kn.chunk, exclude=mask)
             elif greedy:
-                tok, prob = propose(pred[spans[0][0] - start:spans[0][1] - start], k.temperature, gen, exclude=mask)
-            else:
-                picks = [propose(pred[lo - start:hi - start], k.temperature, gen, exclude=mask) for lo, hi in spans]
+                tok, prob = greedy_at(pred, slice(spans[0][0] - start, spans[0][1] - start), kn.chunk, exclude=mask)
+            else:  # sampled: the model's own logits (stream_chunk None)
+                picks = [propose(pred.at(slice(lo - start, hi - start)), k.temperature, gen, exclude=mask)
+                         for lo, hi in spans]
                 tok, prob = torch.cat([t for t, _ in picks]), torch.cat([p for _, p in picks])
             commit_pos, commit_tok = row.take(work, tok.tolist(), prob.tolist(), kn.skip)
             if commit_pos:
                 ids[torch.tensor(commit_pos, device=device)] = torch.tensor(commit_tok, device=device)
                 cols = [p - n_prompt for p in commit_pos]
                 meter.commit(b, cols, [meter.calls - 1] * len(cols), [meter.phase_log[-1]] * len(cols))
-        del logits, pred  # this step's logits go before the next forward (docs/design.md §6)
+        del heads, pred  # this step's logits go before the next forward (docs/design.md §6)
         row.retire(active)
     return cut_after_eos(ids[n_prompt:row.length], kn.eos)
 
@@ -260,7 +262,7 @@ def d2f(
     """
     k = D2fKnobs.of(knobs, overrides, "d2f")
     kn = _Run(k, k.gen_length // k.block_size, mask_id(model, mask_token_id), eos_ids(model, eos_token_id), on_cache,
-              as_float32(k.skip_threshold))
+              as_float32(k.skip_threshold), stream_chunk(k))
     pad = left_padding_mask(input_ids, attention_mask)
     meter = Meter(model, ("step",), compile=k.compile)
     counts = {"row_steps": 0, "active_blocks": 0, "pipeline_max": 0}
@@ -270,7 +272,7 @@ def d2f(
                     make_generator(input_ids.device, k.seed), counts, meter)
         for b, (row, m) in enumerate(zip(input_ids, pad))
     ]
-    responses = drive_rows(model, meter, rows)
+    responses = drive_rows(model, meter, rows, stream=kn.chunk is not None)
     extra = {"pipeline_max": counts["pipeline_max"],
              "pipeline_mean": counts["active_blocks"] / counts["row_steps"] if counts["row_steps"] else 0.0}
     return responses, meter.finish(responses, **extra)

@@ -36,6 +36,19 @@ class Heads:
             return Heads(dense=self.dense[rows, cols])
         return Heads(hidden=self.hidden[rows, cols], head=self.head, check=self.check)
 
+    def shifted(self, first: torch.Tensor) -> Heads:
+        """The logits of the positions one later (Dream-based models: the logit at i - 1 predicts token i): position
+        0 answers with ``first`` [U, D] (a row as ``raw`` gives it), position j with this one's j - 1. A copy of
+        what this holds ([U, n, V] dense, [U, n, H] hidden), as a shifted dense tensor always was."""
+        if self.dense is not None:
+            return Heads(dense=torch.cat([first[:, None], self.dense[:, :-1]], 1))
+        return Heads(hidden=torch.cat([first[:, None], self.hidden[:, :-1]], 1), head=self.head, check=self.check)
+
+    def raw(self, j: int) -> torch.Tensor:
+        """A copy of position j's rows [U, D] of what this holds: float32 logits (dense) or hidden states, which
+        ``shifted`` takes as its first position (a copy, so the rest of this forward's tensor is not kept)."""
+        return (self.dense if self.dense is not None else self.hidden)[:, j].clone()
+
     def at(self, idx: torch.Tensor | slice) -> torch.Tensor:
         """float32 logits [k, V] of the flat positions ``idx`` (an index tensor [k] or a slice with a stop). Rows
         and positions are picked apart (``_pick``), so a part of a stacked call is never copied whole; a slice
@@ -78,11 +91,12 @@ def _count(part) -> int:
     return part.stop - part.start if isinstance(part, slice) else part.numel()
 
 
-def greedy_at(heads: Heads, idx: torch.Tensor | slice, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_at(heads: Heads, idx: torch.Tensor | slice, chunk: int | None,
+              exclude: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [k], probability [k]) of the greedy pick at the flat positions ``idx`` (``propose`` at temperature
-    0: each position's softmax is its own, so chunks give the values of one call), ``chunk`` positions at a time
-    (None: all at once)."""
-    picks = [propose(heads.at(part), 0.0, None) for part in chunks(idx, chunk)]
+    0, never the token ``exclude``: each position's softmax is its own, so chunks give the values of one call),
+    ``chunk`` positions at a time (None: all at once)."""
+    picks = [propose(heads.at(part), 0.0, None, exclude) for part in chunks(idx, chunk)]
     if not picks:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0)
     return torch.cat([t for t, _ in picks]), torch.cat([p for _, p in picks])

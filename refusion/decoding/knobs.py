@@ -165,8 +165,8 @@ LOGITS_CHUNK = 32
 
 
 def logits_chunk_knob() -> Any:
-    """The ``logits_chunk`` knob of the decoders whose steps propose through ``common.proposal``; they pass
-    ``stream_chunk(knobs)`` to it."""
+    """The ``logits_chunk`` knob of the decoders whose steps propose through ``common.proposal`` or read
+    ``heads.Heads``; they stream with ``stream_chunk(knobs)``."""
     return knob(LOGITS_CHUNK, "a greedy step's logits computed only at the positions it decides, this many "
                               "positions at a time: at most one chunk of [batch, chunk, vocabulary] logits alive; "
                               "none = the model's own forward (the LM head over every forwarded position, float32 "

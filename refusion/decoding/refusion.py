@@ -65,7 +65,7 @@ from transformers import DynamicCache
 from ..kernels import BACKENDS as ATTN_BACKENDS
 from ..kernels import SlotLayout, attention_backend, require
 from ..slot_attention import slot_visibility
-from .cache import cache_append, cache_from, cache_len, kv_parts_bytes, new_cache
+from .cache import cache_append, cache_from, cache_len, is_static, kv_parts_bytes, new_cache
 from .common import Meter, forward_heads
 from .heads import Heads, greedy_at, prob_at
 from .knobs import Knobs, compile_knob, gen_length, knob, logits_chunk_knob, seed, stream_chunk, temperature
@@ -317,36 +317,55 @@ def stacked_call(model, meter: Meter, reqs: list[Req], attn: str = "sdpa", strea
     vis = torch.zeros(n, qm, tm + qm, dtype=torch.bool, device=device)
     j = torch.arange(qm, device=device)
     vis[:, j, tm + j] = True  # padded queries see themselves only
-    parts = None
-    if reqs[0].cache is not None and tm:
-        ref = next(r.cache for r, t in zip(reqs, lens) if t)
-        parts = [(lay.keys.new_zeros(n, *lay.keys.shape[1:2], tm, lay.keys.shape[3]),
-                  lay.values.new_zeros(n, *lay.values.shape[1:2], tm, lay.values.shape[3])) for lay in ref.layers]
     u0 = 0
     for r, t, q, u in zip(reqs, lens, qs, us):
         ids[u0:u0 + u, :q], pos[u0:u0 + u, :q] = r.ids, r.pos
         rv = _vis(r)
         vis[u0:u0 + u, :q, tm - t:tm] = rv[:, :t]
         vis[u0:u0 + u, :q, tm:tm + q] = rv[:, t:]
-        if parts is not None and t:
-            idx = slice(None) if r.rows is None else torch.tensor(r.rows, device=device)
-            for (k, v), lay in zip(parts, r.cache.layers):
-                k[u0:u0 + u, :, tm - t:] = lay.keys[idx]
-                v[u0:u0 + u, :, tm - t:] = lay.values[idx]
         u0 += u
-    cache = None if reqs[0].cache is None else cache_from(model, parts)
+    moved = [r.cache is not None and t > 0 and r.rows is None and not is_static(r.cache) for r, t in zip(reqs, lens)]
+    cache = None if reqs[0].cache is None else cache_from(model, stack_rows(reqs, lens, us, tm, moved))
     low = min(r.skip for r in reqs)  # float32 logits of the positions some request reads only
     logits = forward_heads(model, meter, phases, ids, stream=stream, position_ids=pos, visible=vis, cache=cache,
                            kv_extra=sum(r.extra for r in reqs), keep=slice(low, None))
     out, u0 = [], 0
-    for r, q, u in zip(reqs, qs, us):
+    for r, t, q, u, m in zip(reqs, lens, qs, us, moved):
         kv = None if cache is None else [(lay.keys[u0:u0 + u, :, tm:tm + q], lay.values[u0:u0 + u, :, tm:tm + q])
                                          for lay in cache.layers]
-        if r.keep and kv is not None:
+        if m:  # the row's cache becomes its part of the stacked one: views, right before its query's KV
+            for mine, lay in zip(r.cache.layers, cache.layers):
+                mine.keys, mine.values = lay.keys[u0:u0 + u, :, tm - t:tm], lay.values[u0:u0 + u, :, tm - t:tm]
+        if r.keep and kv is not None:  # after a moved row's views: widened over them, no copy (cache.continues)
             cache_append(r.cache, [[(k[:, :, :r.keep], v[:, :, :r.keep]) for k, v in kv]])
         out.append((logits.part(slice(u0, u0 + u), slice(r.skip - low, q - low)), kv))  # they start at `low`
         u0 += u
     return out
+
+
+def stack_rows(reqs: list[Req], lens: list[int], us: list[int], tm: int, moved: list[bool]) -> list | None:
+    """The requests' caches as one left-padded batch, per layer (keys, values) [sum(us), h, tm, d] (None: every
+    cache empty). A ``moved`` request's cache gives its layer up once copied (``layer.keys`` None until
+    ``stacked_call`` makes it a view of the stacked result), so each layer is held once, not twice: the rows'
+    KV and its padded copy are never alive together beyond one layer."""
+    if not tm:
+        return None
+    ref = next(r.cache for r, t in zip(reqs, lens) if t)
+    n, parts = sum(us), []
+    for i, lay in enumerate(ref.layers):
+        k = lay.keys.new_zeros(n, lay.keys.shape[1], tm, lay.keys.shape[3])
+        v = lay.values.new_zeros(n, lay.values.shape[1], tm, lay.values.shape[3])
+        u0 = 0
+        for r, t, u, m in zip(reqs, lens, us, moved):
+            if t:
+                mine = r.cache.layers[i]
+                idx = slice(None) if r.rows is None else torch.tensor(r.rows, device=k.device)
+                k[u0:u0 + u, :, tm - t:], v[u0:u0 + u, :, tm - t:] = mine.keys[idx], mine.values[idx]
+                if m:
+                    mine.keys = mine.values = None
+            u0 += u
+        parts.append((k, v))
+    return parts
 
 
 def drive_rows(model, meter: Meter, rows: list[Generator], attn: str = "sdpa",
