@@ -32,7 +32,8 @@ def test_writes_one_row_per_kind_with_its_interval(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,words", [(["--knob", "logits_chunk=none", "--presets", "ar"], "have no knob"),
                                         (["--knob", "logits_chunk=none", "--presets", "nope"], "unknown preset"),
-                                        (["--knob", "logits_chunk"], "expected name=value")])
+                                        (["--knob", "logits_chunk"], "expected name=value"),
+                                        (["--knob", "no_such_knob=1"], "no preset of `make regress` has")])
 def test_bad_input_is_one_line(argv, words, capsys, tmp_path):
     assert knob_ab.main([*argv, "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip()

@@ -97,15 +97,24 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m harness.speed.knob_ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--knob", required=True, help="name=value, e.g. logits_chunk=none")
-    p.add_argument("--presets", default="refusion,llada,fast_dllm,dream,d2f",
-                   help="preset names, each a decoder with the knob (default: %(default)s)")
+    p.add_argument("--presets", default=None,
+                   help="preset names, each a decoder with the knob (default: those of `make regress` whose decoder "
+                        "has it)")
     p.add_argument("--limit", type=int, default=ab.AB_LIMIT, help="test items per kind (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (default: %(default)s)")
     p.add_argument("--out", default=None, help="JSON file (default: results/knob_ab_<knob>.json)")
     ns = p.parse_args(argv)
     try:
         knob, value = knob_value(ns.knob)
-        presets = tuple(x.strip() for x in ns.presets.split(",") if x.strip())
+        if ns.presets is None:
+            from harness.run.presets import REGRESS_MODELS
+            from refusion.decoding import DECODERS
+
+            presets = tuple(p for p in REGRESS_MODELS if knob in DECODERS[PRESETS[p].decoder].knobs.names())
+            if not presets:
+                raise ValueError(f"no preset of `make regress` has the knob {knob!r}; name presets with --presets")
+        else:
+            presets = tuple(x.strip() for x in ns.presets.split(",") if x.strip())
         unknown = [x for x in presets if x not in PRESETS]
         if unknown or not presets:
             raise ValueError(f"unknown preset(s) {', '.join(unknown) or '(none)'}; valid: {', '.join(PRESETS)}")
