@@ -115,8 +115,10 @@ def test_update_then_check_then_mismatched_settings(tmp_path, capsys, monkeypatc
     assert report.read_text().startswith("# Regression check: OK")
     assert json.loads(report.with_suffix(".json").read_text())["speed"] is None
     worse = fake_run(tmp_path / "r2", BASE_TPS, nfe=41)
+    capsys.readouterr()
     assert _main("--baseline", str(base_path), "--run", str(worse), "--report", str(report), "--no-speed") == 1
     assert "| FAIL | refusion/embedded_code nfe | 40 | 41 |" in report.read_text()
+    assert "FAIL refusion/embedded_code nfe: baseline 40, now 41" in capsys.readouterr().out.splitlines()[-20:]
 
     # A second update records only what changed.
     assert regress.main_update(["--baseline", str(base_path), "--run", str(worse), "--reason", "one more"]) == 0
@@ -210,6 +212,12 @@ def test_baseline_from_one_machine_holds_on_another_and_a_slow_decoder_fails_alo
         f"llada/embedded_{k} tokens/s" for k in ("choice", "code", "math")]
     assert all(0.7 < r["ratio"] < 0.8 and r["hi"] < 0.9 and "confirm" in r for r in speed["rows"] if not r["ok"])
     assert "| FAIL | llada/embedded_math tokens/s |" in report.read_text()
+    # The failing figures close the output too, just before the verdict: a log cut to its tail still names them.
+    tail = capsys.readouterr().out.strip().splitlines()[-4:]
+    assert sorted(x.split(":")[0] for x in tail[:3]) == [f"FAIL llada/embedded_{k} tokens/s"
+                                                         for k in ("choice", "code", "math")]
+    assert all("current / baseline 0.7" in x and "; again 0.7" in x for x in tail[:3]), tail
+    assert tail[3].startswith("REGRESSION: 3 of ")
 
 
 def test_speed_unavailable_says_so_in_one_line_and_the_rest_decides(tmp_path, capsys, monkeypatch):

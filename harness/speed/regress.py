@@ -445,10 +445,26 @@ def main(argv: list[str] | None = None, update: bool = False) -> int:
     atomic_write_json(report.with_suffix(".json"), {"run": str(run_dir), "baseline": str(baseline_path),
                                                     "deterministic": rows, "speed": speed})
     print(text)
-    bad = sum(not r["ok"] for r in rows) + sum(not r["ok"] for r in (speed or {}).get("rows") or [])
-    total = len(rows) + len((speed or {}).get("rows") or [])
+    speed_rows = (speed or {}).get("rows") or []
+    for line in failing_lines(rows, speed_rows):  # again at the end: a log cut to its tail still names them
+        print(line)
+    bad = sum(not r["ok"] for r in rows) + sum(not r["ok"] for r in speed_rows)
+    total = len(rows) + len(speed_rows)
     print(f"{'REGRESSION' if bad else 'ok'}: {bad} of {total} figures off the baseline; report {ns.report}")
     return 1 if bad else 0
+
+
+def failing_lines(rows: list[dict], speed_rows: list[dict]) -> list[str]:
+    """One line per failing figure (deterministic: baseline and now; speed: the ratio, its interval and the
+    confirmation's), for the end of the output."""
+    out = [f"FAIL {r['figure']}: baseline {_fmt(r['baseline'])}, now {_fmt(r['now'])}" for r in rows if not r["ok"]]
+    for r in speed_rows:
+        if not r["ok"]:
+            conf = r.get("confirm") or {}
+            again = f"; again {_fmt(conf.get('ratio'))} [{_fmt(conf.get('lo'))}, {_fmt(conf.get('hi'))}]" if conf else ""
+            out.append(f"FAIL {r['figure']}: current / baseline {_fmt(r['ratio'])} [{_fmt(r['lo'])}, {_fmt(r['hi'])}]"
+                       f"{again}")
+    return out
 
 
 def main_update(argv: list[str] | None = None) -> int:
