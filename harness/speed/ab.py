@@ -289,6 +289,14 @@ def summarize(res: dict, tolerance: float = TOLERANCE) -> list[dict]:
     return rows
 
 
+def _pair(current: Path, tree: Path, threads: int, commit: str | None) -> tuple[list[Worker], Guard | None]:
+    """Fresh workers on both trees, and a guard that counts them as ours (the evaluation `make regress` runs
+    beside them is a neighbour); none for stand-in workers with no process (tests)."""
+    workers = [Worker(current, threads, "current"), Worker(tree, threads, f"baseline ({str(commit)[:12]})")]
+    pids = {w.proc.pid for w in workers if getattr(w, "proc", None) is not None}
+    return workers, Guard(roots=pids) if pids else None
+
+
 def run(models: tuple[str, ...], commit: str | None, limit: int = AB_LIMIT, threads: int = 1,
         tolerance: float = TOLERANCE, current: Path = REPO, progress: bool = True, confirm: bool = True,
         baseline_tree: Path | None = None, min_block_s: float = MIN_BLOCK_S, rounds: int = ROUNDS,
@@ -306,14 +314,11 @@ def run(models: tuple[str, ...], commit: str | None, limit: int = AB_LIMIT, thre
     try:
         tree = baseline_tree or base_tree(commit)
         items = workload(models, limit, kinds)
-        workers = [Worker(current, threads, "current"), Worker(tree, threads, f"baseline ({str(commit)[:12]})")]
-        pids = {w.proc.pid for w in workers if getattr(w, "proc", None) is not None}
-        # The guard counts the two workers as ours: the evaluation `make regress` runs beside them is a neighbour.
-        guard = Guard(roots=pids or {os.getpid()}) if pids else None
+        workers, guard = _pair(current, tree, threads, commit)
         first = measure(items, *workers, progress=progress, min_block_s=min_block_s, rounds=rounds, guard=guard)
         rows = summarize(first, tolerance)
         bad = [r for r in rows if not r["ok"]]
-        confirm_guard = None
+        second: dict = {}
         if bad and confirm:
             # A disturbance that hit one side more than the other must show twice to count. The second
             # measurement runs in fresh worker processes (pyperf's rule): a process that landed badly (its
@@ -327,12 +332,10 @@ def run(models: tuple[str, ...], commit: str | None, limit: int = AB_LIMIT, thre
                     print(f"speed A/B: {len(bad)} figure(s) to confirm, once the evaluation beside it has ended",
                           file=sys.stderr, flush=True)
                 settle()
-            workers = [Worker(current, threads, "current"), Worker(tree, threads, f"baseline ({str(commit)[:12]})")]
+            workers, guard = _pair(current, tree, threads, commit)
             again_items = [it for it in items if (it.preset, it.kind) in {(r["preset"], r["kind"]) for r in bad}]
-            pids = {w.proc.pid for w in workers if getattr(w, "proc", None) is not None}
-            confirm_guard = Guard(roots=pids) if pids else None
             second = measure(again_items, *workers, progress=progress, flip=True, min_block_s=min_block_s,
-                             rounds=CONFIRM_ROUNDS * rounds, guard=confirm_guard)
+                             rounds=CONFIRM_ROUNDS * rounds, guard=guard)
             again = {(r["preset"], r["kind"]): r for r in summarize(second, tolerance)}
             for r in rows:
                 if not r["ok"]:
@@ -341,7 +344,7 @@ def run(models: tuple[str, ...], commit: str | None, limit: int = AB_LIMIT, thre
                                                       "rounds")}
                     r["ok"] = a["ok"]
         return {**info, "rows": rows, "records": first["records"], "guard": first.get("guard"),
-                "confirm_guard": second.get("guard") if confirm_guard is not None else None,
+                "confirm_guard": second.get("guard"),
                 "seconds": round(time.time() - t0, 1)}
     except (ABUnavailable, timing.TimingMismatch) as e:
         return {**info, "unavailable": str(e), "seconds": round(time.time() - t0, 1)}

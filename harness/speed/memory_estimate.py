@@ -85,7 +85,7 @@ from harness.models.families import FAMILIES
 from harness.run.memory import LEAVES_OUT, DecodeMemory, weights_bytes
 from harness.run.store import atomic_write_json
 from refusion.decoding import DECODERS
-from refusion.decoding.common import additive_mask, cache_append, cache_from, cache_keep, floated, positions_from_mask
+from refusion.decoding.common import cache_append, cache_from, cache_keep, floated, model_mask, positions_from_mask
 from refusion.decoding.heads import Heads, chunks, greedy_at, prob_at
 from refusion.decoding.knobs import LOGITS_CHUNK
 from refusion.decoding.mdm import FastDllmKnobs
@@ -186,9 +186,7 @@ def _cache(model, batch: int, length: int):
 def _forward(model, ids, pos, *, mask=None, visible=None, cache=None, keep=None) -> torch.Tensor:
     """common.forward's tensors: the model call, check_finite's reduction over its logits [B, q, V] in the model's
     dtype, then the float32 copy of the kept positions (``floated``: [B, k, V]; all with ``keep`` None)."""
-    if visible is not None:
-        sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
-        mask = visible[:, None] if sdpa else additive_mask(visible, model.dtype)
+    mask = model_mask(model, mask, visible)
     kv_only = isinstance(keep, slice) and keep.start == keep.stop == 0  # the LM head on no position at all
     extra = {"logits_to_keep": torch.zeros(0, dtype=torch.long)} if kv_only else {}
     logits = model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
@@ -283,9 +281,7 @@ def _heads(model, ids, pos, visible, cache, skip: int, chunk: int | None) -> Hea
     logits of the positions from ``skip``; else ``_streamed_hidden``, kept for ``Heads.at``."""
     if chunk is None:
         return Heads(dense=_forward(model, ids, pos, visible=visible, cache=cache, keep=slice(skip, None)))
-    sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
-    mask = visible[:, None] if sdpa else additive_mask(visible, model.dtype)
-    hidden = _streamed_hidden(model, ids, pos, mask=mask, cache=cache)
+    hidden = _streamed_hidden(model, ids, pos, mask=model_mask(model, None, visible), cache=cache)
     return Heads(hidden=hidden[:, skip:], head=model.get_output_embeddings(), check=lambda lg: lg.amax(-1))
 
 
