@@ -33,7 +33,10 @@ slots, cast back. The stacked weights are ``experts.gate_up_proj`` [E, 2I, hidde
 [E, hidden, I]: the release's per-expert ``mlp.experts.N.{gate,up,down}_proj.weight`` are merged on loading by a
 checkpoint conversion mapping registered with transformers for ``llada2_moe`` (as transformers does for its own
 Qwen-MoE classes). Why this order and not another: a float32 sum's rounding depends on how the matmuls are cut,
-and in this order the logits equal the authors' modelling file's bit for bit (tests/test_llada2.py).
+and in this order the logits equal the authors' modelling file's bit for bit (tests/test_llada2.py). Under
+torch.compile (the decoder knob ``compile``) the per-expert counts are unbacked sizes of the one graph
+(refusion/decoding/compiled.py sets dynamo's ``capture_scalar_outputs``) and every expert's piece is computed, empty
+or not.
 
 The attention is whatever mask the caller passes: LLaDA2 is a block-diffusion model (block-causal attention,
 bidirectional within a block of 32); the decoder ``llada2`` (refusion/decoding/llada2.py) builds that pattern.
@@ -214,14 +217,18 @@ class Experts(nn.Module):
         n, k = ids.shape
         inner = self.down_proj.shape[-1]
         order = ids.reshape(-1).argsort()  # (token, slot) pairs, flattened, grouped by expert
-        counts = torch.bincount(ids.reshape(-1), minlength=self.gate_up_proj.shape[0]).tolist()
+        flat = ids.reshape(-1)
+        # tokens per expert [E]: a static shape (bincount's length depends on the ids), read on the host; under
+        # torch.compile (capture_scalar_outputs) the counts are unbacked sizes, nothing is guarded on them
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.long, device=ids.device).index_add_(
+            0, flat, torch.ones_like(flat)).tolist()
         rows = x[order // k]  # [N*k, hidden], expert 0's tokens first
-        outs, start = [], 0
-        for e, count in enumerate(counts):
-            if count:  # only the experts some token chose run
-                gate_up = F.linear(rows[start:start + count], self.gate_up_proj[e])  # [count, 2I]
+        outs = []
+        compiling = torch.compiler.is_compiling()
+        for e, chunk in enumerate(torch.split(rows, counts)):  # chunk: [count_e, hidden]
+            if compiling or counts[e]:  # eager: only the experts some token chose run (a graph cannot branch)
+                gate_up = F.linear(chunk, self.gate_up_proj[e])  # [count, 2I]
                 outs.append(F.linear(F.silu(gate_up[:, :inner]) * gate_up[:, inner:], self.down_proj[e]))
-                start += count
         placed = torch.empty_like(rows)
         placed[order] = torch.cat(outs)
         return (placed.view(n, k, -1).float() * weights[:, :, None]).sum(dim=1).to(x.dtype)

@@ -45,12 +45,13 @@ def _want(g: dict) -> list[int]:
     return cut_after_eos(torch.tensor(g["tokens"]), (EOS,))[:g["knobs"]["gen_length"]].tolist()
 
 
-def _compare(loaded, left_pad, gens: list[dict], batch: int) -> None:
+def _compare(loaded, left_pad, gens: list[dict], batch: int, **extra) -> None:
     for i in range(0, len(gens), batch):
         group = gens[i:i + batch]
         rows = [torch.tensor(g["prompt"]) for g in group]
         ids, mask = left_pad(rows, EOS)
-        tokens, stats = DECODERS["llada2"](loaded.model, ids, mask if batch > 1 else None, dict(group[0]["knobs"]),
+        knobs = {**group[0]["knobs"], **extra}
+        tokens, stats = DECODERS["llada2"](loaded.model, ids, mask if batch > 1 else None, knobs,
                                            eos_token_id=list(loaded.eos_ids), mask_token_id=loaded.mask_id)
         for g, t in zip(group, tokens):
             assert t.tolist() == _want(g), (batch, g["knobs"], g["prompt"])
@@ -182,6 +183,46 @@ def test_dinfer_tokens_and_forwards_subset(loaded, left_pad, setting):
 
 def test_a_left_padded_batch_decodes_each_row_as_alone(loaded, left_pad):
     _compare(loaded, left_pad, _of(SETTINGS[0])[4:8], 4)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_gives_dinfer_tokens_alone_and_batched(loaded, left_pad, monkeypatch, backend):
+    """The knob ``compile`` on the MoE itself (refusion/decoding/compiled.py): one graph per shape, the experts'
+    token counts read on the host as unbacked sizes; dInfer's tokens and forward counts, at batch 1 and in a
+    left-padded batch of 4. make test runs dynamo's aot_eager backend (the same tracing without inductor's C++
+    build), make test-slow inductor too."""
+    from refusion.decoding import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", backend)
+    compiled.clear()
+    _compare(loaded, left_pad, _of(SETTINGS[0])[::12], 1, compile=True)
+    _compare(loaded, left_pad, _of(SETTINGS[1])[4:8], 4, compile=True)
+    assert compiled.compilations(loaded.model) >= 1  # it really ran compiled
+
+
+def test_compiled_experts_equal_eager_with_idle_experts():
+    """The routed experts under torch.compile(fullgraph=True), with experts no token chose (empty pieces the
+    eager path skips): the same output as eager, for two routings of one shape (no recompilation: the counts
+    are unbacked sizes, not guards)."""
+    from torch._dynamo.utils import counters
+
+    from refusion.llada2_moe import Experts, LLaDA2MoeConfig
+
+    cfg = LLaDA2MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2)
+    experts = Experts(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    fn = torch.compile(experts, backend="aot_eager", fullgraph=True, dynamic=False)
+    x, w = torch.randn(6, 16, generator=g), torch.rand(6, 2, generator=g)
+    for ids in (torch.tensor([[0, 1], [1, 0], [0, 3], [3, 1], [1, 0], [0, 1]]),  # experts 2, 4-7 idle
+                torch.randint(0, 8, (6, 2), generator=g)):
+        with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
+            assert torch.equal(fn(x, ids, w), experts(x, ids, w))
+    assert counters["stats"]["unique_graphs"] - before == 1
 
 
 @pytest.mark.slow

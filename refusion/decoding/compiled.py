@@ -485,7 +485,10 @@ def compiled_call(model, input_ids: torch.Tensor, *, position_ids=None, attentio
     before = _graphs()
     if e.cudagraphs:
         torch.compiler.cudagraph_mark_step_begin()
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT * 4), \
+    # capture_scalar_outputs: a routed MoE (refusion/llada2_moe.py) reads its per-expert token counts on the
+    # host; they become unbacked sizes inside the one graph instead of a graph break
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT * 4,
+                                    capture_scalar_outputs=True), \
             torch.no_grad():
         out = e.fn(model, ids, pos, mask4, cpos, keys, values)
     fresh = _graphs() - before

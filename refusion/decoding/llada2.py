@@ -50,7 +50,7 @@ import torch
 
 from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks, prefill_blocks
 from .cache import new_cache
-from .knobs import Knobs, gen_length, knob
+from .knobs import Knobs, compile_knob, gen_length, knob
 from .tokens import eos_ids, mask_id
 
 # dInfer's BlockRunner defaults (generate_uniform.py): rounds of denoise forwards
@@ -65,6 +65,7 @@ class Llada2Knobs(Knobs):
                              "with blocks of 32)", low=1)
     threshold: float = knob(0.9, "commit every masked token whose probability is >= this in a denoise step (the "
                             "most likely one at least); above 1: one token per step", low=0.0)
+    compile: bool = compile_knob()
     # harness trace: the blocks start at the prompt's start, so the answer's first block is partial
     blocks_from_prompt_start: ClassVar[bool] = True
 
@@ -96,6 +97,7 @@ class Llada2Rule(BlockRule):
 
     def __init__(self, k: Llada2Knobs, mask: int):
         self.k, self.fill, self.size, self.gen_length = k, mask, k.block_length, k.gen_length
+        self.compile = k.compile
         self.saw_finished = False  # the block's last denoise forward saw it with no mask: its KV is the store's
 
     def budget(self, grid: BlockGrid) -> tuple[int, int | None]:
