@@ -131,6 +131,74 @@ def test_live_generate_at_other_knobs_canvas_and_seed(loaded):
         assert stats["canvas_length"] == canvas
 
 
+# ---------------------------------------------------------------- compile
+
+
+def _first_canvas(g: dict, eos) -> list[int]:
+    """generate's first canvas of ``g`` (what a budget of one canvas decodes: its draws come before the second's)."""
+    return cut_after_eos(torch.tensor(g["output_ids"][:16]), tuple(eos)).tolist()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_first_canvas_is_generates_alone_and_batched(loaded, left_pad, monkeypatch, backend):
+    """The knob ``compile`` (transformers' compiled pieces: a static cache, the decoder forward in one graph per
+    shape) on prompts that fit the fixture's sliding window (32): a budget of one canvas gives generate's first
+    canvas, seed for seed, at batch 1 and in a left-padded batch of 4, with the eager decode's counts and commit
+    log; the same decode again compiles nothing."""
+    from refusion.decoding import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", backend)
+    compiled.clear()
+    gens, pad, eos = _of(SETTINGS[0]), loaded.tokenizer.pad_token_id, loaded.eos_ids
+    for group in [[g] for g in gens[::8]] + [gens[4:8]]:
+        ids, mask = left_pad([torch.tensor(g["prompt_ids"]) for g in group], pad)
+        knobs = {**_knobs(group[0]), "gen_length": 16}
+        mask = mask if len(group) > 1 else None
+        eager, es = DECODERS["diffusion_gemma"](loaded.model, ids, mask, knobs)
+        comp, cs = DECODERS["diffusion_gemma"](loaded.model, ids, mask, {**knobs, "compile": True})
+        assert [t.tolist() for t in comp] == [_first_canvas(g, eos) for g in group] == [t.tolist() for t in eager]
+        for key in ("nfe", "nfe_encode", "nfe_denoise", "commit_forward", "forward_phase", "kv_peak_bytes"):
+            assert cs[key] == es[key], key
+        assert cs["compiled"] and not es["compiled"]
+    assert compiled.compilations(loaded.model) >= 2  # the decoder forward without and with self-conditioning
+    _, again = DECODERS["diffusion_gemma"](loaded.model, ids, mask, {**knobs, "compile": True})
+    assert again["compilations"] == 0 and again["timings"]["compile_s"] == 0.0
+
+
+def test_compiled_canvases_and_dropped_rows_equal_eager(left_pad, monkeypatch):
+    """Several canvases (the compiled encoder writes each canvas's KV into the static cache) and a batch whose rows
+    end at different canvases (they leave the static cache): the eager decode's tokens, counts and commit log.
+    The fixture's window (32) holds one prompt and no canvas, so this model copy's window is 4096 (both decodes
+    run the same copy: this compares compile with eager, the test above compares with generate)."""
+    from harness.models.checkpoints import load_model
+    from refusion.decoding import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    copy = load_model(FIXTURE)
+    copy.model.config.get_text_config().sliding_window = 4096
+    eos = copy.eos_ids
+    group = _mixed_batch(_of(SETTINGS[0]), eos)
+    ids, mask = left_pad([torch.tensor(g["prompt_ids"]) for g in group], copy.tokenizer.pad_token_id)
+    knobs = {**_knobs(group[0]), "gen_length": 48}
+    eager, es = DECODERS["diffusion_gemma"](copy.model, ids, mask, knobs)
+    comp, cs = DECODERS["diffusion_gemma"](copy.model, ids, mask, {**knobs, "compile": True})
+    assert [t.tolist() for t in comp] == [t.tolist() for t in eager]
+    for key in ("nfe", "nfe_encode", "nfe_denoise", "canvases", "commit_forward", "forward_phase", "kv_peak_bytes"):
+        assert cs[key] == es[key], key
+    assert es["nfe_encode"] >= 2 and es["canvases"] < len(group) * 3, "no canvas encoded, or no row left early"
+
+
+def test_compile_refuses_what_a_static_cache_cannot_replay(loaded):
+    """A context past the sliding window less one (the eager cache then drops tokens a static buffer keeps), and
+    a canvas length other than the model's (its static decoder mask has the model's width): clear errors."""
+    prompt = torch.tensor([GENS[0]["prompt_ids"]])  # 22 tokens: with a second canvas, 38 > 31
+    with pytest.raises(ValueError, match="sliding window"):
+        DECODERS["diffusion_gemma"](loaded.model, prompt, None, {"gen_length": 32, "compile": True})
+    with pytest.raises(ValueError, match="config.canvas_length"):
+        DECODERS["diffusion_gemma"](loaded.model, prompt, None, {"gen_length": 8, "canvas_length": 8,
+                                                                 "compile": True})
+
+
 def test_counting_encoder_and_decoder_forwards(loaded):
     """NFE = encoder + decoder forwards; TPF = tokens / NFE; tpf_decoder is generate's own tokens_per_forward
     (a batch of one, no pad id inside the answer); commits come from decoder forwards; KV bytes recorded."""

@@ -38,6 +38,7 @@ tests/test_compiled.py checks them decoder by decoder.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import defaultdict
 
@@ -389,6 +390,53 @@ def _entry(model, device: torch.device) -> _Entry:
         fn = torch.compile(_model_call, backend=BACKEND, mode=mode, dynamic=False, fullgraph=True)
         per_model[key] = _Entry(fn, cudagraphs=mode == "reduce-overhead")
     return per_model[key]
+
+
+def compiled_module_call(model, name: str, fn, meter, phase: str, *args, **kwargs):
+    """One counted, timed call of ``fn(*args, **kwargs)`` compiled as ``torch.compile(fn, fullgraph=True,
+    dynamic=False)`` -- for a model half that its decoder calls with its own keywords and caches (DiffusionGemma's
+    encoder and decoder: refusion/decoding/diffusion_gemma.py), memoized per (model, ``name``, backend, device
+    type) like ``compiled_call``'s. A call that compiled a graph (or on CUDA recorded one) is a warm-up: its
+    seconds go to ``meter.compile_s`` and its graphs to ``meter.compilations``. Returns what ``fn`` returns."""
+    per_model = _MEMO.setdefault(model, {})
+    device = next(model.parameters()).device
+    key = (BACKEND, device.type, name)
+    if key not in per_model:
+        mode = "reduce-overhead" if device.type == "cuda" and BACKEND == "inductor" else None
+        per_model[key] = _Entry(torch.compile(fn, backend=BACKEND, mode=mode, dynamic=False, fullgraph=True),
+                                cudagraphs=mode == "reduce-overhead")
+    e = per_model[key]
+    sig = _signature(kwargs)
+    seen = e.calls.get(sig, 0)
+    meter.count(phase)
+    meter._sync()
+    t0, before = time.perf_counter(), _graphs()
+    if e.cudagraphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT * 4,
+                                    capture_scalar_outputs=True), torch.no_grad():
+        out = e.fn(*args, **kwargs)
+    meter._sync()
+    seconds = time.perf_counter() - t0
+    fresh = _graphs() - before
+    e.calls[sig] = seen + 1
+    e.compilations += fresh
+    meter.forward_s += seconds
+    meter.compilations += fresh
+    if fresh or (e.cudagraphs and seen < 2):
+        meter.compile_s += seconds
+    return out
+
+
+def _signature(value):
+    """Shapes and dtypes of the tensors in ``value`` (nested dicts, lists), a hashable key."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    return type(value).__name__
 
 
 def clear() -> None:

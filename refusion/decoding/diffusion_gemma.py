@@ -34,6 +34,11 @@ seed for seed. Rows that ended leave the batch at the next canvas (their cache r
 forwards are counted here, encoder and decoder apart (generate's tokens_per_forward counts the decoder's
 only).
 
+Compile (the knob ``compile``, docs/design.md §6a): the pieces transformers' generate compiles -- each canvas's
+encoder forward and the decoder forward, over a static cache (``static_cache``) -- run under torch.compile; the
+prompt's encode stays eager. Refused where a static cache cannot replay the eager decode: a cached context past
+the sliding window less one, a canvas length other than the model's.
+
 Counting (docs/design.md §6 and §4b): phases ``encode`` and ``denoise``; NFE = both; TPF =
 generated tokens / NFE. A token is committed by the decoder forward from which its position's argmax held
 to the canvas's end. Extra stats: canvas_length, canvases (row canvases decoded), denoise_steps (decoder
@@ -47,10 +52,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, StaticLayer
 
 from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks
-from .common import Meter, counted_call
-from .knobs import Knobs, gen_length, knob, seed
+from .common import Meter, check_finite, counted_call
+from .compiled import capacity_bucket, compiled_module_call
+from .knobs import Knobs, compile_knob, gen_length, knob, seed
 from .proposals import make_generator
 from .tokens import eos_ids, positions_from_mask
 
@@ -81,6 +88,7 @@ class DiffusionGemmaKnobs(Knobs):
     confidence_threshold: float = knob(DEFAULT_CONFIDENCE, "adaptive stop: the mean token entropy (nats) must be "
                                        "below this (> 0)", low=0.0)
     seed: int = seed()
+    compile: bool = compile_knob()
 
     def check(self) -> None:
         if self.entropy_bound <= 0:
@@ -150,7 +158,7 @@ class DiffusionGemmaRule(BlockRule):
     fill = None  # no mask token: the rule draws the canvas
 
     def __init__(self, k: DiffusionGemmaKnobs, model):
-        self.k, self.gen_length = k, k.gen_length
+        self.k, self.gen_length, self.compile = k, k.gen_length, k.compile
         self.size = int(k.canvas_length or model.config.canvas_length)
         self.n_canvas = -(-k.gen_length // self.size)  # whole canvases, as generate (:652)
         self.vocab = int(model.config.get_text_config().vocab_size)
@@ -163,9 +171,17 @@ class DiffusionGemmaRule(BlockRule):
     def start(self, run: BlockRun, input_ids: torch.Tensor, pad: torch.Tensor) -> None:
         self.rng = _Rows([make_generator(run.device, self.k.seed) for _ in run.live], self.vocab, self.size,
                          run.device)
-        run.cache = DynamicCache(config=run.model.config.get_text_config(decoder=True))
+        text = run.model.config.get_text_config(decoder=True)
+        if self.compile:  # the prompt and every canvas a next one reads, in one static cache
+            if self.size != run.model.config.canvas_length:  # the model's static decoder mask is that wide
+                raise ValueError(f"compile: canvas_length {self.size} must be the model's config.canvas_length "
+                                 f"({run.model.config.canvas_length}); decode without compile")
+            run.cache = static_cache(text, input_ids.shape[1] + (self.n_canvas - 1) * self.size)
+        else:
+            run.cache = DynamicCache(config=text)
         run.seen = pad.bool()  # [B, P] the 2-D mask of the cache
-        _encode(run.model, run.meter, run.cache, input_ids, run.seen, positions_from_mask(pad))
+        # the prompt's encode runs eagerly under compile too (its length varies), as transformers' generate does
+        _encode(run.model, run.meter, run.cache, input_ids, run.seen, positions_from_mask(pad), compiled=False)
 
     def decide(self, run: BlockRun, j: int, block: torch.Tensor | None) -> torch.Tensor:
         """Start (1.b), denoise (1.c) and commit (1.d) canvas j of the live rows: its last argmax canvas."""
@@ -180,7 +196,7 @@ class DiffusionGemmaRule(BlockRule):
 
     def store(self, run: BlockRun, block: torch.Tensor) -> None:
         """Next canvas (1.f): the canvas of the rows that go on is what the encoder reads next."""
-        _encode(run.model, run.meter, run.cache, block, run.seen, run.pos)
+        _encode(run.model, run.meter, run.cache, block, run.seen, run.pos, compiled=self.compile)
 
     def stats(self, run: BlockRun) -> dict:
         return {"canvas_length": self.size, **self.counts}
@@ -209,22 +225,73 @@ def diffusion_gemma(
     return responses, stats
 
 
-def _encode(model, meter: Meter, cache: DynamicCache, new_ids: torch.Tensor, seen: torch.Tensor,
-            positions: torch.Tensor) -> None:
+def _encode(model, meter: Meter, cache: Cache, new_ids: torch.Tensor, seen: torch.Tensor,
+            positions: torch.Tensor, compiled: bool) -> None:
     """Encode (generate's step 1.a): one encoder forward of the tokens not yet in the cache, new_ids [b, q] at
-    ``positions`` [b, q], writing their KV; ``seen`` [b, kv] is the 2-D mask of the cache and them."""
+    ``positions`` [b, q], writing their KV; ``seen`` [b, kv] is the 2-D mask of the cache and them. ``compiled``:
+    through the compiled encoder (a canvas's encode, under the knob compile)."""
     encoder = model.model.encoder
     embed_dtype = model.model.decoder.embed_tokens.weight.dtype
     masks = encoder.create_masks_for_generate(
         config=model.config, inputs_embeds=torch.empty((new_ids.shape[0], new_ids.shape[1], 0), dtype=embed_dtype,
                                                       device=new_ids.device),
         attention_mask=seen, cache=cache, position_ids=positions)
-    counted_call(meter, "encode", lambda: encoder(input_ids=new_ids, attention_mask=masks, cache=cache,
-                                                  position_ids=positions))
-    meter.kv(cache)
+    kwargs = {"input_ids": new_ids, "attention_mask": masks, "cache": cache, "position_ids": positions}
+    if compiled:
+        compiled_module_call(model, "diffusion_gemma.encoder", _run_encoder, meter, "encode", encoder, **kwargs)
+    else:
+        counted_call(meter, "encode", lambda: encoder(**kwargs))
+    if isinstance(cache, DynamicCache):
+        meter.kv(cache)
+    else:  # a static cache: its live columns only (``seen`` is as wide), as for eager decoding
+        meter.kv(extra=sum(x.keys[:, :, :seen.shape[1]].nbytes + x.values[:, :, :seen.shape[1]].nbytes
+                           for x in cache.layers))
 
 
-def _denoise(model, meter: Meter, cache: DynamicCache, seen: torch.Tensor, positions: torch.Tensor,
+def _run_encoder(encoder, **kwargs) -> None:
+    encoder(**kwargs)
+
+
+def _run_decoder(model, **kwargs) -> torch.Tensor:
+    return model(**kwargs).logits
+
+
+class _StaticRows(StaticLayer):
+    """transformers' StaticLayer (compile: one buffer [B, heads, C, head_dim] written in place) whose batch rows
+    can be dropped (the loop's pruning of ended rows: a new buffer of the kept rows, so the next forward compiles
+    for that batch size)."""
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys, self.values = self.keys[indices].contiguous(), self.values[indices].contiguous()
+            self.batch_size = self.keys.shape[0]
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+
+
+class _WholeWindow(_StaticRows):
+    """A sliding-attention layer's static cache while the whole context fits its window: it keeps every token
+    (never rolls), and the model's sliding-window masks apply over it. Below W - 1 tokens this holds what
+    transformers' DynamicSlidingWindowLayer holds (every token), which its StaticSlidingWindowLayer does not
+    once the context passes W (it keeps another W), hence ``static_cache``'s bound."""
+    is_sliding = True
+
+
+def static_cache(text_config, tokens: int) -> Cache:
+    """The static cache of a compiled decode that caches at most ``tokens`` tokens (the padded prompt and every
+    canvas a next one reads): capacity ``capacity_bucket(tokens)``, so decodes of nearby lengths share their
+    graphs. ValueError when a sliding-attention layer would have to drop tokens (``tokens`` > sliding_window - 1):
+    the eager decode's cache then keeps the last W - 1 tokens, which a static buffer does not replay."""
+    types = list(text_config.layer_types)
+    window = getattr(text_config, "sliding_window", None)
+    if "sliding_attention" in types and window is not None and tokens > window - 1:
+        raise ValueError(f"compile: the prompt and the canvases before the last ({tokens} tokens) exceed the model's "
+                         f"sliding window less one ({window - 1}); decode this request without compile")
+    cap = capacity_bucket(tokens)
+    return Cache(layers=[_WholeWindow(cap) if t == "sliding_attention" else _StaticRows(cap) for t in types])
+
+
+def _denoise(model, meter: Meter, cache: Cache, seen: torch.Tensor, positions: torch.Tensor,
              live: list[int], rng: _Rows, k: DiffusionGemmaKnobs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Start (1.b) and denoise (1.c) one canvas of the ``live`` rows: a random canvas, then decoder forwards
     with the step counter n = N .. 1 until every row stops. The decoder reads the cache (``seen`` [b, kv] its
@@ -243,9 +310,14 @@ def _denoise(model, meter: Meter, cache: DynamicCache, seen: torch.Tensor, posit
     ran = torch.zeros(len(live), dtype=torch.long, device=device)  # decoder steps per row
     for step in range(steps, 0, -1):
         ran += ~done
-        logits = counted_call(meter, "denoise", lambda: model(
-            decoder_input_ids=canvas, self_conditioning_logits=cond, decoder_attention_mask=dec_mask,
-            cache=cache, decoder_position_ids=positions).logits.float(), check=True)  # [b, L, V]
+        kwargs = {"decoder_input_ids": canvas, "self_conditioning_logits": cond, "decoder_attention_mask": dec_mask,
+                  "cache": cache, "decoder_position_ids": positions}
+        if meter.compiled:
+            logits = compiled_module_call(model, "diffusion_gemma.decoder", _run_decoder, meter, "denoise", model,
+                                          **kwargs).float()  # [b, L, V]
+            check_finite(logits, None, meter.calls)
+        else:
+            logits = counted_call(meter, "denoise", lambda: model(**kwargs).logits.float(), check=True)  # [b, L, V]
         scaled = logits / temperature(k.t_min, k.t_max, step, steps)
         probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
         active = [b for b, d in zip(live, done.tolist()) if not d]  # rows that draw (alone: still looping)
