@@ -83,7 +83,7 @@ TEST_CPUS_ARGS ?=
 override TEST_CPUS_ARGS := $(value TEST_CPUS_ARGS)
 export TEST_CPUS_ARGS
 
-test-cpus: setup ## the reference tests (tokens and logits made elsewhere) under other instruction sets and 1 / 4 threads; says which passed (~15 min): make test-cpus [TEST_CPUS_ARGS='--scope all']
+test-cpus: setup ## the reference tests (tokens and logits made elsewhere) under other instruction sets and 1 / 4 threads; says which passed (~17 min): make test-cpus [TEST_CPUS_ARGS='--scope all']
 	@set -f; exec $(PY) scripts/test_cpus.py $$TEST_CPUS_ARGS
 
 test-slow: setup ## the slow end-to-end tests: kill/signal/resume of real runs, 2 processes, the sweep, every released family

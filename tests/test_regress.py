@@ -409,3 +409,43 @@ def test_a_confirmation_waits_for_the_evaluation_beside_the_first_measurement(tm
     assert confirmed and all(r["preset"] == "llada" and r["ok"] for r in confirmed)
     assert all(r["confirm"]["rounds"] == ab.CONFIRM_ROUNDS * regress.ROUNDS for r in confirmed)
     assert f"again ({ab.CONFIRM_ROUNDS * regress.ROUNDS} rounds)" in report.read_text()
+
+
+# ---------------------------------------------------------------- python -m harness.speed.ab (any commit)
+
+
+@pytest.mark.parametrize("argv, words", [(["--commit", "no-such-rev"], "no commit of this clone"),
+                                         (["--commit", "HEAD", "--models", "nope"], "unknown preset"),
+                                         (["--commit", "HEAD", "--rounds", "1"], "--rounds must be")])
+def test_ab_cli_bad_input_is_one_line(argv, words, capsys, tmp_path):
+    assert ab.main([*argv, "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and words in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_ab_cli_resolves_the_commit_writes_rows_and_exits_by_the_verdict(tmp_path, capsys, monkeypatch):
+    """The CLI hands ab.run the full commit id and its arguments, writes the result without the raw records,
+    prints one row per figure, exits 1 when a figure is slower (confirmed) and 2 when the A/B cannot run."""
+    seen = {}
+
+    def fake_run(models, commit, **kw):
+        seen.update(models=models, commit=commit, **kw)
+        rows = [{"figure": f"{m}/embedded_math tokens/s", "baseline_tps": 100.0, "current_tps": tps, "ratio": tps / 100,
+                 "lo": tps / 100 - 0.01, "hi": tps / 100 + 0.01, "cpu_ratio": tps / 100, "ok": tps > 85}
+                for m, tps in zip(models, (101.0, 80.0))]
+        return {"rows": rows, "records": [1, 2], "rounds": kw["rounds"], "machine": {"cpu": "test cpu"}, "seconds": 1.0}
+
+    monkeypatch.setattr(ab, "run", fake_run)
+    out = tmp_path / "ab.json"
+    head = ab.resolve("HEAD")
+    assert len(head) == 40
+    assert ab.main(["--commit", "HEAD", "--models", "ar,refusion", "--rounds", "3", "--out", str(out)]) == 1
+    assert seen["commit"] == head and seen["models"] == ("ar", "refusion") and seen["rounds"] == 3
+    got = json.loads(out.read_text())
+    assert "records" not in got and [r["ok"] for r in got["rows"]] == [True, False]
+    text = capsys.readouterr().out
+    assert "ar/embedded_math tokens/s" in text and "SLOWER" in text and head[:12] in text
+    monkeypatch.setattr(ab, "run", lambda *a, **k: {"unavailable": "the baseline commit abc is not in this clone"})
+    assert ab.main(["--commit", "HEAD", "--out", str(tmp_path / "y.json")]) == 2
+    assert "not in this clone" in capsys.readouterr().err and not (tmp_path / "y.json").exists()

@@ -30,10 +30,16 @@ workload with both code versions in one run:
 
 Both versions' absolute tokens/s, the interval and the machine (CPU model and flags) go into the
 report; absolute figures are never compared with another run.
+
+The same A/B against any commit, outside `make regress` (JSON to results/):
+
+    python -m harness.speed.ab --commit 70fba97 --rounds 10 --out results/ab_70fba97.json
+    python -m harness.speed.ab --commit HEAD~3 --models refusion,fast_dllm
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -351,3 +357,59 @@ def run(models: tuple[str, ...], commit: str | None, limit: int = AB_LIMIT, thre
     finally:
         for w in workers:
             w.close()
+
+
+def resolve(rev: str, repo: Path = REPO) -> str:
+    """The full commit id of ``rev`` (a hash, a branch, HEAD~n), ValueError naming it when git does not know it."""
+    try:
+        rc = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=repo,
+                            capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ValueError(f"git is not usable here ({e})") from None
+    if rc.returncode != 0 or not rc.stdout.strip():
+        raise ValueError(f"--commit {rev!r} is no commit of this clone")
+    return rc.stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The speed A/B of this checkout's code against ``--commit``'s (module doc), rows printed, JSON written."""
+    from harness.run.presets import PRESETS, REGRESS_MODELS
+    from harness.run.store import atomic_write_json
+
+    p = argparse.ArgumentParser(prog="python -m harness.speed.ab", description="This checkout's code against a "
+                                "commit's, decoded in turn on this machine now: tokens/s ratios with 95% intervals.")
+    p.add_argument("--commit", required=True, help="the code to compare with (hash, branch, HEAD~n)")
+    p.add_argument("--models", default=",".join(REGRESS_MODELS), help="preset names (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=AB_LIMIT, help="test items per kind (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds (default: %(default)s)")
+    p.add_argument("--tolerance", type=float, default=TOLERANCE,
+                   help="a figure fails below 1 - this with its interval below 1, twice (default: %(default)s)")
+    p.add_argument("--out", default=None, help="JSON file (default: results/ab_<commit>.json)")
+    ns = p.parse_args(argv)
+    try:
+        models = tuple(x.strip() for x in ns.models.split(",") if x.strip())
+        unknown = [m for m in models if m not in PRESETS]
+        if unknown or not models:
+            raise ValueError(f"unknown preset(s) {', '.join(unknown) or '(none)'}; valid: {', '.join(PRESETS)}")
+        if ns.rounds < 2 or ns.limit < 1:
+            raise ValueError("--rounds must be >= 2 and --limit >= 1")
+        commit = resolve(ns.commit)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = run(models, commit, limit=ns.limit, rounds=ns.rounds, tolerance=ns.tolerance)
+    if "unavailable" in out:
+        print(f"error: {out['unavailable']}", file=sys.stderr)
+        return 2
+    path = ns.out or f"results/ab_{commit[:12]}.json"
+    atomic_write_json(path, {k: v for k, v in out.items() if k != "records"})
+    print(f"this checkout against {commit[:12]} ({out['rounds']} rounds, {out['machine']['cpu']}):")
+    for r in out["rows"]:
+        print(f"  {r['figure']:<34} {r['baseline_tps']:8.1f} -> {r['current_tps']:8.1f} tok/s  ratio {r['ratio']:.3f} "
+              f"[{r['lo']:.3f}, {r['hi']:.3f}]  CPU {r['cpu_ratio']:.3f}  {'ok' if r['ok'] else 'SLOWER'}")
+    print(f"wrote {path} in {out['seconds']} s")
+    return 0 if all(r["ok"] for r in out["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
