@@ -113,11 +113,11 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.distributions.Categorical(logits=logits).entropy()
 
 
-def accept_mask(logits: torch.Tensor, bound: float) -> torch.Tensor:
+def accept_mask(ent: torch.Tensor, bound: float) -> torch.Tensor:
     """bool [B, L]: the positions the entropy-bound sampler accepts (EntropyBoundSampler.accept_canvas,
-    generation_diffusion_gemma.py:438-447): by ascending entropy, while the cumulative entropy minus the
-    current (largest so far) entropy is <= bound -- so the lowest-entropy token always."""
-    ent = entropy(logits)  # [B, L]
+    generation_diffusion_gemma.py:438-447), given their token entropies ``ent`` [B, L] (``entropy`` of the tempered
+    logits): by ascending entropy, while the cumulative entropy minus the current (largest so far) entropy is
+    <= bound -- so the lowest-entropy token always."""
     sorted_ent, order = torch.sort(ent, dim=-1, descending=False)
     chosen = torch.cumsum(sorted_ent, dim=-1) - sorted_ent <= bound
     return torch.scatter(torch.zeros_like(chosen), -1, order, chosen)
@@ -318,14 +318,19 @@ def _denoise(model, meter: Meter, cache: Cache, seen: torch.Tensor, positions: t
             check_finite(logits, None, meter.calls)
         else:
             logits = counted_call(meter, "denoise", lambda: model(**kwargs).logits.float(), check=True)  # [b, L, V]
-        scaled = logits / temperature(k.t_min, k.t_max, step, steps)
+        scaled = logits / temperature(k.t_min, k.t_max, step, steps)  # [b, L, V] float32
+        del logits  # only the tempered copy is read (docs/design.md §6)
         probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
         active = [b for b, d in zip(live, done.tolist()) if not d]  # rows that draw (alone: still looping)
         idx = [i for i, d in enumerate(done.tolist()) if not d]
         sampled = canvas.clone()
         sampled[idx] = rng.sample(probs[idx], active)
+        del probs
         new_argmax = scaled.argmax(-1)
-        accepted = accept_mask(scaled, k.entropy_bound)
+        # [b, L] token entropies, computed once for the sampler and the stop (generate computes them twice, from the
+        # same tempered logits for every row still denoising; a row that stopped stays stopped, whatever its value)
+        ent = entropy(scaled)
+        accepted = accept_mask(ent, k.entropy_bound)
         fresh = canvas.clone()
         fresh[idx] = rng.canvas(active)
         new_canvas = torch.where(accepted, sampled, fresh)
@@ -335,18 +340,19 @@ def _denoise(model, meter: Meter, cache: Cache, seen: torch.Tensor, positions: t
             scaled = torch.where(done[:, None, None], cond, scaled)
         changed = new_argmax != argmax if cond is not None else torch.ones_like(held, dtype=torch.bool)
         held = torch.where(changed & ~done[:, None], meter.calls - 1, held)
-        done, history = _stop(done, history, new_argmax, scaled, k)
+        done, history = _stop(done, history, new_argmax, ent, k)
         canvas, argmax, cond = new_canvas, new_argmax, scaled.to(embed_dtype)
-        del logits, scaled, probs  # only cond [b, L, V] goes into the next forward (docs/design.md §6)
+        del scaled  # only cond [b, L, V] goes into the next forward (docs/design.md §6)
         if bool(done.all()):
             break
     return argmax, held, ran
 
 
-def _stop(done: torch.Tensor, history: torch.Tensor | None, argmax: torch.Tensor, scaled: torch.Tensor,
+def _stop(done: torch.Tensor, history: torch.Tensor | None, argmax: torch.Tensor, ent: torch.Tensor,
           k: DiffusionGemmaKnobs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """StableAndConfidentStoppingCriteria.__call__ (generation_diffusion_gemma.py:504-538): (done | stable &
-    confident, the rolled history). argmax [b, L]; scaled [b, L, V] the tempered logits."""
+    confident, the rolled history). argmax [b, L]; ent [b, L] the token entropies of the tempered logits (rows
+    already done: any value)."""
     if k.stability_threshold == 0:
         stable = torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device)
     else:
@@ -355,5 +361,5 @@ def _stop(done: torch.Tensor, history: torch.Tensor | None, argmax: torch.Tensor
         stable = (history == argmax[None]).all(dim=-1).all(dim=0)
         history = torch.roll(history, shifts=-1, dims=0)
         history[-1] = argmax
-    confident = torch.mean(entropy(scaled), dim=-1) < k.confidence_threshold
+    confident = torch.mean(ent, dim=-1) < k.confidence_threshold
     return done | (stable & confident), history
