@@ -191,10 +191,17 @@ def test_compiled_canvases_and_dropped_rows_equal_eager(left_pad, monkeypatch):
 def test_compile_refuses_what_a_static_cache_cannot_replay(loaded):
     """A context past the sliding window less one (the eager cache then drops tokens a static buffer keeps), and
     a canvas length other than the model's (its static decoder mask has the model's width): clear errors."""
+    from harness.run.errors import known_error
+    from refusion.decoding.common import KnobLimit
+
     prompt = torch.tensor([GENS[0]["prompt_ids"]])  # 22 tokens: with a second canvas, 38 > 31
-    with pytest.raises(ValueError, match="sliding window"):
+    with pytest.raises(KnobLimit, match="sliding window") as e:
         DECODERS["diffusion_gemma"](loaded.model, prompt, None, {"gen_length": 32, "compile": True})
-    with pytest.raises(ValueError, match="config.canvas_length"):
+    try:  # as the harness's worker meets it: inside other exceptions, reported as its own one line
+        raise RuntimeError("while decoding") from e.value
+    except RuntimeError as outer:
+        assert known_error(outer) == str(e.value) and "without compile" in str(e.value)
+    with pytest.raises(KnobLimit, match="config.canvas_length"):
         DECODERS["diffusion_gemma"](loaded.model, prompt, None, {"gen_length": 8, "canvas_length": 8,
                                                                  "compile": True})
 

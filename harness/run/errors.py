@@ -1,5 +1,5 @@
-"""One line for an error that is the user's data or files: the message `harness eval` prints instead of a
-traceback, found wherever it sits in an exception's chain."""
+"""One line for an error that is the user's data, files or knobs (a decoder's ``KnobLimit``): the message `harness
+eval` prints instead of a traceback, found wherever it sits in an exception's chain."""
 
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ def known_error(exc: BaseException) -> str | None:
     from harness.run.faults import disk_full
     from harness.run.engine import EngineError
     from harness.run.lm_adapter import CheckpointError
+    from refusion.decoding.common import KnobLimit
 
     if (line := disk_full(exc)) is not None:
         return line
     for e in _chain(exc):
-        if isinstance(e, (DataError, CheckpointError, EngineError)):
+        if isinstance(e, (DataError, CheckpointError, EngineError, KnobLimit)):
             return str(e).replace("\n", " ")
     try:
         from jinja2.exceptions import UndefinedError

@@ -67,6 +67,12 @@ class ItemFault(RuntimeError):
     ``str(fault)`` as its reason (harness/run/lm_records.py)."""
 
 
+class KnobLimit(ValueError):
+    """A knob value that a decoder cannot apply to this request, for a limit it states (``compile`` on a
+    DiffusionGemma context past its sliding window): the whole call is refused, and the harness reports the
+    message in one line (harness/run/errors.py), since every later request may hit it too."""
+
+
 class NonFiniteLogits(ItemFault):
     """A forward returned NaN or +inf logits, or only -inf ones, on a real (non-padding) query position
     (``check_finite``): no token is

@@ -55,7 +55,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks
-from .common import Meter, check_finite, counted_call
+from .common import KnobLimit, Meter, check_finite, counted_call
 from .compiled import capacity_bucket, compiled_module_call
 from .knobs import Knobs, compile_knob, gen_length, knob, seed
 from .proposals import make_generator
@@ -174,7 +174,7 @@ class DiffusionGemmaRule(BlockRule):
         text = run.model.config.get_text_config(decoder=True)
         if self.compile:  # the prompt and every canvas a next one reads, in one static cache
             if self.size != run.model.config.canvas_length:  # the model's static decoder mask is that wide
-                raise ValueError(f"compile: canvas_length {self.size} must be the model's config.canvas_length "
+                raise KnobLimit(f"compile: canvas_length {self.size} must be the model's config.canvas_length "
                                  f"({run.model.config.canvas_length}); decode without compile")
             run.cache = static_cache(text, input_ids.shape[1] + (self.n_canvas - 1) * self.size)
         else:
@@ -280,12 +280,12 @@ class _WholeWindow(_StaticRows):
 def static_cache(text_config, tokens: int) -> Cache:
     """The static cache of a compiled decode that caches at most ``tokens`` tokens (the padded prompt and every
     canvas a next one reads): capacity ``capacity_bucket(tokens)``, so decodes of nearby lengths share their
-    graphs. ValueError when a sliding-attention layer would have to drop tokens (``tokens`` > sliding_window - 1):
+    graphs. KnobLimit (a ValueError) when a sliding-attention layer would have to drop tokens (``tokens`` > sliding_window - 1):
     the eager decode's cache then keeps the last W - 1 tokens, which a static buffer does not replay."""
     types = list(text_config.layer_types)
     window = getattr(text_config, "sliding_window", None)
     if "sliding_attention" in types and window is not None and tokens > window - 1:
-        raise ValueError(f"compile: the prompt and the canvases before the last ({tokens} tokens) exceed the model's "
+        raise KnobLimit(f"compile: the prompt and the canvases before the last ({tokens} tokens) exceed the model's "
                          f"sliding window less one ({window - 1}); decode this request without compile")
     cap = capacity_bucket(tokens)
     return Cache(layers=[_WholeWindow(cap) if t == "sliding_attention" else _StaticRows(cap) for t in types])
