@@ -146,3 +146,22 @@ def test_the_report_has_a_memory_page_with_the_released_size_estimate(runner_ref
     text = "\n".join(released_table(tmp_path / "m.json"))
     assert "about 40% lower" in text and "- vs llada: batch 1: -40%" in text and "| r | refusion | 1.00 |" in text
     assert released_table(tmp_path / "none.json") == []
+
+
+def test_a_compiled_model_off_cuda_is_skipped_with_its_reason(runner_reference, tmp_path, capsys):
+    """On the CPU the tensor tracker cannot see compiled forwards (torch.compile skips frames under a dispatch
+    mode): the pass names the compiled model as skipped, in memory.json and in one progress line, and exits 0,
+    instead of failing on it (the reference run has one model)."""
+    run = _copy(runner_reference, tmp_path / "run")
+    cfg = json.loads((run / "run.json").read_text())
+    before = json.loads((run / "memory.json").read_text())
+    compiled = cfg["models"][0]
+    compiled["knobs"] = {**compiled.get("knobs", {}), "compile": True}
+    (run / "run.json").write_text(json.dumps(cfg))
+    (run / "memory.json").unlink()
+    assert memory_pass.main(["--run-dir", str(run)]) == 0
+    got = json.loads((run / "memory.json").read_text())
+    assert "tracker cannot see compiled forwards" in got["skipped"][compiled["name"]]
+    assert compiled["name"] not in got["models"] and compiled["name"] in before["models"]
+    assert all(got["models"][m["name"]] == before["models"][m["name"]] for m in cfg["models"][1:])
+    assert f"memory pass: {compiled['name']} skipped" in capsys.readouterr().err

@@ -96,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         if m.get("engine"):  # its decode memory lives in the server's processes, out of this tracker's sight
             result.setdefault("skipped", {})[m["name"]] = "engine row: the server holds the decode memory"
             continue
+        if (m.get("knobs") or {}).get("compile") and not str(cfg.get("device") or "cpu").startswith("cuda"):
+            # torch.compile skips every frame under a dispatch mode, and off CUDA no allocator counts instead
+            why = "compiled decoding off CUDA: the tensor tracker cannot see compiled forwards"
+            result.setdefault("skipped", {})[m["name"]] = why
+            if not ns.no_progress:
+                print(f"memory pass: {m['name']} skipped ({why}: decode it with compile=false for its eager peak)",
+                      file=sys.stderr, flush=True)
+            continue
         rows = {}
         for u, keys in docs.items():
             by_key = rounds._rows(run_dir, m["name"], u)
