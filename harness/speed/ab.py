@@ -371,9 +371,29 @@ def resolve(rev: str, repo: Path = REPO) -> str:
     return rc.stdout.strip()
 
 
+def preset_names(text: str, rounds: int, limit: int) -> tuple[str, ...]:
+    """The comma-separated preset names of a command line (harness/run/presets.py), with its rounds and items
+    checked: ValueError naming what is wrong (shared with harness/speed/knob_ab.py)."""
+    from harness.run.presets import PRESETS
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in names if x not in PRESETS]
+    if unknown or not names:
+        raise ValueError(f"unknown preset(s) {', '.join(unknown) or '(none)'}; valid: {', '.join(PRESETS)}")
+    if rounds < 2 or limit < 1:
+        raise ValueError("--rounds must be >= 2 and --limit >= 1")
+    return names
+
+
+def row_line(r: dict) -> str:
+    """One printed row: the figure, both sides' tokens/s, the ratio with its interval and the CPU-time ratio."""
+    return (f"  {r['figure']:<34} {r['baseline_tps']:8.1f} -> {r['current_tps']:8.1f} tok/s  ratio {r['ratio']:.3f} "
+            f"[{r['lo']:.3f}, {r['hi']:.3f}]  CPU {r['cpu_ratio']:.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """The speed A/B of this checkout's code against ``--commit``'s (module doc), rows printed, JSON written."""
-    from harness.run.presets import PRESETS, REGRESS_MODELS
+    from harness.run.presets import REGRESS_MODELS
     from harness.run.store import atomic_write_json
 
     p = argparse.ArgumentParser(prog="python -m harness.speed.ab", description="This checkout's code against a "
@@ -387,12 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON file (default: results/ab_<commit>.json)")
     ns = p.parse_args(argv)
     try:
-        models = tuple(x.strip() for x in ns.models.split(",") if x.strip())
-        unknown = [m for m in models if m not in PRESETS]
-        if unknown or not models:
-            raise ValueError(f"unknown preset(s) {', '.join(unknown) or '(none)'}; valid: {', '.join(PRESETS)}")
-        if ns.rounds < 2 or ns.limit < 1:
-            raise ValueError("--rounds must be >= 2 and --limit >= 1")
+        models = preset_names(ns.models, ns.rounds, ns.limit)
         commit = resolve(ns.commit)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -405,8 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(path, {k: v for k, v in out.items() if k != "records"})
     print(f"this checkout against {commit[:12]} ({out['rounds']} rounds, {out['machine']['cpu']}):")
     for r in out["rows"]:
-        print(f"  {r['figure']:<34} {r['baseline_tps']:8.1f} -> {r['current_tps']:8.1f} tok/s  ratio {r['ratio']:.3f} "
-              f"[{r['lo']:.3f}, {r['hi']:.3f}]  CPU {r['cpu_ratio']:.3f}  {'ok' if r['ok'] else 'SLOWER'}")
+        print(f"{row_line(r)}  {'ok' if r['ok'] else 'SLOWER'}")
     print(f"wrote {path} in {out['seconds']} s")
     return 0 if all(r["ok"] for r in out["rows"]) else 1
 

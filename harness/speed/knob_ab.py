@@ -106,20 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     try:
         knob, value = knob_value(ns.knob)
-        if ns.presets is None:
+        text = ns.presets
+        if text is None:
             from harness.run.presets import REGRESS_MODELS
             from refusion.decoding import DECODERS
 
-            presets = tuple(p for p in REGRESS_MODELS if knob in DECODERS[PRESETS[p].decoder].knobs.names())
-            if not presets:
+            text = ",".join(p for p in REGRESS_MODELS if knob in DECODERS[PRESETS[p].decoder].knobs.names())
+            if not text:
                 raise ValueError(f"no preset of `make regress` has the knob {knob!r}; name presets with --presets")
-        else:
-            presets = tuple(x.strip() for x in ns.presets.split(",") if x.strip())
-        unknown = [x for x in presets if x not in PRESETS]
-        if unknown or not presets:
-            raise ValueError(f"unknown preset(s) {', '.join(unknown) or '(none)'}; valid: {', '.join(PRESETS)}")
-        if ns.rounds < 2 or ns.limit < 1:
-            raise ValueError("--rounds must be >= 2 and --limit >= 1")
+        presets = ab.preset_names(text, ns.rounds, ns.limit)
         out = run(presets, knob, value, ns.limit, ns.rounds)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -128,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(path, out)
     print(f"{out['sides']['current']} against the presets' knobs ({out['rounds']} rounds, {out['machine']['cpu']}):")
     for r in out["rows"]:
-        print(f"  {r['figure']:<34} {r['baseline_tps']:8.1f} -> {r['current_tps']:8.1f} tok/s  ratio {r['ratio']:.3f} "
-              f"[{r['lo']:.3f}, {r['hi']:.3f}]  CPU {r['cpu_ratio']:.3f}  same tokens: {r['same_tokens']}")
+        print(f"{ab.row_line(r)}  same tokens: {r['same_tokens']}")
     print(f"wrote {path} in {out['seconds']} s")
     return 0
 

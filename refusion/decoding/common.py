@@ -352,17 +352,9 @@ def forward(
     and the rest is freed when this returns (docs/design.md §6, "Peak decode memory").
     """
     if meter.compiled:
-        meter.count(phase)
-        meter._sync()
-        t0 = time.perf_counter()
-        logits, fresh, warm = compiled_call(model, input_ids, position_ids=position_ids,
-                                            attention_mask=attention_mask, visible=visible, slots=slots, cache=cache)
-        meter._sync()
-        seconds = time.perf_counter() - t0
-        meter.forward_s += seconds
-        meter.compilations += fresh
-        if warm:
-            meter.compile_s += seconds
+        logits = counted_call(meter, phase, lambda: compiled_call(
+            model, input_ids, position_ids=position_ids, attention_mask=attention_mask, visible=visible, slots=slots,
+            cache=cache), compiled=True)
         if cache is not None:
             meter.kv(cache, extra=kv_extra)
         check_finite(logits, real_queries(input_ids.shape[1], attention_mask, visible), meter.calls)
@@ -405,17 +397,25 @@ def floated(logits: torch.Tensor, keep: slice | torch.Tensor | None = None) -> t
     return logits.float()
 
 
-def counted_call(meter: Meter, phase: str, call, check: bool = False):
+def counted_call(meter: Meter, phase: str, call, check: bool = False, compiled: bool = False):
     """One counted, timed model call ``call()`` for decoders whose model is not called as ``model(input_ids=...)``
     (``forward`` above): an encoder half, a decoder half with its own keywords (refusion/decoding/
     diffusion_gemma.py). Returns what ``call`` returns; with ``check`` that is float logits [B, q, V], refused
-    when not finite (``check_finite``, every query position real)."""
+    when not finite (``check_finite``, every query position real). ``compiled``: ``call`` returns (output, graphs
+    compiled, warm-up call), as ``compiled.compiled_call`` / ``compiled_module_call`` do; a warm-up call's seconds
+    go to ``meter.compile_s``, its graphs to ``meter.compilations``."""
     meter.count(phase)
     meter._sync()
     t0 = time.perf_counter()
     out = call()
     meter._sync()
-    meter.forward_s += time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    meter.forward_s += seconds
+    if compiled:
+        out, fresh, warm = out
+        meter.compilations += fresh
+        if warm:
+            meter.compile_s += seconds
     if check:
         check_finite(out, None, meter.calls)
     return out

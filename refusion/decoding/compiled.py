@@ -38,7 +38,6 @@ tests/test_compiled.py checks them decoder by decoder.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import defaultdict
 
@@ -392,12 +391,30 @@ def _entry(model, device: torch.device) -> _Entry:
     return per_model[key]
 
 
-def compiled_module_call(model, name: str, fn, meter, phase: str, *args, **kwargs):
-    """One counted, timed call of ``fn(*args, **kwargs)`` compiled as ``torch.compile(fn, fullgraph=True,
-    dynamic=False)`` -- for a model half that its decoder calls with its own keywords and caches (DiffusionGemma's
-    encoder and decoder: refusion/decoding/diffusion_gemma.py), memoized per (model, ``name``, backend, device
-    type) like ``compiled_call``'s. A call that compiled a graph (or on CUDA recorded one) is a warm-up: its
-    seconds go to ``meter.compile_s`` and its graphs to ``meter.compilations``. Returns what ``fn`` returns."""
+def _invoke(e: _Entry, sig, *args, **kwargs) -> tuple:
+    """One call of entry ``e``'s compiled callable: (its output, graphs compiled by this call, whether it was a
+    warm-up call: it compiled, or on CUDA ran before the recording or recorded the CUDA graph of ``sig``)."""
+    seen = e.calls.get(sig, 0)
+    before = _graphs()
+    if e.cudagraphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    # capture_scalar_outputs: a routed MoE (refusion/llada2_moe.py) reads its per-expert token counts on the
+    # host; they become unbacked sizes inside the one graph instead of a graph break
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT * 4,
+                                    capture_scalar_outputs=True), torch.no_grad():
+        out = e.fn(*args, **kwargs)
+    fresh = _graphs() - before
+    e.calls[sig] = seen + 1
+    e.compilations += fresh
+    return out, fresh, bool(fresh) or (e.cudagraphs and seen < 2)  # cudagraph trees: warm-up run, then recording
+
+
+def compiled_module_call(model, name: str, fn, *args, **kwargs) -> tuple:
+    """``fn(*args, **kwargs)`` compiled as ``torch.compile(fn, fullgraph=True, dynamic=False)`` -- for a model half
+    that its decoder calls with its own keywords and caches (DiffusionGemma's encoder and decoder:
+    refusion/decoding/diffusion_gemma.py), memoized per (model, ``name``, backend, device type) like
+    ``compiled_call``'s. Returns (what ``fn`` returns, graphs compiled, warm-up call), as ``compiled_call`` does:
+    ``common.counted_call(..., compiled=True)`` counts and times it."""
     per_model = _MEMO.setdefault(model, {})
     device = next(model.parameters()).device
     key = (BACKEND, device.type, name)
@@ -405,27 +422,7 @@ def compiled_module_call(model, name: str, fn, meter, phase: str, *args, **kwarg
         mode = "reduce-overhead" if device.type == "cuda" and BACKEND == "inductor" else None
         per_model[key] = _Entry(torch.compile(fn, backend=BACKEND, mode=mode, dynamic=False, fullgraph=True),
                                 cudagraphs=mode == "reduce-overhead")
-    e = per_model[key]
-    sig = _signature(kwargs)
-    seen = e.calls.get(sig, 0)
-    meter.count(phase)
-    meter._sync()
-    t0, before = time.perf_counter(), _graphs()
-    if e.cudagraphs:
-        torch.compiler.cudagraph_mark_step_begin()
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT * 4,
-                                    capture_scalar_outputs=True), torch.no_grad():
-        out = e.fn(*args, **kwargs)
-    meter._sync()
-    seconds = time.perf_counter() - t0
-    fresh = _graphs() - before
-    e.calls[sig] = seen + 1
-    e.compilations += fresh
-    meter.forward_s += seconds
-    meter.compilations += fresh
-    if fresh or (e.cudagraphs and seen < 2):
-        meter.compile_s += seconds
-    return out
+    return _invoke(per_model[key], _signature(kwargs), *args, **kwargs)
 
 
 def _signature(value):
@@ -529,20 +526,7 @@ def compiled_call(model, input_ids: torch.Tensor, *, position_ids=None, attentio
 
     e = _entry(model, device)
     sig = (batch, qb, width, cache is not None, mask4.dtype, dtype, device)
-    seen = e.calls.get(sig, 0)
-    before = _graphs()
-    if e.cudagraphs:
-        torch.compiler.cudagraph_mark_step_begin()
-    # capture_scalar_outputs: a routed MoE (refusion/llada2_moe.py) reads its per-expert token counts on the
-    # host; they become unbacked sizes inside the one graph instead of a graph break
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT * 4,
-                                    capture_scalar_outputs=True), \
-            torch.no_grad():
-        out = e.fn(model, ids, pos, mask4, cpos, keys, values)
-    fresh = _graphs() - before
-    e.calls[sig] = seen + 1
-    e.compilations += fresh
-    warm = bool(fresh) or (e.cudagraphs and seen < 2)  # cudagraph trees: warm-up run, then the recording
+    out, fresh, warm = _invoke(e, sig, model, ids, pos, mask4, cpos, keys, values)
     logits = out[:, :q].float()
     if e.cudagraphs and logits.data_ptr() == out.data_ptr():
         logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay

@@ -55,7 +55,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from .block_loop import BlockGrid, BlockRule, BlockRun, decode_blocks
-from .common import KnobLimit, Meter, check_finite, counted_call
+from .common import KnobLimit, Meter, counted_call
 from .compiled import capacity_bucket, compiled_module_call
 from .knobs import Knobs, compile_knob, gen_length, knob, seed
 from .proposals import make_generator
@@ -238,7 +238,8 @@ def _encode(model, meter: Meter, cache: Cache, new_ids: torch.Tensor, seen: torc
         attention_mask=seen, cache=cache, position_ids=positions)
     kwargs = {"input_ids": new_ids, "attention_mask": masks, "cache": cache, "position_ids": positions}
     if compiled:
-        compiled_module_call(model, "diffusion_gemma.encoder", _run_encoder, meter, "encode", encoder, **kwargs)
+        counted_call(meter, "encode", lambda: compiled_module_call(model, "diffusion_gemma.encoder", _run_encoder,
+                                                                   encoder, **kwargs), compiled=True)
     else:
         counted_call(meter, "encode", lambda: encoder(**kwargs))
     if isinstance(cache, DynamicCache):
@@ -313,9 +314,8 @@ def _denoise(model, meter: Meter, cache: Cache, seen: torch.Tensor, positions: t
         kwargs = {"decoder_input_ids": canvas, "self_conditioning_logits": cond, "decoder_attention_mask": dec_mask,
                   "cache": cache, "decoder_position_ids": positions}
         if meter.compiled:
-            logits = compiled_module_call(model, "diffusion_gemma.decoder", _run_decoder, meter, "denoise", model,
-                                          **kwargs).float()  # [b, L, V]
-            check_finite(logits, None, meter.calls)
+            logits = counted_call(meter, "denoise", lambda: compiled_module_call(
+                model, "diffusion_gemma.decoder", _run_decoder, model, **kwargs), check=True, compiled=True).float()
         else:
             logits = counted_call(meter, "denoise", lambda: model(**kwargs).logits.float(), check=True)  # [b, L, V]
         scaled = logits / temperature(k.t_min, k.t_max, step, steps)  # [b, L, V] float32
